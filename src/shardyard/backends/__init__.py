@@ -1,0 +1,60 @@
+"""Distributed engines behind one small interface.
+
+A backend is chosen by the ``_target_`` of the ``backend`` group; nothing outside this package branches on
+its name. Engines share code by composition (``torch_step.TorchStepper``), never by inheritance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Optional, Protocol
+
+import torch
+
+
+@dataclass
+class StepStats:
+    grad_norm: torch.Tensor
+    """Global L2 norm of all gradients before clipping (a 0-d tensor; read it only when logging)."""
+    lr: float
+    loss_scale: Optional[float] = None
+    """Current dynamic loss scale under fp16, else None."""
+
+
+class Backend(Protocol):
+    launcher: ClassVar[str]
+    """Name of the function in ``shardyard.launch.LAUNCHERS`` that starts this engine's workers."""
+    rank: int
+    world_size: int
+    device: torch.device
+
+    @staticmethod
+    def validate(cfg, plan) -> None:
+        """Engine-specific checks of the composed config; raise ``UserError``."""
+
+    def init(self) -> None:
+        """Process group, device, seeds of the communication layer."""
+
+    def prepare(self, model: torch.nn.Module, total_steps: int) -> None:
+        """Wrap/shard the model, build optimizer + scheduler + loss scaler from the recipe."""
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, is_last_micro: bool) -> torch.Tensor:
+        """Loss of one micro-batch (detached); gradients are synchronised only when ``is_last_micro``."""
+
+    def step(self) -> StepStats:
+        """Unscale, clip, optimizer + scheduler step, zero grads."""
+
+    @torch.no_grad()
+    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor: ...
+
+    def all_reduce_mean(self, t: torch.Tensor) -> torch.Tensor: ...
+
+    def barrier(self) -> None: ...
+
+    def hf_model(self) -> torch.nn.Module:
+        """The underlying HF model (for generation and its config)."""
+
+    def full_state_dict(self) -> Optional[dict]:
+        """Full, unsharded CPU state dict on rank 0 (None elsewhere); collective on sharded engines."""
+
+    def close(self) -> None: ...

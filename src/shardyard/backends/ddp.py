@@ -1,0 +1,101 @@
+"""``backend=ddp``: torch DistributedDataParallel; gloo on CPU, nccl on CUDA."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import inspect
+import os
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+from torch.nn.parallel import DistributedDataParallel
+
+from shardyard.backends import StepStats
+from shardyard.backends.torch_step import TorchStepper, pick_device
+from shardyard.errors import UserError
+
+
+def init_process_group(cfg: DictConfig, device: torch.device, dist_backend: str = "auto") -> None:
+    """env:// rendezvous (set by the elastic agent, torchrun, srun mapping, ...) with the recipe's timeout."""
+    if dist_backend == "auto":
+        dist_backend = "nccl" if device.type == "cuda" else "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(dist_backend, timeout=datetime.timedelta(seconds=cfg.launch.timeout_s),
+                                device_id=device if device.type == "cuda" else None)
+
+
+def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().clone()
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)  # gloo has no AVG
+    return t / dist.get_world_size()
+
+
+def _buffer_sync_kwargs(sync: bool) -> dict:
+    # torch >= 2.12 renamed broadcast_buffers to forward_sync_buffers; a user's older torch has only the former.
+    params = inspect.signature(DistributedDataParallel.__init__).parameters
+    return {"forward_sync_buffers": sync} if "forward_sync_buffers" in params else {"broadcast_buffers": sync}
+
+
+class DDPBackend:
+    launcher = "elastic"
+
+    def __init__(self, cfg: DictConfig, plan):
+        self.cfg, self.plan, self.bcfg = cfg, plan, cfg.backend
+        self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+    @staticmethod
+    def validate(cfg: DictConfig, plan) -> None:
+        b = cfg.backend
+        if b.dist_backend not in ("auto", "gloo", "nccl"):
+            raise UserError("backend.dist_backend", b.dist_backend, "Unknown process-group backend.", "Use auto, gloo or nccl.")
+        if b.dist_backend == "nccl" and plan.device_type != "cuda":
+            raise UserError("backend.dist_backend", "nccl", "NCCL needs CUDA devices, and this run is on CPU.",
+                            "Use backend.dist_backend=auto (gloo on CPU).")
+        if b.bucket_cap_mb <= 0:
+            raise UserError("backend.bucket_cap_mb", b.bucket_cap_mb, "It must be positive.", "Use e.g. 25.")
+
+    def init(self) -> None:
+        self.device = pick_device(self.plan, int(os.environ.get("LOCAL_RANK", 0)))
+        init_process_group(self.cfg, self.device, self.bcfg.dist_backend)
+
+    def prepare(self, model: torch.nn.Module, total_steps: int) -> None:
+        b = self.bcfg
+        model = model.to(self.device)
+        # DDP broadcasts rank 0's parameters at construction, so every replica starts identical.
+        self.ddp = DistributedDataParallel(
+            model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+            bucket_cap_mb=b.bucket_cap_mb, find_unused_parameters=b.find_unused_parameters,
+            static_graph=b.static_graph, gradient_as_bucket_view=b.gradient_as_bucket_view,
+            **_buffer_sync_kwargs(b.forward_sync_buffers))
+        self.stepper = TorchStepper(self.ddp, self.cfg, self.device, self.plan.grad_accum_steps, total_steps)
+
+    def forward_backward(self, inputs, targets, is_last_micro: bool) -> torch.Tensor:
+        # no_sync() skips the gradient all-reduce on non-final micro-steps; gradients accumulate locally.
+        sync = contextlib.nullcontext() if is_last_micro else self.ddp.no_sync()
+        return self.stepper.forward_backward(inputs, targets, sync)
+
+    def step(self) -> StepStats:
+        return self.stepper.step()  # gradients are already averaged: the norm is the global one
+
+    def eval_loss(self, inputs, targets) -> torch.Tensor:
+        return self.stepper.eval_loss(inputs, targets)
+
+    def all_reduce_mean(self, t: torch.Tensor) -> torch.Tensor:
+        return all_reduce_mean(t)
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def hf_model(self) -> torch.nn.Module:
+        return self.ddp.module
+
+    def full_state_dict(self) -> dict | None:
+        if self.rank != 0:
+            return None
+        return {k: v.detach().cpu() for k, v in self.ddp.module.state_dict().items()}
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

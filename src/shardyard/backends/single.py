@@ -1,0 +1,55 @@
+"""``backend=single``: one process, no process group. The reference every engine is tested against."""
+
+from __future__ import annotations
+
+import torch
+from omegaconf import DictConfig
+
+from shardyard.backends import StepStats
+from shardyard.backends.torch_step import TorchStepper, pick_device
+from shardyard.errors import UserError
+
+
+class SingleBackend:
+    launcher = "elastic"
+
+    def __init__(self, cfg: DictConfig, plan):
+        self.cfg, self.plan = cfg, plan
+        self.rank, self.world_size = 0, 1
+
+    @staticmethod
+    def validate(cfg: DictConfig, plan) -> None:
+        if plan.world_size != 1:
+            raise UserError("backend", "single", f"It trains in one process, but the launch asks for {plan.world_size}.",
+                            "Use backend=ddp (or another distributed engine), or launch.nproc_per_node=1.")
+
+    def init(self) -> None:
+        self.device = pick_device(self.plan, 0)
+
+    def prepare(self, model: torch.nn.Module, total_steps: int) -> None:
+        self.model = model.to(self.device)
+        self.stepper = TorchStepper(self.model, self.cfg, self.device, self.plan.grad_accum_steps, total_steps)
+
+    def forward_backward(self, inputs, targets, is_last_micro: bool) -> torch.Tensor:
+        return self.stepper.forward_backward(inputs, targets)
+
+    def step(self) -> StepStats:
+        return self.stepper.step()
+
+    def eval_loss(self, inputs, targets) -> torch.Tensor:
+        return self.stepper.eval_loss(inputs, targets)
+
+    def all_reduce_mean(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def barrier(self) -> None:
+        pass
+
+    def hf_model(self) -> torch.nn.Module:
+        return self.model
+
+    def full_state_dict(self) -> dict:
+        return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+
+    def close(self) -> None:
+        pass

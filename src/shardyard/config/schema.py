@@ -1,0 +1,320 @@
+"""Typed schemas for every config group, registered in Hydra's ConfigStore.
+
+Each YAML option in ``conf/<group>/`` starts with ``defaults: [/schema_<group>_<kind>@_here_]``, so a
+misspelt key or a wrong type fails at composition and Hydra names the full key. Dataclass inheritance
+here only shares *fields* (data), never behaviour. A string literal after a field is its documentation.
+
+This module must stay import-light (no torch): ``python train.py --help`` composes through it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+from omegaconf import MISSING
+
+
+# --------------------------------------------------------------------------------------------- backend
+@dataclass
+class BackendConfig:
+    _target_: str = MISSING
+    """Import path of the engine class implementing ``shardyard.backends.Backend``."""
+    name: str = MISSING
+    """Engine name, shown in logs and stored in checkpoints."""
+    device: str = "auto"
+    """``auto`` (cuda if available, else cpu), ``cpu`` or ``cuda``."""
+
+
+@dataclass
+class DDPBackendConfig(BackendConfig):
+    dist_backend: str = "auto"
+    """Process-group backend: ``auto`` = nccl on CUDA, gloo on CPU."""
+    bucket_cap_mb: float = 25.0
+    """DDP gradient bucket size in MiB (bigger buckets: fewer, larger all-reduces)."""
+    find_unused_parameters: bool = False
+    """Traverse the autograd graph each step to find parameters without gradients (slow; MoE may need it)."""
+    static_graph: bool = False
+    """Promise DDP the set of used parameters never changes, enabling its static-graph optimisations."""
+    gradient_as_bucket_view: bool = True
+    """Let gradients alias the all-reduce buckets (saves one gradient-sized copy)."""
+    forward_sync_buffers: bool = False
+    """Re-broadcast module buffers from rank 0 every forward (LLMs have no BatchNorm: not needed)."""
+
+
+# ----------------------------------------------------------------------------------------------- model
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    """Human-readable model name (used in run names and exports)."""
+    arch: str = "llama"
+    """``llama`` (DeepSeek-LLM is the LLaMA architecture) or ``deepseek_v3`` (MLA + MoE)."""
+    vocab_size: int = MISSING
+    """Embedding rows; must be >= the tokenizer's vocabulary."""
+    hidden_size: int = MISSING
+    """Model width."""
+    intermediate_size: int = MISSING
+    """Dense MLP width (SwiGLU)."""
+    num_layers: int = MISSING
+    """Transformer blocks."""
+    num_heads: int = MISSING
+    """Attention heads."""
+    num_kv_heads: Optional[int] = None
+    """Key/value heads for grouped-query attention; ``null`` = ``num_heads`` (multi-head)."""
+    max_position_embeddings: int = 4096
+    """Longest position the rotary embedding is set up for."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+    rms_norm_eps: float = 1e-6
+    """RMSNorm epsilon."""
+    tie_word_embeddings: bool = False
+    """Share input embedding and LM head weights."""
+    initializer_range: float = 0.02
+    """Std of the normal weight init."""
+    attn_implementation: str = "sdpa"
+    """``sdpa`` | ``eager`` | ``flash_attention_2`` (needs the flash-attn package and CUDA)."""
+    activation_checkpointing: bool = False
+    """Recompute block activations in backward (HF gradient checkpointing; sets ``use_cache=False``)."""
+    compile: bool = False
+    """Wrap each transformer block in ``torch.compile``."""
+    pretrained_path: Optional[str] = None
+    """Local HF directory to load weights from (``local_files_only``); nothing is ever downloaded."""
+    init_device: str = "auto"
+    """Where parameters are first created: ``auto`` (meta above 1B parameters), ``cpu`` or ``meta``."""
+
+
+@dataclass
+class DeepseekV3ModelConfig(ModelConfig):
+    q_lora_rank: Optional[int] = None
+    """Low-rank query compression (MLA); ``null`` = full-rank queries."""
+    kv_lora_rank: int = MISSING
+    """Compressed key/value latent dimension (MLA)."""
+    qk_nope_head_dim: int = MISSING
+    """Per-head query/key dimension without rotary embedding."""
+    qk_rope_head_dim: int = MISSING
+    """Per-head query/key dimension carrying the rotary embedding."""
+    v_head_dim: int = MISSING
+    """Per-head value dimension."""
+    n_routed_experts: int = MISSING
+    """Routed experts per MoE layer."""
+    n_shared_experts: int = MISSING
+    """Always-on shared experts per MoE layer."""
+    num_experts_per_tok: int = MISSING
+    """Experts each token is routed to."""
+    moe_intermediate_size: int = MISSING
+    """Width of each expert's MLP."""
+    first_k_dense_replace: int = 0
+    """The first k layers use a dense MLP instead of MoE."""
+    n_group: int = 1
+    """Expert groups for group-limited routing."""
+    topk_group: int = 1
+    """Groups each token may route into."""
+    routed_scaling_factor: float = 1.0
+    """Scale applied to the routed experts' output."""
+
+
+# ------------------------------------------------------------------------------------------------ data
+@dataclass
+class TokenizerConfig:
+    path: Optional[str] = None
+    """Local HF tokenizer directory; ``null`` trains a byte-level BPE on the training text (cached)."""
+    vocab_size: int = 4096
+    """Vocabulary of a freshly trained tokenizer."""
+    train_bytes: int = 8_000_000
+    """How many bytes of the corpus (from the start, in file order) train the tokenizer."""
+
+
+@dataclass
+class DataConfig:
+    name: str = MISSING
+    """Corpus name, part of the cache key."""
+    seq_len: int = 256
+    """Tokens per packed training sequence."""
+    val_fraction: float = 0.05
+    """Share of documents (chosen by a stable hash of their name) held out for evaluation."""
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    """How text becomes tokens."""
+    cache_dir: str = "${oc.env:SHARDYARD_CACHE,${oc.env:HOME}/.cache/shardyard}"
+    """Where tokenizers and token arrays are cached (one build per machine, under a file lock)."""
+
+
+@dataclass
+class StdlibCodeDataConfig(DataConfig):
+    exclude_dirs: List[str] = field(default_factory=lambda: ["test", "tests", "idlelib", "site-packages"])
+    """Standard-library sub-directories left out (tests are huge and repetitive)."""
+
+
+@dataclass
+class TextFilesDataConfig(DataConfig):
+    paths: List[str] = MISSING
+    """Local ``.txt`` / ``.jsonl`` / ``.parquet`` files or directories (read with HF ``datasets``)."""
+    text_field: str = "text"
+    """Column holding the text in ``.jsonl`` / ``.parquet`` files."""
+
+
+# ------------------------------------------------------------------------------------ optim and sched
+@dataclass
+class OptimConfig:
+    name: str = MISSING
+    """``adamw`` or ``sgd``."""
+    lr: float = 3e-4
+    """Peak learning rate."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay, applied to matrices only (not to norms or biases)."""
+
+
+@dataclass
+class AdamWConfig(OptimConfig):
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    """Adam beta1, beta2."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+
+
+@dataclass
+class SGDConfig(OptimConfig):
+    momentum: float = 0.9
+    """Momentum factor."""
+    nesterov: bool = False
+    """Nesterov momentum."""
+
+
+@dataclass
+class SchedConfig:
+    name: str = MISSING
+    """``cosine`` | ``linear`` | ``constant`` (all after a linear warmup)."""
+    warmup_steps: int = 0
+    """Steps of linear warmup from 0 to the peak learning rate."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of the peak (cosine and linear)."""
+
+
+# ------------------------------------------------------------------------------------------ precision
+@dataclass
+class PrecisionConfig:
+    name: str = MISSING
+    """``fp32``, ``bf16`` (autocast, fp32 master weights) or ``fp16`` (autocast + dynamic loss scaling)."""
+    compute_dtype: str = "float32"
+    """Dtype matmuls run in under autocast."""
+    initial_scale_power: int = 16
+    """fp16 only: the loss scale starts at 2**this."""
+    loss_scale_window: int = 1000
+    """fp16 only: steps without overflow before the scale doubles."""
+    hysteresis: int = 2
+    """fp16 only (DeepSpeed): overflows tolerated before the scale is lowered."""
+    min_loss_scale: float = 1.0
+    """fp16 only: the scale never drops below this."""
+
+
+# ----------------------------------------------------------------------------------------- checkpoint
+@dataclass
+class CheckpointConfig:
+    dir: Optional[str] = None
+    """Checkpoint directory; ``null`` = ``<run_dir>/checkpoints``."""
+    every_n_steps: int = 0
+    """Save every n optimizer steps; 0 = never during training."""
+    keep_last: int = 3
+    """Complete checkpoints kept; older ones are deleted after a newer one is complete."""
+    save_final: bool = True
+    """Export the final model as an HF directory (``<run_dir>/hf``)."""
+    resume: Optional[str] = None
+    """``null`` (start fresh), ``auto`` (newest complete checkpoint of this run) or a checkpoint path."""
+    export_hf: bool = False
+    """Also write an HF export beside every periodic checkpoint."""
+
+
+# -------------------------------------------------------------------------------------------- monitor
+@dataclass
+class ConsoleMonitorConfig:
+    style: str = "auto"
+    """``auto`` (a rich progress bar on a TTY, plain lines otherwise), ``rich`` or ``plain``."""
+
+
+@dataclass
+class TensorBoardMonitorConfig:
+    subdir: str = "tensorboard"
+    """Event files go to ``<run_dir>/<subdir>``."""
+
+
+# ------------------------------------------------------------------------------------ top-level parts
+@dataclass
+class TrainLoopConfig:
+    steps: int = 300
+    """Optimizer steps to train for."""
+    micro_batch_size: int = 8
+    """Sequences per forward/backward on one rank."""
+    grad_accum_steps: Optional[int] = None
+    """Micro-steps per optimizer step; ``null`` derives it from ``global_batch_size`` (or 1)."""
+    global_batch_size: Optional[int] = None
+    """Sequences per optimizer step over all ranks; must equal micro x accumulation x world size."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping (the norm is still reported)."""
+    log_every_n_steps: int = 10
+    """Metrics are reduced, printed and written every n steps (and on the last)."""
+    eval_every_n_steps: int = 100
+    """Evaluate every n steps and at the end; 0 = only at the end."""
+    eval_batches: int = 8
+    """Micro-batches per rank in each evaluation."""
+    sample_tokens: int = 48
+    """Tokens of text generated by rank 0 at the end (0 = none)."""
+    sample_prompt: str = "def "
+    """Prompt for that sample."""
+
+
+@dataclass
+class LaunchConfig:
+    nproc_per_node: Any = "auto"
+    """Worker processes on this node: an integer, or ``auto`` (the number of GPUs, 1 on CPU)."""
+    nnodes: int = 1
+    """Nodes (multi-node jobs are started by torchrun, srun, deepspeed or horovodrun on each node)."""
+    max_restarts: int = 0
+    """Times the elastic agent restarts failed workers."""
+    timeout_s: int = 600
+    """Collective timeout: a rank stuck this long in a collective fails instead of hanging."""
+    master_port: Optional[int] = None
+    """Rendezvous port for self-launched jobs; ``null`` picks a free one."""
+
+
+@dataclass
+class TrainConfig:
+    backend: Any = MISSING
+    model: Any = MISSING
+    data: Any = MISSING
+    optim: Any = MISSING
+    sched: Any = MISSING
+    precision: Any = MISSING
+    checkpoint: Any = MISSING
+    monitor: Any = MISSING
+    seed: int = 1234
+    """Seed for model init, data order and dropout; every rank derives its streams from it."""
+    run_dir: str = MISSING
+    """Where this run writes everything; Hydra's run dir unless overridden."""
+    train: TrainLoopConfig = field(default_factory=TrainLoopConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+
+
+SCHEMAS = {
+    "schema_train": TrainConfig,
+    "schema_backend_base": BackendConfig,
+    "schema_backend_ddp": DDPBackendConfig,
+    "schema_model_llama": ModelConfig,
+    "schema_model_deepseek_v3": DeepseekV3ModelConfig,
+    "schema_data_stdlib_code": StdlibCodeDataConfig,
+    "schema_data_text_files": TextFilesDataConfig,
+    "schema_optim_adamw": AdamWConfig,
+    "schema_optim_sgd": SGDConfig,
+    "schema_sched": SchedConfig,
+    "schema_precision": PrecisionConfig,
+    "schema_checkpoint": CheckpointConfig,
+    "schema_monitor_console": ConsoleMonitorConfig,
+    "schema_monitor_tensorboard": TensorBoardMonitorConfig,
+}
+
+
+def register_configs() -> None:
+    """Put every schema into Hydra's ConfigStore (idempotent)."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    for name, node in SCHEMAS.items():
+        cs.store(name=name, node=node)

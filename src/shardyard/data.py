@@ -1,0 +1,282 @@
+"""Corpora -> cached tokenizer + token arrays -> packed, sharded, resumable batches.
+
+Documents come in a fixed order; each is assigned to train or val by a stable hash of its name, then
+tokenized and concatenated with an end-of-text token after each. Training sequences are the
+non-overlapping ``seq_len + 1`` windows of the train stream; every epoch visits them in a seeded
+permutation. Optimizer step ``s`` consumes permutation slots ``[s*G, (s+1)*G)`` (G = global batch), and
+rank ``r`` reads its contiguous share of them, split into micro-batches. So the data position is a pure
+function of the step count and the global batch: resuming is exact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import glob
+import hashlib
+import json
+import os
+import shutil
+import sys
+import sysconfig
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+from omegaconf import DictConfig
+
+from shardyard.errors import UserError
+
+EOT = "<|endoftext|>"
+
+
+# ------------------------------------------------------------------------------------------- documents
+def stdlib_files(exclude_dirs) -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    excluded = set(exclude_dirs)
+    files = [p for p in root.rglob("*.py") if not excluded.intersection(p.relative_to(root).parts[:-1])]
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def _input_files(d: DictConfig) -> list[Path]:
+    if d.name == "stdlib_code":
+        return stdlib_files(d.exclude_dirs)
+    out = []
+    for pattern in d.paths:
+        for hit in sorted(glob.glob(os.path.expanduser(pattern), recursive=True)):
+            p = Path(hit)
+            out += sorted(q for q in p.rglob("*") if q.suffix in (".txt", ".jsonl", ".json", ".parquet")) if p.is_dir() else [p]
+    bad = [str(p) for p in out if p.suffix not in (".txt", ".jsonl", ".json", ".parquet")]
+    if bad:
+        raise UserError("data.paths", bad[0], "Only .txt, .jsonl/.json and .parquet files can be read.",
+                        "Convert the file or leave it out of data.paths.")
+    return out
+
+
+def iter_documents(d: DictConfig, files: list[Path]) -> Iterator[tuple[str, str]]:
+    """(stable name, text) for every document, in a fixed order."""
+    if d.name == "stdlib_code":
+        for p in files:
+            yield p.name + ":" + str(p.stat().st_size), p.read_text(encoding="utf-8", errors="replace")
+        return
+    import datasets  # lazy: heavy
+
+    datasets.disable_progress_bars()
+    for p in files:
+        if p.suffix == ".txt":
+            yield str(p), p.read_text(encoding="utf-8", errors="replace")
+            continue
+        kind = "parquet" if p.suffix == ".parquet" else "json"
+        ds = datasets.load_dataset(kind, data_files=str(p), split="train", cache_dir=os.path.join(d.cache_dir, "hf_datasets"))
+        if d.text_field not in ds.column_names:
+            raise UserError("data.text_field", d.text_field, f"{p} has no such column (it has {ds.column_names}).",
+                            f"Use data.text_field=<one of {ds.column_names}>.")
+        for i, text in enumerate(ds[d.text_field]):
+            yield f"{p}:{i}", text or ""
+
+
+def is_val(name: str, val_fraction: float) -> bool:
+    h = int.from_bytes(hashlib.sha1(name.encode()).digest()[:8], "little")
+    return (h % 1_000_000) < val_fraction * 1_000_000
+
+
+# ----------------------------------------------------------------------------------------------- cache
+@contextlib.contextmanager
+def _locked(path: str):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # one builder per machine; the others wait, then read its result
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _publish(tmp: str, final: str) -> None:
+    """Make a fully written directory visible under its final name in one rename."""
+    if os.path.exists(final):
+        shutil.rmtree(tmp)
+    else:
+        os.replace(tmp, final)
+
+
+def _fingerprint(d: DictConfig, files: list[Path], extra: str) -> str:
+    h = hashlib.sha256(f"{d.name}|{d.val_fraction}|{sys.version_info[:2]}|{extra}".encode())
+    for p in files:
+        st = p.stat()
+        h.update(f"{p}|{st.st_size}|{int(st.st_mtime)}".encode())
+    return h.hexdigest()[:16]
+
+
+def tokenizer_dir(d: DictConfig, files: list[Path]) -> str:
+    if d.tokenizer.path is not None:
+        return d.tokenizer.path
+    key = _fingerprint(d, files, f"bpe|{d.tokenizer.vocab_size}|{d.tokenizer.train_bytes}")
+    out = os.path.join(d.cache_dir, "tokenizers", f"{d.name}-bpe{d.tokenizer.vocab_size}-{key}")
+    if os.path.exists(out):
+        return out
+    with _locked(out + ".lock"):
+        if not os.path.exists(out):
+            _train_tokenizer(d, files, out)
+    return out
+
+
+def _train_tokenizer(d: DictConfig, files: list[Path], out: str) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    print(f"shardyard | training a byte-level BPE tokenizer (vocab {d.tokenizer.vocab_size}) -> {out}", flush=True)
+
+    def texts():
+        budget = d.tokenizer.train_bytes
+        for name, text in iter_documents(d, files):
+            if budget <= 0 or is_val(name, d.val_fraction):
+                continue
+            budget -= len(text)
+            yield text
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=d.tokenizer.vocab_size, special_tokens=[EOT], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts(), trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOT, eos_token=EOT, unk_token=EOT, pad_token=EOT)
+    tmp = tempfile.mkdtemp(dir=os.path.dirname(out), prefix=".tmp-tok-")
+    fast.save_pretrained(tmp)
+    _publish(tmp, out)
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def token_dir(d: DictConfig, files: list[Path], tok_dir: str) -> str:
+    tok_hash = hashlib.sha256(Path(tok_dir, "tokenizer.json").read_bytes()).hexdigest()[:12]
+    key = _fingerprint(d, files, f"tok|{tok_hash}")
+    out = os.path.join(d.cache_dir, "tokens", f"{d.name}-{key}")
+    if os.path.exists(out):
+        return out
+    with _locked(out + ".lock"):
+        if not os.path.exists(out):
+            _tokenize(d, files, tok_dir, out)
+    return out
+
+
+def _tokenize(d: DictConfig, files: list[Path], tok_dir: str, out: str) -> None:
+    tok = load_tokenizer(tok_dir)
+    eot = tok.eos_token_id
+    dtype = np.uint16 if len(tok) <= 1 << 16 else np.uint32
+    streams = {"train": [], "val": []}
+    counts = {"train": 0, "val": 0}
+    batch: list[tuple[str, str]] = []
+
+    def flush():
+        enc = tok([t for _, t in batch], add_special_tokens=False)["input_ids"]
+        for (name, _), ids in zip(batch, enc):
+            split = "val" if is_val(name, d.val_fraction) else "train"
+            streams[split].append(np.asarray(ids + [eot], dtype=dtype))
+            counts[split] += 1
+        batch.clear()
+
+    for doc in iter_documents(d, files):
+        batch.append(doc)
+        if len(batch) == 256:
+            flush()
+    flush()
+    tmp = tempfile.mkdtemp(dir=os.path.dirname(out), prefix=".tmp-tokens-")
+    for split, parts in streams.items():
+        np.save(os.path.join(tmp, f"{split}.npy"), np.concatenate(parts) if parts else np.zeros(0, dtype))
+    with open(os.path.join(tmp, "meta.json"), "w") as f:
+        json.dump({"documents": counts, "tokens": {k: int(sum(map(len, v))) for k, v in streams.items()},
+                   "tokenizer": tok_dir, "vocab_size": len(tok)}, f, indent=1)
+    _publish(tmp, out)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    tokenizer_dir: str
+    token_dir: str
+    vocab_size: int
+
+
+def prepare(cfg: DictConfig) -> Prepared:
+    """Build (or find) the tokenizer and token caches; safe to call from many processes at once."""
+    d = cfg.data
+    files = _input_files(d)
+    if not files:
+        raise UserError("data.paths" if "paths" in d else "data", d.name, "The corpus has no input files.",
+                        "Give existing .txt/.jsonl/.parquet files.")
+    tok_dir = tokenizer_dir(d, files)
+    tdir = token_dir(d, files, tok_dir)
+    meta = json.loads(Path(tdir, "meta.json").read_text())
+    if meta["vocab_size"] > cfg.model.vocab_size:
+        raise UserError("model.vocab_size", cfg.model.vocab_size,
+                        f"The tokenizer has {meta['vocab_size']} tokens, more than the model's embedding rows.",
+                        f"Use model.vocab_size>={meta['vocab_size']} or a smaller data.tokenizer.vocab_size.")
+    for split in ("train", "val"):
+        if meta["tokens"][split] < d.seq_len + 1:
+            raise UserError("data.seq_len", d.seq_len, f"The {split} split has only {meta['tokens'][split]} tokens, "
+                            "less than one sequence.", "Use more data, a shorter data.seq_len or another data.val_fraction.")
+    return Prepared(tok_dir, tdir, meta["vocab_size"])
+
+
+# --------------------------------------------------------------------------------------------- batches
+class PackedSequences:
+    """Non-overlapping ``seq_len + 1`` windows over one memory-mapped token stream."""
+
+    def __init__(self, path: str, seq_len: int):
+        self.tokens = np.load(path, mmap_mode="r")
+        self.seq_len = seq_len
+        self.n = (len(self.tokens) - 1) // seq_len
+
+    def __len__(self) -> int:
+        return self.n
+
+    def get(self, indices):
+        import torch
+
+        L = self.seq_len
+        rows = np.stack([np.asarray(self.tokens[i * L: i * L + L + 1], dtype=np.int64) for i in indices])
+        rows = torch.from_numpy(rows)
+        return rows[:, :-1], rows[:, 1:]
+
+
+class TrainStream:
+    """Batches for (step, micro-step) on this rank; data state is the step count (exactly resumable)."""
+
+    def __init__(self, seqs: PackedSequences, seed: int, global_batch: int, micro_batch: int, rank: int, world: int):
+        if len(seqs) < global_batch:
+            raise UserError("train.global_batch_size", global_batch,
+                            f"The training split has only {len(seqs)} sequences, fewer than one global batch.",
+                            "Use a smaller batch or data.seq_len, or more data.")
+        self.seqs, self.seed, self.gb, self.mb, self.rank, self.world = seqs, seed, global_batch, micro_batch, rank, world
+        self.steps_per_epoch = len(seqs) // global_batch
+        self._perm_epoch, self._perm = -1, None
+
+    def position(self, step: int) -> dict:
+        return {"epoch": step // self.steps_per_epoch, "step_in_epoch": step % self.steps_per_epoch,
+                "samples_seen": step * self.gb}
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if epoch != self._perm_epoch:
+            self._perm = np.random.default_rng([self.seed, epoch]).permutation(len(self.seqs))
+            self._perm_epoch = epoch
+        return self._perm
+
+    def micro_batch(self, step: int, micro: int):
+        pos = self.position(step)
+        perm = self._permutation(pos["epoch"])
+        start = pos["step_in_epoch"] * self.gb + self.rank * (self.gb // self.world) + micro * self.mb
+        return self.seqs.get(perm[start: start + self.mb])
+
+
+def eval_batches(seqs: PackedSequences, n_batches: int, micro_batch: int, rank: int, world: int):
+    """A fixed evaluation set: the first ``n_batches x micro x world`` val sequences, sharded by rank."""
+    for b in range(n_batches):
+        first = (b * world + rank) * micro_batch
+        yield seqs.get([(first + i) % len(seqs) for i in range(micro_batch)])

@@ -1,0 +1,27 @@
+"""User-facing errors: one paragraph naming the key, the value and the fix; exit code 2."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+EXIT_USER_ERROR = 2
+
+
+class UserError(ValueError):
+    """A mistake in the user's config, command line or environment (never an internal bug)."""
+
+    def __init__(self, key: str, value: object, problem: str, fix: str):
+        self.key, self.value, self.problem, self.fix = key, value, problem, fix
+        super().__init__(f"{key}={value!r}: {problem} Fix: {fix}")
+
+    def paragraph(self) -> str:
+        text = f"shardyard: error in `{self.key}` (value: {self.value!r}). {self.problem} Fix: {self.fix}"
+        return textwrap.fill(text, width=100, break_on_hyphens=False, break_long_words=False)
+
+
+def report_and_exit(err: UserError) -> None:
+    """Print the paragraph on stderr and leave with exit code 2 (no traceback)."""
+    sys.stdout.flush()
+    print(err.paragraph(), file=sys.stderr, flush=True)
+    sys.exit(EXIT_USER_ERROR)

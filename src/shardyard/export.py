@@ -1,0 +1,32 @@
+"""HF export: safetensors + config + tokenizer, loadable by ``AutoModelForCausalLM.from_pretrained``."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+from shardyard.data import load_tokenizer
+
+
+def save_hf(backend, tokenizer_dir: str, out_dir: str) -> str | None:
+    """Collective: every rank calls it; rank 0 writes ``out_dir`` atomically (temp dir, then rename)."""
+    state = backend.full_state_dict()
+    if backend.rank != 0:
+        return None
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    tmp = tempfile.mkdtemp(dir=parent, prefix=".tmp-hf-")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    model = backend.hf_model()
+    model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+    load_tokenizer(tokenizer_dir).save_pretrained(tmp)
+    if os.path.exists(out_dir):  # replace an older export only once the new one is complete
+        old = out_dir + ".old"
+        os.replace(out_dir, old)
+        os.replace(tmp, out_dir)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, out_dir)
+    return out_dir

@@ -1,0 +1,64 @@
+"""Starting workers: torch's elastic agent (single/ddp/fsdp/zero*) or an engine's own runner.
+
+A backend names its launcher with the class attribute ``launcher``; ``for_backend`` maps that name to one
+of the functions here, so run.py never branches on the engine.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import uuid
+from typing import Callable
+
+import hydra.utils
+from omegaconf import DictConfig
+
+from shardyard.config.validate import Plan
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def single_process_env() -> None:
+    """A world of one, trained in this process: the env:// rendezvous variables of rank 0 of 1."""
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+
+
+def elastic(run_dir: str, plan: Plan, launch_cfg: DictConfig) -> None:
+    """``torchrun --standalone`` in-process: torch's elastic agent starts, watches and restarts workers."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    port = launch_cfg.master_port or free_port()
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=plan.nproc_per_node,
+        run_id=f"shardyard-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}",
+        rdzv_configs={"timeout": launch_cfg.timeout_s}, max_restarts=launch_cfg.max_restarts,
+        monitor_interval=0.2,
+    )
+    if plan.device_type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        # N workers on a CPU box share its cores; oversubscribed intra-op threads make every step slower.
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // plan.nproc_per_node))
+    env_keep = {k: v for k, v in os.environ.items() if k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    assert not env_keep, f"parent must not look like a worker: {env_keep}"
+    try:
+        elastic_launch(config, sys.executable)("-m", "shardyard.worker", run_dir)
+    except ChildFailedError as e:
+        codes = {rank: f.exitcode for rank, f in e.failures.items()}
+        first = min(codes)
+        print(f"shardyard: worker rank {first} failed with exit code {codes[first]} "
+              f"(failed ranks and codes: {codes}); its output is above. Run dir: {run_dir}", file=sys.stderr, flush=True)
+        sys.exit(2 if set(codes.values()) == {2} else 1)
+
+
+LAUNCHERS: dict[str, Callable[[str, Plan, DictConfig], None]] = {"elastic": elastic}
+
+
+def for_backend(backend_cfg: DictConfig) -> Callable[[str, Plan, DictConfig], None]:
+    return LAUNCHERS[hydra.utils.get_class(backend_cfg._target_).launcher]

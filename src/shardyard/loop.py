@@ -1,0 +1,84 @@
+"""The training loop. It reads the same for every engine: the backend owns wrapping, sync and stepping."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+from omegaconf import DictConfig
+
+from shardyard.data import PackedSequences, TrainStream, eval_batches
+
+
+@dataclass
+class LoopResult:
+    final_train_loss: float = float("nan")
+    eval_losses: list = field(default_factory=list)  # [(step, loss)]
+    train_losses: list = field(default_factory=list)  # [(step, loss)] at every log step
+    tokens: int = 0
+    wall_s: float = 0.0
+
+
+def evaluate(backend, val: PackedSequences, cfg: DictConfig, plan) -> float:
+    model = backend.hf_model()
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), device=backend.device)
+    for x, y in eval_batches(val, cfg.train.eval_batches, plan.micro_batch_size, backend.rank, backend.world_size):
+        total += backend.eval_loss(x.to(backend.device), y.to(backend.device)).float()
+    model.train(was_training)
+    return backend.all_reduce_mean(total / cfg.train.eval_batches).item()
+
+
+def train(cfg: DictConfig, plan, backend, stream: TrainStream, val: PackedSequences, monitors, start_step: int = 0) -> LoopResult:
+    tr = cfg.train
+    total, accum, dev = tr.steps, plan.grad_accum_steps, backend.device
+    res = LoopResult()
+
+    def run_eval(step: int) -> None:
+        loss = evaluate(backend, val, cfg, plan)
+        res.eval_losses.append((step, loss))
+        monitors.log(step, {"eval/loss": loss, "eval/ppl": math.exp(min(loss, 50.0))})
+
+    if start_step == 0:
+        run_eval(0)  # the untrained model's loss: the baseline every later eval is compared with
+    loss_acc = torch.zeros((), device=dev)
+    n_acc, step_time, data_time, interval_start = 0, 0.0, 0.0, time.perf_counter()
+    t_begin = time.perf_counter()
+    for step in range(start_step, total):
+        t0 = time.perf_counter()
+        step_loss = torch.zeros((), device=dev)
+        for micro in range(accum):
+            td = time.perf_counter()
+            x, y = stream.micro_batch(step, micro)
+            x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
+            data_time += time.perf_counter() - td
+            step_loss += backend.forward_backward(x, y, is_last_micro=micro == accum - 1).float()
+        stats = backend.step()
+        loss_acc += step_loss / accum
+        n_acc += 1
+        step_time += time.perf_counter() - t0
+        done = step + 1
+        if done % tr.log_every_n_steps == 0 or done == total:
+            # One small all-reduce per log interval, not per step: the loss is the interval's mean.
+            loss = backend.all_reduce_mean(loss_acc / n_acc).item()
+            wall = time.perf_counter() - interval_start
+            metrics = {"train/loss": loss, "lr": stats.lr, "grad_norm": stats.grad_norm.item(),
+                       "tokens_per_s": plan.tokens_per_step * n_acc / wall,
+                       "samples_per_s": plan.global_batch_size * n_acc / wall,
+                       "step_time_s": step_time / n_acc, "data_time_s": data_time / n_acc,
+                       "tokens_seen": done * plan.tokens_per_step}
+            if stats.loss_scale is not None:
+                metrics["loss_scale"] = stats.loss_scale
+            monitors.log(done, metrics)
+            res.train_losses.append((done, loss))
+            res.final_train_loss = loss
+            loss_acc.zero_()
+            n_acc, step_time, data_time, interval_start = 0, 0.0, 0.0, time.perf_counter()
+        if done == total or (tr.eval_every_n_steps and done % tr.eval_every_n_steps == 0):
+            run_eval(done)
+    res.tokens = (total - start_step) * plan.tokens_per_step
+    res.wall_s = time.perf_counter() - t_begin
+    return res

@@ -1,0 +1,112 @@
+"""HF transformers models built from the ``model`` group; never downloaded.
+
+``deepseek_tiny`` / ``deepseek7b`` are DeepSeek-LLM, i.e. the LLaMA architecture; ``deepseek_moe_tiny`` /
+``deepseek_v3`` are DeepSeek-V3 (MLA attention + routed/shared experts).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig
+
+from shardyard.errors import UserError
+
+META_INIT_ABOVE = 1_000_000_000  # parameters; above this `init_device: auto` builds on the meta device
+
+
+def hf_config(m: DictConfig):
+    from transformers import DeepseekV3Config, LlamaConfig
+
+    common = dict(
+        vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
+        num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads,
+        num_key_value_heads=m.num_kv_heads or m.num_heads, max_position_embeddings=m.max_position_embeddings,
+        rope_theta=m.rope_theta, rms_norm_eps=m.rms_norm_eps, tie_word_embeddings=m.tie_word_embeddings,
+        initializer_range=m.initializer_range, use_cache=not m.activation_checkpointing,
+        attn_implementation=m.attn_implementation, dtype=torch.float32,
+    )
+    if m.arch == "llama":
+        return LlamaConfig(**common)
+    if m.arch == "deepseek_v3":
+        return DeepseekV3Config(
+            **common, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_nope_head_dim,
+            qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim, n_routed_experts=m.n_routed_experts,
+            n_shared_experts=m.n_shared_experts, num_experts_per_tok=m.num_experts_per_tok,
+            moe_intermediate_size=m.moe_intermediate_size, first_k_dense_replace=m.first_k_dense_replace,
+            n_group=m.n_group, topk_group=m.topk_group, routed_scaling_factor=m.routed_scaling_factor,
+        )
+    raise UserError("model.arch", m.arch, "Unknown architecture.", "Use llama or deepseek_v3.")
+
+
+def count_params(m: DictConfig) -> int:
+    """Exact parameter count, from a meta-device build (no memory)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config(m))
+    return sum(p.numel() for p in model.parameters())
+
+
+def build_model(m: DictConfig, seed: int, device: torch.device | str = "cpu", materialize: bool = True):
+    """Build the model (seeded, identical on every rank).
+
+    Small models are created directly on CPU. Big ones (or ``init_device: meta``) are created on the meta
+    device; with ``materialize=False`` they stay there so a sharding engine can materialise shard by shard.
+    """
+    from transformers import AutoModelForCausalLM
+
+    if m.pretrained_path is not None:
+        return _load_pretrained(m, device)
+    cfg = hf_config(m)
+    on_meta = m.init_device == "meta" or (m.init_device == "auto" and count_params(m) > META_INIT_ABOVE)
+    torch.manual_seed(seed)
+    if not on_meta:
+        model = AutoModelForCausalLM.from_config(cfg)
+    else:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(cfg)
+        if materialize:
+            model.to_empty(device=device)
+            torch.manual_seed(seed)
+            model.init_weights()  # re-runs HF's init on real storage, rotary buffers included
+    _apply_options(model, m)
+    return model
+
+
+def _load_pretrained(m: DictConfig, device):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(m.pretrained_path, local_files_only=True, dtype=torch.float32,
+                                                 attn_implementation=m.attn_implementation)
+    want = hf_config(m).to_dict()
+    have = model.config.to_dict()
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads")
+    diff = {k: (want.get(k), have.get(k)) for k in keys if want.get(k) != have.get(k)}
+    if diff:
+        shown = ", ".join(f"{k}: config {a} vs checkpoint {b}" for k, (a, b) in diff.items())
+        raise UserError("model.pretrained_path", m.pretrained_path, f"Its dimensions differ from model={m.name} ({shown}).",
+                        "Choose the model option whose dimensions match the checkpoint, or override them.")
+    _apply_options(model, m)
+    return model.to(device)
+
+
+def _apply_options(model, m: DictConfig) -> None:
+    model.config.use_cache = not m.activation_checkpointing
+    if m.activation_checkpointing:
+        # Non-reentrant checkpointing composes with DDP/FSDP and torch.compile.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if m.compile:
+        for block in model.model.layers:
+            block.compile()
+
+
+def transformer_blocks(model) -> list[torch.nn.Module]:
+    return list(model.model.layers)
+
+
+def causal_lm_loss(model, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy; logits upcast to fp32 for a stable softmax under autocast."""
+    logits = model(input_ids=inputs, use_cache=False).logits
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))

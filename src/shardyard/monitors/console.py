@@ -1,0 +1,56 @@
+"""Rank-0 console: a rich progress bar on a TTY, plain lines otherwise, and the end-of-run summary."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from omegaconf import DictConfig
+
+
+def _fmt_time(s: float) -> str:
+    s = int(s)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+class ConsoleMonitor:
+    def __init__(self, mcfg: DictConfig, run_dir: str, total_steps: int):
+        self.total, self.t0 = total_steps, time.perf_counter()
+        style = mcfg.style
+        self.rich = style == "rich" or (style == "auto" and sys.stdout.isatty())
+        self.progress = None
+        if self.rich:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                                     TextColumn("{task.fields[info]}"), TimeRemainingColumn())
+            self.task = self.progress.add_task("train", total=total_steps, info="")
+            self.progress.start()
+
+    def log(self, step: int, m: dict) -> None:
+        if "train/loss" in m:
+            info = (f"loss {m['train/loss']:.4f} | lr {m['lr']:.2e} | grad {m['grad_norm']:.3f} | "
+                    f"{m['tokens_per_s']:,.0f} tok/s" + (f" | scale {m['loss_scale']:.0f}" if "loss_scale" in m else ""))
+            if self.progress is not None:
+                self.progress.update(self.task, completed=step, info=info)
+            else:
+                elapsed = time.perf_counter() - self.t0
+                eta = elapsed / max(step, 1) * (self.total - step)
+                print(f"step {step:>{len(str(self.total))}}/{self.total} | {info} | eta {_fmt_time(eta)}", flush=True)
+        if "eval/loss" in m:
+            line = f"eval @ step {step}: loss {m['eval/loss']:.4f} | ppl {m['eval/ppl']:.2f}"
+            (self.progress.console.print if self.progress is not None else print)(line)
+
+    def close(self, s: dict) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+        first, last = s["eval_losses"][0], s["eval_losses"][-1]
+        print("\n".join([
+            "-" * 72,
+            f"done: {s['steps']} steps in {_fmt_time(s['wall_s'])} | {s['tokens']:,} tokens | "
+            f"{s['tokens_per_s']:,.0f} tok/s | {s['params']:,} parameters | engine {s['backend']} x{s['world_size']}",
+            f"train loss {s['final_train_loss']:.4f} | eval loss {first[1]:.4f} (step {first[0]}) -> {last[1]:.4f} "
+            f"(step {last[0]}), {100 * (1 - last[1] / first[1]):.1f}% lower | eval ppl {s['final_eval_ppl']:.2f}",
+            f"run dir: {s['run_dir']}" + (f" | HF export: {s['export']}" if s.get("export") else ""),
+            "-" * 72,
+        ]), flush=True)

@@ -1,0 +1,23 @@
+"""TensorBoard event files in ``<run_dir>/<subdir>`` (``tensorboard --logdir outputs``)."""
+
+from __future__ import annotations
+
+import os
+
+from omegaconf import DictConfig
+
+
+class TensorBoardMonitor:
+    def __init__(self, mcfg: DictConfig, run_dir: str, total_steps: int):
+        from torch.utils.tensorboard import SummaryWriter  # lazy: pulls in tensorboard
+
+        self.writer = SummaryWriter(os.path.join(run_dir, mcfg.subdir))
+
+    def log(self, step: int, metrics: dict) -> None:
+        for k, v in metrics.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                self.writer.add_scalar(k, v, step)
+
+    def close(self, summary: dict) -> None:
+        self.writer.flush()
+        self.writer.close()
