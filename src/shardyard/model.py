@@ -96,7 +96,10 @@ def _apply_options(model, m: DictConfig) -> None:
     model.config.use_cache = not m.activation_checkpointing
     if m.activation_checkpointing:
         # Non-reentrant checkpointing composes with DDP/FSDP and torch.compile.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if m.compile:
         for block in model.model.layers:
             block.compile()

@@ -11,6 +11,7 @@ import json
 import os
 import random
 import sys
+from typing import Callable
 
 import numpy as np
 import torch
@@ -29,14 +30,18 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def main(cfg: DictConfig) -> dict:
+def main(cfg: DictConfig, after_train: Callable | None = None) -> dict:
+    """Train one worker; ``after_train(backend)`` (a test seam) sees the engine before it closes."""
     import hydra.utils
 
     plan = validate(cfg, dist_env.detect())
     backend = hydra.utils.get_class(cfg.backend._target_)(cfg, plan)
     backend.init()
     try:
-        return _train(cfg, plan, backend)
+        summary = _train(cfg, plan, backend)
+        if after_train is not None:
+            after_train(backend)
+        return summary
     finally:
         backend.close()
 

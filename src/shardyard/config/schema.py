@@ -284,7 +284,7 @@ class TrainConfig:
     sched: Any = MISSING
     precision: Any = MISSING
     checkpoint: Any = MISSING
-    monitor: Any = MISSING
+    monitor: Any = field(default_factory=dict)
     seed: int = 1234
     """Seed for model init, data order and dropout; every rank derives its streams from it."""
     run_dir: str = MISSING

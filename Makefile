@@ -1,0 +1,20 @@
+# make train   -- set up (idempotent) and run the default recipe
+# make test    -- set up (idempotent) and run the whole test suite (unit, dist, e2e; gpu tests skip without CUDA)
+PY := .venv/bin/python
+
+.PHONY: setup train test bench clean
+setup:
+	@bash scripts/setup.sh
+
+train: setup
+	$(PY) train.py $(ARGS)
+
+test: setup
+	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+bench: setup
+	$(PY) bench/overhead.py
+	$(PY) bench/help_time.py
+
+clean:
+	rm -rf outputs multirun .pytest_cache

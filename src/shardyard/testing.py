@@ -1,0 +1,62 @@
+"""Helpers for shardyard's own tests: compose configs and run real multi-process (gloo) workers."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
+
+# A model and data shape small enough for 2 CPU cores, still the real architecture.
+TINY = ["model.hidden_size=64", "model.intermediate_size=176", "model.num_layers=2", "model.num_heads=4",
+        "model.num_kv_heads=4", "data.seq_len=64", "train.micro_batch_size=4", "train.sample_tokens=0",
+        "train.eval_batches=2", "train.log_every_n_steps=1", "sched.warmup_steps=2", "checkpoint.save_final=false",
+        "monitor=[console]", "monitor.console.style=plain"]
+
+
+def compose(overrides: list[str], run_dir: str | None = None) -> DictConfig:
+    """The config ``python train.py <overrides>`` would run with (resolved), outside a Hydra app."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from shardyard.config import register_configs, register_resolvers
+
+    register_configs()
+    register_resolvers()
+    extra = [f"run_dir={run_dir}"] if run_dir else ["run_dir=unused"]
+    with initialize_config_dir(version_base="1.3", config_dir=CONF_DIR):
+        cfg = hydra_compose("train", overrides=list(overrides) + extra)
+    return OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+
+
+def _rank_main(rank: int, world: int, port: int, overrides: list[str], run_dir: str) -> None:
+    import torch
+
+    from shardyard import worker
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    cfg = compose(overrides, run_dir)
+    out: dict = {}
+
+    def grab(backend):  # this rank's own replica / local tensors, exactly as the engine holds them
+        out["params"] = {k: v.detach().cpu().clone() for k, v in backend.hf_model().state_dict().items()}
+
+    out["summary"] = worker.main(cfg, after_train=grab)
+    torch.save(out, os.path.join(run_dir, f"rank{rank}.pt"))
+
+
+def run_ranks(world: int, overrides: list[str], run_dir: str) -> list[dict]:
+    """Run ``world`` real worker processes (spawned, gloo); return each rank's summary and final params."""
+    import torch
+    import torch.multiprocessing as mp
+
+    from shardyard.launch import free_port
+
+    os.makedirs(run_dir, exist_ok=True)
+    mp.start_processes(_rank_main, args=(world, free_port(), list(overrides), run_dir), nprocs=world,
+                       start_method="spawn")
+    return [torch.load(os.path.join(run_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]

@@ -1,0 +1,105 @@
+"""Every option of every group composes and validates; schema and validation errors name the key."""
+
+import pytest
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ConfigKeyError, ValidationError
+
+from shardyard.config.validate import plan, validate
+from shardyard.errors import UserError
+from shardyard.testing import CONF_DIR, compose
+from pathlib import Path
+
+GROUPS = ["backend", "model", "data", "optim", "sched", "precision", "checkpoint", "recipe"]
+
+
+def options(group):
+    return sorted(p.stem for p in Path(CONF_DIR, group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in options(g)])
+def test_every_option_composes_and_validates(group, option, tmp_path):
+    extra = []
+    if group == "data" and option == "text_files":
+        (tmp_path / "a.txt").write_text("hello world\n" * 100)
+        extra = [f"data.paths=[{tmp_path}/a.txt]"]
+    cfg = compose([f"{group}={option}", *extra])
+    env = None
+    p = validate(cfg, env) if cfg.backend.name != "single" or cfg.launch.nproc_per_node in ("auto", 1) else plan(cfg, env)
+    assert p.global_batch_size == p.micro_batch_size * p.grad_accum_steps * p.world_size
+
+
+@pytest.mark.parametrize("monitors", ["[console]", "[tensorboard]", "[console,tensorboard]", "[]"])
+def test_monitor_list_group(monitors):
+    cfg = compose([f"monitor={monitors}"])
+    assert sorted(cfg.monitor) == sorted(m for m in monitors.strip("[]").split(",") if m)
+
+
+def test_misspelt_key_names_the_key():
+    with pytest.raises(ConfigCompositionException) as e:
+        compose(["backend.bucket_cap_m=10"])
+    assert "backend.bucket_cap_m" in str(e.value) or "bucket_cap_m" in str(e.value.__cause__)
+
+
+def test_wrong_type_names_the_key():
+    with pytest.raises(ConfigCompositionException) as e:
+        compose(["train.steps=many"])
+    assert "train.steps" in str(e.value.__cause__)
+
+
+def test_unknown_option_lists_valid_ones():
+    with pytest.raises(Exception) as e:
+        compose(["backend=ddpp"])
+    assert "ddp" in str(e.value) and "single" in str(e.value)
+
+
+def test_batch_arithmetic_names_the_numbers():
+    cfg = compose(["train.global_batch_size=20", "train.micro_batch_size=8"])
+    with pytest.raises(UserError) as e:
+        plan(cfg, None)
+    assert e.value.key == "train.global_batch_size" and "20" in e.value.paragraph() and "8" in e.value.paragraph()
+
+
+def test_global_batch_derives_accumulation():
+    from shardyard.dist_env import DistEnv
+
+    cfg = compose(["train.global_batch_size=64", "train.micro_batch_size=8"])
+    p = plan(cfg, DistEnv("elastic", 0, 0, 4, 4))
+    assert (p.world_size, p.grad_accum_steps, p.tokens_per_step) == (4, 2, 64 * cfg.data.seq_len)
+
+
+def test_contradicting_accumulation_is_refused():
+    cfg = compose(["train.global_batch_size=64", "train.micro_batch_size=8", "train.grad_accum_steps=3"])
+    with pytest.raises(UserError) as e:
+        plan(cfg, None)
+    assert e.value.key == "train.grad_accum_steps"
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (["launch.nproc_per_node=zero"], "launch.nproc_per_node"),
+    (["backend.device=cuda"], "backend.device"),
+    (["data=text_files", "data.paths=[/nonexistent/corpus.txt]"], "data.paths"),
+    (["data.tokenizer.path=/nonexistent/tok"], "data.tokenizer.path"),
+    (["model.pretrained_path=/nonexistent/model"], "model.pretrained_path"),
+    (["model.attn_implementation=flash_attention_2"], "model.attn_implementation"),
+    (["backend=single", "launch.nproc_per_node=2"], "backend"),
+    (["data.seq_len=100000"], "data.seq_len"),
+    (["backend.dist_backend=nccl"], "backend.dist_backend"),
+])
+def test_user_errors_name_the_key(overrides, key):
+    cfg = compose(overrides)
+    with pytest.raises(UserError) as e:
+        validate(cfg, None)
+    assert e.value.key == key
+    text = e.value.paragraph()
+    assert "Fix:" in text and "\n\n" not in text
+
+
+def test_recipe_sets_its_keys():
+    cfg = compose(["recipe=deepseek_tiny_ddp2"])
+    assert cfg.launch.nproc_per_node == 2 and cfg.train.global_batch_size == 16
+
+
+def test_every_recipe_file_starts_with_its_command():
+    for f in Path(CONF_DIR).rglob("*.yaml"):
+        head = f.read_text().splitlines()[:3]
+        assert any(line.startswith("# python train.py") or line.startswith("# Shared") for line in head), f

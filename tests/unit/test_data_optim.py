@@ -1,0 +1,91 @@
+"""Data sharding, determinism and schedules."""
+
+import numpy as np
+import pytest
+import torch
+
+from shardyard import data
+from shardyard.dist_env import DistEnv, detect
+from shardyard.optim import lr_factor
+from shardyard.testing import compose
+
+
+@pytest.fixture(scope="module")
+def seqs(tmp_path_factory):
+    tokens = np.arange(10_000, dtype=np.uint16) % 1000
+    path = tmp_path_factory.mktemp("tok") / "train.npy"
+    np.save(path, tokens)
+    return data.PackedSequences(str(path), 16)
+
+
+def test_ranks_partition_the_global_batch(seqs):
+    single = data.TrainStream(seqs, 7, global_batch=8, micro_batch=4, rank=0, world=1)
+    ranks = [data.TrainStream(seqs, 7, global_batch=8, micro_batch=2, rank=r, world=2) for r in range(2)]
+    for step in (0, 1, 5, single.steps_per_epoch + 2):
+        ref = torch.cat([single.micro_batch(step, a)[0] for a in range(2)])
+        got = torch.cat([ranks[r].micro_batch(step, a)[0] for r in range(2) for a in range(2)])
+        assert torch.equal(ref, got)
+
+
+def test_targets_are_inputs_shifted_by_one(seqs):
+    x, y = data.TrainStream(seqs, 0, 4, 4, 0, 1).micro_batch(0, 0)
+    assert x.shape == (4, 16) and torch.equal(x[:, 1:], y[:, :-1])
+
+
+def test_epochs_reshuffle_deterministically(seqs):
+    s = data.TrainStream(seqs, 0, 4, 4, 0, 1)
+    e0, e1 = s.micro_batch(0, 0)[0], s.micro_batch(s.steps_per_epoch, 0)[0]
+    assert not torch.equal(e0, e1)
+    assert torch.equal(e1, data.TrainStream(seqs, 0, 4, 4, 0, 1).micro_batch(s.steps_per_epoch, 0)[0])
+    assert s.position(s.steps_per_epoch + 3) == {"epoch": 1, "step_in_epoch": 3, "samples_seen": 4 * (s.steps_per_epoch + 3)}
+
+
+def test_stdlib_corpus_is_fixed_order_and_split_is_stable():
+    files = data.stdlib_files(["test", "tests", "idlelib", "site-packages"])
+    assert files == sorted(files, key=lambda p: str(p)) or len(files) > 300
+    names = [f.name for f in files]
+    assert data.is_val("x.py:1", 0.05) == data.is_val("x.py:1", 0.05)
+    frac = np.mean([data.is_val(n, 0.05) for n in names])
+    assert 0.01 < frac < 0.12
+
+
+def test_prepare_builds_tokenizer_and_tokens():
+    cfg = compose([])
+    p = data.prepare(cfg)
+    tok = data.load_tokenizer(p.tokenizer_dir)
+    assert len(tok) == cfg.data.tokenizer.vocab_size == p.vocab_size
+    text = "def f(x):\n    return x + 1\n"
+    assert tok.decode(tok(text)["input_ids"]) == text
+
+
+def test_text_files_corpus(tmp_path):
+    import json
+
+    (tmp_path / "a.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 300)
+    with open(tmp_path / "b.jsonl", "w") as f:
+        for i in range(300):
+            f.write(json.dumps({"text": f"record {i}: lorem ipsum dolor sit amet"}) + "\n")
+    cfg = compose(["data=text_files", f"data.paths=[{tmp_path}]", "data.tokenizer.vocab_size=300",
+                   "data.seq_len=16", f"data.cache_dir={tmp_path}/cache", "data.val_fraction=0.2"])
+    p = data.prepare(cfg)
+    assert p.vocab_size == 300
+    assert len(data.PackedSequences(f"{p.token_dir}/train.npy", 16)) > 10
+
+
+@pytest.mark.parametrize("name,expect_end", [("cosine", 0.1), ("linear", 0.1), ("constant", 1.0)])
+def test_schedules(name, expect_end):
+    s = compose([f"sched={name}", "sched.warmup_steps=10"]).sched
+    assert lr_factor(0, 100, s) == pytest.approx(0.1)
+    assert lr_factor(9, 100, s) == pytest.approx(1.0)
+    assert lr_factor(100, 100, s) == pytest.approx(expect_end)
+
+
+def test_launcher_detection(monkeypatch):
+    for k in ("RANK", "WORLD_SIZE", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS"):
+        monkeypatch.delenv(k, raising=False)
+    assert detect() is None
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    assert detect() is None  # inside an sbatch script, not a task of srun
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "8")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    assert detect() == DistEnv("slurm", 3, 1, 8, 1)
