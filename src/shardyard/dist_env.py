@@ -70,7 +70,7 @@ def _first_slurm_host() -> str:
         return out.stdout.split()[0]
     except (OSError, subprocess.CalledProcessError, IndexError):
         # Without scontrol: "node[01-04,07]" -> "node01"; "a,b" -> "a".
-        m = re.match(r"([^\[,]+)(?:\[([^\]-,]+))?", nodelist)
+        m = re.match(r"([^\[,]+)(?:\[([^\],-]+))?", nodelist)
         return (m.group(1) + (m.group(2) or "")) if m else "127.0.0.1"
 
 

@@ -24,6 +24,17 @@ def _run_dir(root: str = "outputs") -> str:
     return f"{root}/{day}/{datetime.datetime.now().strftime('%H-%M-%S-%f')[:-3]}"
 
 
+def _short(name: str, limit: int = 60) -> str:
+    """Sweep job dir names stay readable and below the file-system limit: long ones keep a hash."""
+    import hashlib
+
+    name = name.replace("/", "_")
+    if len(name) <= limit:
+        return name
+    return f"{name[:limit - 9]}-{hashlib.sha1(name.encode()).hexdigest()[:8]}"
+
+
 def register_resolvers() -> None:
-    if not OmegaConf.has_resolver("sy_run_dir"):
-        OmegaConf.register_new_resolver("sy_run_dir", _run_dir)
+    for name, fn in {"sy_run_dir": _run_dir, "sy_short": _short}.items():
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, fn)

