@@ -17,6 +17,7 @@ class LoopResult:
     final_train_loss: float = float("nan")
     eval_losses: list = field(default_factory=list)  # [(step, loss)]
     train_losses: list = field(default_factory=list)  # [(step, loss)] at every log step
+    step_wall_s: list = field(default_factory=list)  # wall time of each step, logging included, eval not
     tokens: int = 0
     wall_s: float = 0.0
 
@@ -77,6 +78,7 @@ def train(cfg: DictConfig, plan, backend, stream: TrainStream, val: PackedSequen
             res.final_train_loss = loss
             loss_acc.zero_()
             n_acc, step_time, data_time, interval_start = 0, 0.0, 0.0, time.perf_counter()
+        res.step_wall_s.append(time.perf_counter() - t0)
         if done == total or (tr.eval_every_n_steps and done % tr.eval_every_n_steps == 0):
             run_eval(done)
     res.tokens = (total - start_step) * plan.tokens_per_step

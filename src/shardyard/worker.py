@@ -71,6 +71,7 @@ def _train(cfg: DictConfig, plan, backend) -> dict:
         "tokens_per_s": result.tokens / max(result.wall_s, 1e-9), "params": n_params,
         "backend": cfg.backend.name, "world_size": backend.world_size, "final_train_loss": result.final_train_loss,
         "eval_losses": result.eval_losses, "train_losses": result.train_losses,
+        "median_step_s": float(np.median(result.step_wall_s)), "step_wall_s": result.step_wall_s,
         "final_eval_ppl": float(np.exp(min(result.eval_losses[-1][1], 50.0))), "run_dir": cfg.run_dir, "export": export,
     }
     if rank0:
