@@ -22,7 +22,20 @@ def main(cfg: DictConfig) -> None:
     run(cfg)
 
 
+def _take_local_rank_arg() -> None:
+    """`deepspeed train.py ...` appends --local_rank=N; Hydra would reject it, and LOCAL_RANK says the same."""
+    import os
+
+    for i, arg in enumerate(sys.argv[1:], start=1):
+        if arg.startswith("--local_rank") or arg.startswith("--local-rank"):
+            value = arg.split("=", 1)[1] if "=" in arg else sys.argv.pop(i + 1)
+            os.environ.setdefault("LOCAL_RANK", value)
+            del sys.argv[i]
+            return
+
+
 if __name__ == "__main__":
+    _take_local_rank_arg()
     try:
         main()
     except SystemExit as e:

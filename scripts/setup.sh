@@ -32,7 +32,7 @@ else
   say "installing torch==2.13.0 (CPU)"
   $VPY -m pip install -q torch==2.13.0
 fi
-say "installing shardyard (editable) with its dev extras"
-$VPY -m pip install -q -e '.[dev]'
+say "installing shardyard (editable) with its dev and deepspeed extras"
+$VPY -m pip install -q -e '.[dev,deepspeed]'
 echo "$want" > "$stamp"
 say "ok: $($VPY -c 'import torch, transformers; print(f"torch {torch.__version__}, transformers {transformers.__version__}")')"

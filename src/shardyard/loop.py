@@ -17,6 +17,7 @@ class LoopResult:
     final_train_loss: float = float("nan")
     eval_losses: list = field(default_factory=list)  # [(step, loss)]
     train_losses: list = field(default_factory=list)  # [(step, loss)] at every log step
+    grad_norms: list = field(default_factory=list)  # [(step, global pre-clip grad norm)] at every log step
     step_wall_s: list = field(default_factory=list)  # wall time of each step, logging included, eval not
     tokens: int = 0
     wall_s: float = 0.0
@@ -75,6 +76,7 @@ def train(cfg: DictConfig, plan, backend, stream: TrainStream, val: PackedSequen
                 metrics["loss_scale"] = stats.loss_scale
             monitors.log(done, metrics)
             res.train_losses.append((done, loss))
+            res.grad_norms.append((done, metrics["grad_norm"]))
             res.final_train_loss = loss
             loss_acc.zero_()
             n_acc, step_time, data_time, interval_start = 0, 0.0, 0.0, time.perf_counter()

@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
@@ -48,33 +50,34 @@ def count_params(m: DictConfig) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def build_model(m: DictConfig, seed: int, device: torch.device | str = "cpu", materialize: bool = True):
-    """Build the model (seeded, identical on every rank).
+def build_model(m: DictConfig, seed: int, allow_meta: bool = True):
+    """Build the bare model (seeded, so identical on every rank); no training options applied yet.
 
-    Small models are created directly on CPU. Big ones (or ``init_device: meta``) are created on the meta
-    device; with ``materialize=False`` they stay there so a sharding engine can materialise shard by shard.
+    Small models are created on CPU. Big ones (or ``init_device: meta``) are created on the meta device
+    when ``allow_meta``; the engine then materialises them (``materialize``), shard by shard if it shards.
     """
     from transformers import AutoModelForCausalLM
 
     if m.pretrained_path is not None:
-        return _load_pretrained(m, device)
+        return _load_pretrained(m)
     cfg = hf_config(m)
-    on_meta = m.init_device == "meta" or (m.init_device == "auto" and count_params(m) > META_INIT_ABOVE)
+    on_meta = allow_meta and (m.init_device == "meta" or (m.init_device == "auto" and count_params(m) > META_INIT_ABOVE))
     torch.manual_seed(seed)
-    if not on_meta:
-        model = AutoModelForCausalLM.from_config(cfg)
-    else:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(cfg)
-        if materialize:
-            model.to_empty(device=device)
-            torch.manual_seed(seed)
-            model.init_weights()  # re-runs HF's init on real storage, rotary buffers included
-    _apply_options(model, m)
-    return model
+    with torch.device("meta") if on_meta else contextlib.nullcontext():
+        return AutoModelForCausalLM.from_config(cfg)
 
 
-def _load_pretrained(m: DictConfig, device):
+def materialize(model, device: torch.device, seed: int) -> None:
+    """Give meta (or sharded-meta) parameters real storage on ``device`` and run HF's init on them."""
+    if not any(p.is_meta for p in model.parameters()):
+        return
+    model.to_empty(device=device)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.init_weights()  # HF's own init (rotary buffers included), on whatever shards this rank holds
+
+
+def _load_pretrained(m: DictConfig):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(m.pretrained_path, local_files_only=True, dtype=torch.float32,
@@ -88,11 +91,10 @@ def _load_pretrained(m: DictConfig, device):
         shown = ", ".join(f"{k}: config {a} vs checkpoint {b}" for k, (a, b) in diff.items())
         raise UserError("model.pretrained_path", m.pretrained_path, f"Its dimensions differ from model={m.name} ({shown}).",
                         "Choose the model option whose dimensions match the checkpoint, or override them.")
-    _apply_options(model, m)
-    return model.to(device)
+    return model
 
 
-def _apply_options(model, m: DictConfig) -> None:
+def apply_activation_checkpointing(model, m: DictConfig) -> None:
     model.config.use_cache = not m.activation_checkpointing
     if m.activation_checkpointing:
         # Non-reentrant checkpointing composes with DDP/FSDP and torch.compile.
@@ -100,9 +102,27 @@ def _apply_options(model, m: DictConfig) -> None:
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def apply_compile(model, m: DictConfig) -> None:
+    # Per block, not the whole model: blocks are identical, so one compiled graph serves them all, and
+    # sharding/DDP hooks stay outside the compiled regions.
     if m.compile:
         for block in model.model.layers:
             block.compile()
+
+
+def prepare_replica(model, m: DictConfig, device: torch.device, seed: int):
+    """Full-replica engines (single, DDP): materialise, activation checkpointing, then compile, then move."""
+    materialize(model, device, seed)
+    apply_activation_checkpointing(model, m)
+    apply_compile(model, m)
+    return model.to(device)
+
+
+def param_count(model) -> int:
+    """Full parameter count, also for DeepSpeed ZeRO-3 partitioned (``ds_numel``) or meta parameters."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
 
 
 def transformer_blocks(model) -> list[torch.nn.Module]:

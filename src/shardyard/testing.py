@@ -31,32 +31,53 @@ def compose(overrides: list[str], run_dir: str | None = None) -> DictConfig:
     return OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
 
 
-def _rank_main(rank: int, world: int, port: int, overrides: list[str], run_dir: str) -> None:
+def _rank_main(rank: int, world: int, ports: list[int], jobs: list[tuple[list[str], str]]) -> None:
+    import torch
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1")
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    # Several runs in one set of processes: each with its own process group (on its own port) and run
+    # dir; only interpreter start-up and imports are shared.
+    for port, (overrides, run_dir) in zip(ports, jobs):
+        os.environ["MASTER_PORT"] = str(port)
+        _one_run(rank, overrides, run_dir)
+
+
+def _one_run(rank: int, overrides: list[str], run_dir: str) -> None:
     import torch
 
     from shardyard import worker
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     cfg = compose(overrides, run_dir)
     out: dict = {}
 
-    def grab(backend):  # this rank's own replica / local tensors, exactly as the engine holds them
-        out["params"] = {k: v.detach().cpu().clone() for k, v in backend.hf_model().state_dict().items()}
+    def grab(backend):
+        out["full"] = backend.full_state_dict()  # collective on sharded engines; rank 0 gets the dict
+        # This rank's own tensors exactly as the engine holds them (a replica, or DTensor local shards).
+        out["local"] = {k: (v.to_local() if hasattr(v, "to_local") else v).detach().cpu().clone()
+                        for k, v in backend.hf_model().state_dict().items()}
 
     out["summary"] = worker.main(cfg, after_train=grab)
     torch.save(out, os.path.join(run_dir, f"rank{rank}.pt"))
 
 
-def run_ranks(world: int, overrides: list[str], run_dir: str) -> list[dict]:
-    """Run ``world`` real worker processes (spawned, gloo); return each rank's summary and final params."""
+def run_many(world: int, jobs: list[tuple[list[str], str]]) -> list[list[dict]]:
+    """Run each (overrides, run_dir) job on ``world`` real worker processes (spawned once, gloo), one job
+    after another; return, per job, each rank's summary, gathered full params and local tensors."""
     import torch
     import torch.multiprocessing as mp
 
     from shardyard.launch import free_port
 
-    os.makedirs(run_dir, exist_ok=True)
-    mp.start_processes(_rank_main, args=(world, free_port(), list(overrides), run_dir), nprocs=world,
+    for _, run_dir in jobs:
+        os.makedirs(run_dir, exist_ok=True)
+    ports = [free_port() for _ in jobs]
+    mp.start_processes(_rank_main, args=(world, ports, [(list(o), d) for o, d in jobs]), nprocs=world,
                        start_method="spawn")
-    return [torch.load(os.path.join(run_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+    return [[torch.load(os.path.join(d, f"rank{r}.pt"), weights_only=False) for r in range(world)] for _, d in jobs]
+
+
+def run_ranks(world: int, overrides: list[str], run_dir: str) -> list[dict]:
+    """One run on ``world`` real worker processes."""
+    return run_many(world, [(overrides, run_dir)])[0]

@@ -21,7 +21,7 @@ from shardyard import data, dist_env, loop, monitors
 from shardyard.config.validate import validate
 from shardyard.errors import UserError, report_and_exit
 from shardyard.export import save_hf
-from shardyard.model import build_model
+from shardyard.model import build_model, param_count
 
 
 def seed_everything(seed: int) -> None:
@@ -53,9 +53,15 @@ def _train(cfg: DictConfig, plan, backend) -> dict:
     seqs = data.PackedSequences(os.path.join(prepared.token_dir, "train.npy"), cfg.data.seq_len)
     val = data.PackedSequences(os.path.join(prepared.token_dir, "val.npy"), cfg.data.seq_len)
     stream = data.TrainStream(seqs, cfg.seed, plan.global_batch_size, plan.micro_batch_size, backend.rank, backend.world_size)
-    model = build_model(cfg.model, cfg.seed)
-    n_params = sum(p.numel() for p in model.parameters())
-    backend.prepare(model, cfg.train.steps)
+    built = {}
+
+    def build(allow_meta: bool):
+        built["model"] = build_model(cfg.model, cfg.seed, allow_meta=allow_meta)
+        built["params"] = param_count(built["model"])
+        return built["model"]
+
+    backend.prepare(build, cfg.train.steps)
+    n_params = built["params"]
     if rank0:
         print(f"shardyard | model {cfg.model.name}: {n_params:,} parameters | engine {cfg.backend.name} | "
               f"precision {cfg.precision.name} | {len(seqs):,} train / {len(val):,} val sequences "
@@ -71,14 +77,16 @@ def _train(cfg: DictConfig, plan, backend) -> dict:
         "tokens_per_s": result.tokens / max(result.wall_s, 1e-9), "params": n_params,
         "backend": cfg.backend.name, "world_size": backend.world_size, "final_train_loss": result.final_train_loss,
         "eval_losses": result.eval_losses, "train_losses": result.train_losses,
+        "grad_norms": result.grad_norms,
         "median_step_s": float(np.median(result.step_wall_s)), "step_wall_s": result.step_wall_s,
         "final_eval_ppl": float(np.exp(min(result.eval_losses[-1][1], 50.0))), "run_dir": cfg.run_dir, "export": export,
     }
-    if rank0:
-        if cfg.train.sample_tokens > 0:
-            summary["sample"] = sample_text(backend.hf_model(), prepared.tokenizer_dir, cfg, backend.device)
+    if cfg.train.sample_tokens > 0:  # every rank: sharded engines all-gather inside the forward
+        summary["sample"] = sample_text(backend.hf_model(), prepared.tokenizer_dir, cfg, backend.device)
+        if rank0:
             print(f"sample ({cfg.train.sample_tokens} tokens after {cfg.train.sample_prompt!r}):\n"
                   f"{summary['sample']}\n", flush=True)
+    if rank0:
         with open(os.path.join(cfg.run_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=1)
     mon.close(summary)

@@ -33,12 +33,12 @@ def test_ddp_matches_single_process(single_ref, accum, tmp_path):
         for a, b in zip(got, ref):
             assert abs(a - b) <= 1e-5 * abs(b), (got, ref)
     # Every replica holds bit-identical parameters after training.
-    p0, p1 = res[0]["params"], res[1]["params"]
+    p0, p1 = res[0]["local"], res[1]["local"]
     assert p0.keys() == p1.keys()
     assert all(torch.equal(p0[k], p1[k]) for k in p0)
     # ...and they equal the single-process parameters up to fp32 summation order.
     for k in p0:
-        torch.testing.assert_close(p0[k], single_ref["params"][k], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(p0[k], single_ref["full"][k], rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from shardyard.model import build_model, count_params, hf_config
+from shardyard.model import build_model, count_params, hf_config, materialize, prepare_replica
 from shardyard.testing import compose
 
 
@@ -26,8 +26,9 @@ def test_deepseek_v3_is_671b():
 
 def test_big_models_are_built_on_meta():
     m = compose(["model=deepseek7b"]).model
-    model = build_model(m, seed=0, materialize=False)
+    model = build_model(m, seed=0)
     assert all(p.is_meta for p in model.parameters())
+    assert build_model(compose(["model=deepseek_tiny"]).model, seed=0).model.embed_tokens.weight.device.type == "cpu"
 
 
 @pytest.mark.parametrize("name", ["deepseek_tiny", "deepseek_moe_tiny"])
@@ -48,6 +49,8 @@ def test_seeded_build_is_identical_and_meta_init_matches_distribution():
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
     m.init_device = "meta"
     c = build_model(m, seed=3)
+    assert c.model.layers[0].mlp.up_proj.weight.is_meta
+    materialize(c, torch.device("cpu"), seed=3)
     w = c.model.layers[0].mlp.up_proj.weight
     assert not w.is_meta and abs(w.std().item() - m.initializer_range) < 2e-3
     for (n, x), (_, y) in zip(a.named_buffers(), c.named_buffers()):
@@ -56,6 +59,6 @@ def test_seeded_build_is_identical_and_meta_init_matches_distribution():
 
 def test_activation_checkpointing_disables_cache():
     m = compose(["model=deepseek_tiny", "model.activation_checkpointing=true"]).model
-    model = build_model(m, seed=0)
+    model = prepare_replica(build_model(m, seed=0), m, torch.device("cpu"), 0)
     assert model.config.use_cache is False
     assert getattr(model, "is_activation_checkpointing", None) or model.is_gradient_checkpointing

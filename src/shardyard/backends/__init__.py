@@ -7,7 +7,7 @@ its name. Engines share code by composition (``torch_step.TorchStepper``), never
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Optional, Protocol
+from typing import Callable, ClassVar, Optional, Protocol
 
 import torch
 
@@ -35,8 +35,10 @@ class Backend(Protocol):
     def init(self) -> None:
         """Process group, device, seeds of the communication layer."""
 
-    def prepare(self, model: torch.nn.Module, total_steps: int) -> None:
-        """Wrap/shard the model, build optimizer + scheduler + loss scaler from the recipe."""
+    def prepare(self, build: Callable[..., torch.nn.Module], total_steps: int) -> None:
+        """Build the model with ``build(allow_meta=...)`` where and how this engine needs it (meta device,
+        ``deepspeed.zero.Init``), apply activation checkpointing and compile, wrap/shard it, and build the
+        optimizer, scheduler and loss scaler from the recipe."""
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, is_last_micro: bool) -> torch.Tensor:
         """Loss of one micro-batch (detached); gradients are synchronised only when ``is_last_micro``."""

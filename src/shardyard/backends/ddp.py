@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import inspect
 import os
 
@@ -15,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 from shardyard.backends import StepStats
 from shardyard.backends.torch_step import TorchStepper, pick_device
 from shardyard.errors import UserError
+from shardyard.model import prepare_replica
 
 
 def init_process_group(cfg: DictConfig, device: torch.device, dist_backend: str = "auto") -> None:
@@ -24,6 +26,21 @@ def init_process_group(cfg: DictConfig, device: torch.device, dist_backend: str 
     if not dist.is_initialized():
         dist.init_process_group(dist_backend, timeout=datetime.timedelta(seconds=cfg.launch.timeout_s),
                                 device_id=device if device.type == "cuda" else None)
+
+
+def teardown(backend, *attrs: str, destroy=None) -> None:
+    """Free an engine's wrapped model/optimizer while the process group is alive, then destroy the group.
+
+    DDP's Reducer (and FSDP's mesh, DeepSpeed's engine) hold the last reference to the gloo group. Freed
+    after ``destroy_process_group``, its destructor joins gloo's worker thread while holding the GIL, and
+    that thread is waiting for the GIL to drop a tensor: a deadlock at exit or between two in-process runs.
+    """
+    for name in attrs:
+        backend.__dict__.pop(name, None)
+    gc.collect()
+    if dist.is_initialized():
+        dist.barrier()  # queued collectives are finished (and their work objects gone) before teardown
+        (destroy or dist.destroy_process_group)()
 
 
 def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
@@ -60,9 +77,9 @@ class DDPBackend:
         self.device = pick_device(self.plan, int(os.environ.get("LOCAL_RANK", 0)))
         init_process_group(self.cfg, self.device, self.bcfg.dist_backend)
 
-    def prepare(self, model: torch.nn.Module, total_steps: int) -> None:
+    def prepare(self, build, total_steps: int) -> None:
         b = self.bcfg
-        model = model.to(self.device)
+        model = prepare_replica(build(allow_meta=True), self.cfg.model, self.device, self.cfg.seed)
         # DDP broadcasts rank 0's parameters at construction, so every replica starts identical.
         self.ddp = DistributedDataParallel(
             model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
@@ -82,6 +99,9 @@ class DDPBackend:
     def eval_loss(self, inputs, targets) -> torch.Tensor:
         return self.stepper.eval_loss(inputs, targets)
 
+    def memory_breakdown(self) -> dict:
+        return self.stepper.memory_breakdown()
+
     def all_reduce_mean(self, t: torch.Tensor) -> torch.Tensor:
         return all_reduce_mean(t)
 
@@ -97,5 +117,4 @@ class DDPBackend:
         return {k: v.detach().cpu() for k, v in self.ddp.module.state_dict().items()}
 
     def close(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        teardown(self, "stepper", "ddp")

@@ -8,6 +8,7 @@ from omegaconf import DictConfig
 from shardyard.backends import StepStats
 from shardyard.backends.torch_step import TorchStepper, pick_device
 from shardyard.errors import UserError
+from shardyard.model import prepare_replica
 
 
 class SingleBackend:
@@ -26,8 +27,8 @@ class SingleBackend:
     def init(self) -> None:
         self.device = pick_device(self.plan, 0)
 
-    def prepare(self, model: torch.nn.Module, total_steps: int) -> None:
-        self.model = model.to(self.device)
+    def prepare(self, build, total_steps: int) -> None:
+        self.model = prepare_replica(build(allow_meta=True), self.cfg.model, self.device, self.cfg.seed)
         self.stepper = TorchStepper(self.model, self.cfg, self.device, self.plan.grad_accum_steps, total_steps)
 
     def forward_backward(self, inputs, targets, is_last_micro: bool) -> torch.Tensor:
@@ -38,6 +39,9 @@ class SingleBackend:
 
     def eval_loss(self, inputs, targets) -> torch.Tensor:
         return self.stepper.eval_loss(inputs, targets)
+
+    def memory_breakdown(self) -> dict:
+        return self.stepper.memory_breakdown()
 
     def all_reduce_mean(self, t: torch.Tensor) -> torch.Tensor:
         return t

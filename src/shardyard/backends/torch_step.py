@@ -18,12 +18,12 @@ class TorchStepper:
     """Autocast forward, scaled backward over accumulation micro-steps, then unscale -> clip -> step."""
 
     def __init__(self, model: torch.nn.Module, cfg: DictConfig, device: torch.device, accum: int, total_steps: int,
-                 scaler: torch.amp.GradScaler | None = None):
+                 scaler: torch.amp.GradScaler | None = None, autocast: bool = True):
         pr = cfg.precision
         self.model, self.accum, self.device_type = model, accum, device.type
         self.max_norm = cfg.train.max_grad_norm
         self.dtype = DTYPES[pr.compute_dtype]
-        self.autocast_on = pr.name != "fp32"
+        self.autocast_on = autocast and pr.name != "fp32"
         self.optimizer = build_optimizer(model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.sched, total_steps)
         # fp16 needs dynamic loss scaling; fp32 master weights stay in the optimizer either way.
@@ -62,6 +62,12 @@ class TorchStepper:
     def eval_loss(self, inputs, targets) -> torch.Tensor:
         with self.autocast():
             return causal_lm_loss(self.model, inputs, targets).detach()
+
+    def memory_breakdown(self) -> dict:
+        from shardyard.memory import breakdown, optimizer_state_tensors
+
+        return breakdown({"params": self.params, "grads": [p.grad for p in self.params if p.grad is not None],
+                          "optimizer": optimizer_state_tensors(self.optimizer)})
 
     def state_dict(self) -> dict:
         return {"scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict()}

@@ -42,6 +42,55 @@ class DDPBackendConfig(BackendConfig):
     """Re-broadcast module buffers from rank 0 every forward (LLMs have no BatchNorm: not needed)."""
 
 
+@dataclass
+class FSDPBackendConfig(BackendConfig):
+    reshard_after_forward: bool = True
+    """Free each block's gathered parameters after its forward (ZeRO-3 memory) instead of keeping them
+    for backward (ZeRO-2-like: less communication, more memory)."""
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer state in CPU memory (``CPUOffloadPolicy``)."""
+
+
+@dataclass
+class ZeroBackendConfig(BackendConfig):
+    stage: int = MISSING
+    """ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters."""
+    overlap_comm: bool = True
+    """Overlap gradient reduction with backward compute."""
+    contiguous_gradients: bool = True
+    """Copy gradients into one contiguous buffer as they are produced (less fragmentation)."""
+    reduce_scatter: bool = True
+    """Reduce gradients with reduce-scatter instead of all-reduce (stages 1-2)."""
+    reduce_bucket_size: float = 5e8
+    """Elements reduced at a time."""
+    allgather_bucket_size: float = 5e8
+    """Elements all-gathered at a time after the optimizer step (stages 1-2)."""
+    stage3_prefetch_bucket_size: float = 5e7
+    """ZeRO-3: elements of upcoming parameters prefetched ahead of use."""
+    stage3_param_persistence_threshold: float = 1e5
+    """ZeRO-3: parameters smaller than this stay unpartitioned (fewer tiny all-gathers)."""
+    stage3_max_live_parameters: float = 1e9
+    """ZeRO-3: most gathered parameter elements kept on a GPU at once."""
+    stage3_max_reuse_distance: float = 1e9
+    """ZeRO-3: keep a gathered parameter if it is reused within this many elements of compute."""
+    stage3_gather_16bit_weights_on_model_save: bool = True
+    """ZeRO-3: gather full 16-bit weights when the model is saved (needed for the HF export)."""
+    sub_group_size: float = 1e9
+    """ZeRO-3: optimizer steps run over parameter groups of this many elements (bounds offload memory)."""
+    offload_optimizer: str = "none"
+    """``none``, ``cpu`` (ZeRO-Offload) or ``nvme`` (ZeRO-Infinity) for optimizer state and step."""
+    offload_param: str = "none"
+    """ZeRO-3 only: ``none``, ``cpu`` or ``nvme`` for the partitioned parameters."""
+    pin_memory: bool = True
+    """Page-locked CPU buffers for offloaded tensors (faster host-device copies)."""
+    nvme_path: Optional[str] = None
+    """ZeRO-Infinity: a directory on fast local storage for swapped tensors."""
+    dump_config: bool = False
+    """Print the generated DeepSpeed JSON at start (it is always written to ``<run_dir>/deepspeed_config.json``)."""
+    wall_clock_breakdown: bool = False
+    """DeepSpeed's per-phase timing (forward, backward, step) in its logs."""
+
+
 # ----------------------------------------------------------------------------------------------- model
 @dataclass
 class ModelConfig:
@@ -297,6 +346,8 @@ SCHEMAS = {
     "schema_train": TrainConfig,
     "schema_backend_base": BackendConfig,
     "schema_backend_ddp": DDPBackendConfig,
+    "schema_backend_fsdp": FSDPBackendConfig,
+    "schema_backend_zero": ZeroBackendConfig,
     "schema_model_llama": ModelConfig,
     "schema_model_deepseek_v3": DeepseekV3ModelConfig,
     "schema_data_stdlib_code": StdlibCodeDataConfig,

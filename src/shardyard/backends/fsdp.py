@@ -1,0 +1,112 @@
+"""``backend=fsdp`` / ``fsdp_offload``: FSDP2 (``torch.distributed.fsdp.fully_shard``), per block and at the root."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from shardyard.backends import StepStats
+from shardyard.backends.ddp import all_reduce_mean, init_process_group, teardown
+from shardyard.backends.torch_step import DTYPES, TorchStepper, pick_device
+from shardyard.errors import UserError
+from shardyard.model import apply_activation_checkpointing, apply_compile, materialize, transformer_blocks
+
+
+def parallelize_fsdp(model: torch.nn.Module, cfg: DictConfig, device: torch.device) -> torch.nn.Module:
+    """Activation checkpointing -> compile -> shard blocks -> shard root -> materialise. In this order because:
+
+    1. Activation checkpointing wraps each block's forward first, so that FSDP's pre-forward hook (the
+       parameter all-gather) also runs again when the block is recomputed in backward.
+    2. Compile each block next: FSDP2's hooks then sit outside the compiled graphs (one graph serves
+       every identical block; graph breaks on collectives are avoided).
+    3. Shard every transformer block as its own unit (its all-gather overlaps the previous block's
+       compute), then the root, which takes what is left: embeddings, final norm and LM head.
+    4. A big model was built on the meta device; only now, sharded, does each rank give its own shards
+       storage and initialise them, so no rank ever holds the full model.
+    """
+    b, pr = cfg.backend, cfg.precision
+    apply_activation_checkpointing(model, cfg.model)  # 1
+    apply_compile(model, cfg.model)  # 2
+    # bf16/fp16: parameters all-gathered in the compute dtype, gradients reduced in fp32; the sharded fp32
+    # parameters are the master weights the optimizer updates.
+    mp = MixedPrecisionPolicy(param_dtype=DTYPES[pr.compute_dtype], reduce_dtype=torch.float32) \
+        if pr.name != "fp32" else MixedPrecisionPolicy()
+    offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if b.cpu_offload else OffloadPolicy()
+    for block in transformer_blocks(model):  # 3
+        fully_shard(block, reshard_after_forward=b.reshard_after_forward, mp_policy=mp, offload_policy=offload)
+    # The root is all-gathered again right at the start of backward: keeping it unsharded saves that.
+    fully_shard(model, reshard_after_forward=False, mp_policy=mp, offload_policy=offload)
+    materialize(model, torch.device("cpu") if b.cpu_offload else device, cfg.seed)  # 4
+    if not b.cpu_offload:
+        model.to(device)
+    return model
+
+
+class FSDPBackend:
+    launcher = "elastic"
+
+    def __init__(self, cfg: DictConfig, plan):
+        self.cfg, self.plan, self.bcfg = cfg, plan, cfg.backend
+        self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+    @staticmethod
+    def validate(cfg: DictConfig, plan) -> None:
+        if cfg.precision.name == "fp16" and plan.device_type == "cpu":
+            raise UserError("precision", "fp16", "FSDP2 keeps fp16 parameters for compute, and fp16 matmuls on CPU "
+                            "are emulated and unstable.", "Use precision=bf16 (or fp32) on CPU; fp16 works on CUDA.")
+
+    def init(self) -> None:
+        self.device = pick_device(self.plan, int(os.environ.get("LOCAL_RANK", 0)))
+        init_process_group(self.cfg, self.device)
+
+    def prepare(self, build, total_steps: int) -> None:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        self.model = parallelize_fsdp(build(allow_meta=True), self.cfg, self.device)
+        pr = self.cfg.precision
+        # The sharded scaler all-reduces "found inf" so every rank skips the same fp16 steps.
+        scaler = ShardedGradScaler(self.device.type, init_scale=2.0 ** pr.initial_scale_power,
+                                   growth_interval=pr.loss_scale_window, enabled=pr.name == "fp16")
+        self.stepper = TorchStepper(self.model, self.cfg, self.device, self.plan.grad_accum_steps, total_steps,
+                                    scaler=scaler, autocast=False)  # the MixedPrecisionPolicy casts instead
+
+    def forward_backward(self, inputs, targets, is_last_micro: bool) -> torch.Tensor:
+        # Non-final micro-steps keep unsharded gradients locally and skip the reduce-scatter.
+        self.model.set_requires_gradient_sync(is_last_micro)
+        return self.stepper.forward_backward(inputs, targets)
+
+    def step(self) -> StepStats:
+        return self.stepper.step()  # clip_grad_norm_ on DTensors: the global norm over all shards
+
+    def eval_loss(self, inputs, targets) -> torch.Tensor:
+        return self.stepper.eval_loss(inputs, targets)
+
+    def memory_breakdown(self) -> dict:
+        return self.stepper.memory_breakdown()
+
+    def all_reduce_mean(self, t: torch.Tensor) -> torch.Tensor:
+        return all_reduce_mean(t)
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def hf_model(self) -> torch.nn.Module:
+        return self.model
+
+    def full_state_dict(self) -> dict | None:
+        # Gathered tensor by tensor into rank 0's CPU memory; the other ranks receive nothing.
+        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return sd if self.rank == 0 else None
+
+    def local_state_dict(self) -> dict:
+        return {k: (v.to_local() if hasattr(v, "to_local") else v).detach().cpu().clone()
+                for k, v in self.model.state_dict().items()}
+
+    def close(self) -> None:
+        teardown(self, "stepper", "model")

@@ -1,0 +1,66 @@
+"""Sharded engines through ``python train.py``: launch, generated DeepSpeed config, and user errors."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, TINY, train_py
+
+FAST = [*TINY, "train.steps=3", "train.eval_every_n_steps=0", "checkpoint.save_final=true"]
+
+
+@pytest.mark.parametrize("engine", ["fsdp", "zero3"])
+def test_sharded_engine_trains_and_exports_through_train_py(engine, tmp_path):
+    proc = train_py(*FAST, f"backend={engine}", "launch.nproc_per_node=2", "backend.dump_config=true"
+                    if engine == "zero3" else "backend.reshard_after_forward=true", run_dir=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True)
+    assert sum(p.numel() for p in model.parameters()) == json.load(open(tmp_path / "summary.json"))["params"]
+    if engine == "zero3":
+        generated = json.load(open(tmp_path / "deepspeed_config.json"))
+        assert "generated DeepSpeed config" in proc.stdout
+        assert generated["zero_optimization"]["stage"] == 3
+        assert generated["train_batch_size"] == 8 and generated["train_micro_batch_size_per_gpu"] == 4
+        assert "auto" not in json.dumps(generated)
+
+
+def test_deepspeed_launcher_starts_train_py(tmp_path):
+    if shutil.which("deepspeed") is None and not os.path.exists(os.path.join(os.path.dirname(sys.executable), "deepspeed")):
+        pytest.skip("deepspeed launcher not installed")
+    launcher = shutil.which("deepspeed") or os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    cmd = [launcher, "--num_nodes=1", "--num_gpus=2", "--no_ssh_check", "train.py", "backend=zero2",
+           f"hydra.run.dir={tmp_path}", *FAST]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": os.path.dirname(sys.executable) + ":" + os.environ["PATH"]}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert json.load(open(tmp_path / "summary.json"))["world_size"] == 2
+
+
+@pytest.mark.parametrize("overrides,expect", [
+    (["backend=ddp", "backend.cpu_offload=true"], "backend.cpu_offload"),  # an offload knob DDP does not have
+    (["backend=zero1", "backend.offload_param=cpu"], "Only ZeRO-3 partitions parameters"),
+    (["backend=zero_infinity"], "backend.nvme_path"),
+    (["backend=zero2", "precision=fp16"], "no fp16 support"),
+    (["backend=fsdp", "precision=fp16"], "precision"),
+])
+def test_bad_engine_combinations_exit_2(overrides, expect, tmp_path):
+    proc = train_py(*overrides, run_dir=tmp_path, timeout=180)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    assert expect in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_zero_infinity_without_async_io_says_so(tmp_path):
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    proc = train_py("backend=zero_infinity", f"backend.nvme_path={swap}", run_dir=tmp_path / "run", timeout=180)
+    if AsyncIOBuilder().is_compatible(verbose=False):
+        pytest.skip("this machine has libaio; the validation passes")
+    assert proc.returncode == 2 and "libaio" in proc.stderr and "Traceback" not in proc.stderr
