@@ -21,7 +21,7 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 VPY="$VENV/bin/python"
 stamp="$VENV/.shardyard-setup"
-want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
+want=$(cat pyproject.toml scripts/setup.sh scripts/build_horovod.sh | sha256sum | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && $VPY -c "import torch, shardyard" 2>/dev/null; then
   say "up to date ($VENV)"; exit 0
 fi
@@ -34,5 +34,11 @@ else
 fi
 say "installing shardyard (editable) with its dev and deepspeed extras"
 $VPY -m pip install -q -e '.[dev,deepspeed]'
+if [ "${SHARDYARD_SKIP_HOROVOD:-0}" = 1 ]; then
+  say "skipping Horovod (SHARDYARD_SKIP_HOROVOD=1): backend=horovod will be unavailable"
+else
+  say "Horovod 0.28.1 (built once per machine, cached; skip with SHARDYARD_SKIP_HOROVOD=1)"
+  PYTHON="$VPY" bash scripts/build_horovod.sh
+fi
 echo "$want" > "$stamp"
 say "ok: $($VPY -c 'import torch, transformers; print(f"torch {torch.__version__}, transformers {transformers.__version__}")')"

@@ -57,7 +57,26 @@ def elastic(run_dir: str, plan: Plan, launch_cfg: DictConfig) -> None:
         sys.exit(2 if set(codes.values()) == {2} else 1)
 
 
-LAUNCHERS: dict[str, Callable[[str, Plan, DictConfig], None]] = {"elastic": elastic}
+def horovod(run_dir: str, plan: Plan, launch_cfg: DictConfig) -> None:
+    """``horovodrun -np N --gloo``: Horovod's own runner starts and watches the workers."""
+    import subprocess
+
+    n = plan.nproc_per_node
+    runner = [sys.executable, "-c", "import sys; from horovod.runner.launch import run_commandline; "
+              "sys.argv[0] = 'horovodrun'; run_commandline()"]
+    cmd = [*runner, "-np", str(n), "-H", f"localhost:{n}", "--gloo", "--gloo-timeout-seconds",
+           str(launch_cfg.timeout_s), sys.executable, "-m", "shardyard.worker", run_dir]
+    env = dict(os.environ)
+    if plan.device_type == "cpu" and "OMP_NUM_THREADS" not in env:
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // n))
+    code = subprocess.call(cmd, env=env)
+    if code:
+        print(f"shardyard: horovodrun exited with code {code} (a worker failed; its output is above). "
+              f"Run dir: {run_dir}", file=sys.stderr, flush=True)
+        sys.exit(2 if code == 2 else 1)
+
+
+LAUNCHERS: dict[str, Callable[[str, Plan, DictConfig], None]] = {"elastic": elastic, "horovod": horovod}
 
 
 def for_backend(backend_cfg: DictConfig) -> Callable[[str, Plan, DictConfig], None]:

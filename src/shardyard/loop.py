@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from omegaconf import DictConfig
@@ -34,7 +35,9 @@ def evaluate(backend, val: PackedSequences, cfg: DictConfig, plan) -> float:
     return backend.all_reduce_mean(total / cfg.train.eval_batches).item()
 
 
-def train(cfg: DictConfig, plan, backend, stream: TrainStream, val: PackedSequences, monitors, start_step: int = 0) -> LoopResult:
+def train(cfg: DictConfig, plan, backend, stream: TrainStream, val: PackedSequences, monitors, start_step: int = 0,
+          after_step: Callable[[int], None] | None = None) -> LoopResult:
+    """Steps ``start_step .. train.steps``; ``after_step(done)`` runs after each (checkpointing)."""
     tr = cfg.train
     total, accum, dev = tr.steps, plan.grad_accum_steps, backend.device
     res = LoopResult()
@@ -83,6 +86,8 @@ def train(cfg: DictConfig, plan, backend, stream: TrainStream, val: PackedSequen
         res.step_wall_s.append(time.perf_counter() - t0)
         if done == total or (tr.eval_every_n_steps and done % tr.eval_every_n_steps == 0):
             run_eval(done)
+        if after_step is not None:
+            after_step(done)
     res.tokens = (total - start_step) * plan.tokens_per_step
     res.wall_s = time.perf_counter() - t_begin
     return res

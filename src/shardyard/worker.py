@@ -18,6 +18,7 @@ import torch
 from omegaconf import DictConfig
 
 from shardyard import data, dist_env, loop, monitors
+from shardyard.checkpoint import Checkpointer
 from shardyard.config.validate import validate
 from shardyard.errors import UserError, report_and_exit
 from shardyard.export import save_hf
@@ -68,7 +69,14 @@ def _train(cfg: DictConfig, plan, backend) -> dict:
               f"({stream.steps_per_epoch} steps per epoch)", flush=True)
     mon = monitors.build(cfg, cfg.run_dir, cfg.train.steps, rank0)
     seed_everything(cfg.seed + backend.rank)  # per-rank streams (dropout, sampling) after identical init
-    result = loop.train(cfg, plan, backend, stream, val, mon)
+    ckpt = Checkpointer(cfg, backend, plan, prepared.tokenizer_dir)
+    start = ckpt.restore()  # 0, or the step of the checkpoint (RNG, scheduler, scaler, data position too)
+
+    def after_step(done: int) -> None:
+        ckpt.maybe_save(done, stream)
+        _inject_fault(done, backend.rank)
+
+    result = loop.train(cfg, plan, backend, stream, val, mon, start_step=start, after_step=after_step)
     export = None
     if cfg.checkpoint.save_final:
         export = save_hf(backend, prepared.tokenizer_dir, os.path.join(cfg.run_dir, "hf"))
@@ -91,6 +99,18 @@ def _train(cfg: DictConfig, plan, backend) -> dict:
             json.dump(summary, f, indent=1)
     mon.close(summary)
     return summary
+
+
+def _inject_fault(step: int, rank: int) -> None:
+    """Fault drill for the tests: ``SHARDYARD_TEST_CRASH_AT_STEP=STEP[:RANK]`` kills that rank after that
+    step, on the first attempt only (a restarted worker has TORCHELASTIC_RESTART_COUNT > 0)."""
+    spec = os.environ.get("SHARDYARD_TEST_CRASH_AT_STEP")
+    if not spec or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        return
+    at, _, who = spec.partition(":")
+    if step == int(at) and rank == int(who or 0):
+        print(f"shardyard | SHARDYARD_TEST_CRASH_AT_STEP: rank {rank} dies after step {step}", file=sys.stderr, flush=True)
+        os._exit(13)
 
 
 @torch.no_grad()

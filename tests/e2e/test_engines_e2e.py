@@ -64,3 +64,21 @@ def test_zero_infinity_without_async_io_says_so(tmp_path):
     if AsyncIOBuilder().is_compatible(verbose=False):
         pytest.skip("this machine has libaio; the validation passes")
     assert proc.returncode == 2 and "libaio" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_horovod_through_train_py_and_horovodrun(tmp_path):
+    pytest.importorskip("horovod.torch")
+    proc = train_py(*FAST, "backend=horovod", "launch.nproc_per_node=2", "backend.timeline=true", run_dir=tmp_path / "a")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert isinstance(json.load(open(tmp_path / "a" / "horovod_timeline.json")), list)
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(tmp_path / "a" / "hf", local_files_only=True)
+    # The user's own horovodrun starts the same train.py.
+    horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+    cmd = [horovodrun, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, "train.py", "backend=horovod",
+           f"hydra.run.dir={tmp_path / 'b'}", *FAST]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert json.load(open(tmp_path / "b" / "summary.json"))["world_size"] == 2

@@ -102,6 +102,20 @@ class DDPBackend:
     def memory_breakdown(self) -> dict:
         return self.stepper.memory_breakdown()
 
+    checkpoint_format = "dcp"
+
+    def save_checkpoint(self, path: str) -> None:
+        self.stepper.save_dcp(path, self.ddp)
+
+    def load_checkpoint(self, path: str) -> None:
+        self.stepper.load_dcp(path, self.ddp)
+
+    def training_state(self) -> dict:
+        return self.stepper.training_state()
+
+    def load_training_state(self, state: dict) -> None:
+        self.stepper.load_training_state(state)
+
     def all_reduce_mean(self, t: torch.Tensor) -> torch.Tensor:
         return all_reduce_mean(t)
 

@@ -191,6 +191,23 @@ class DeepSpeedBackend:
         return breakdown({"params": params, "grads": grads,
                           "optimizer": masters + list(optimizer_state_tensors(opt.optimizer if hasattr(opt, "optimizer") else opt))})
 
+    checkpoint_format = "deepspeed"
+
+    def save_checkpoint(self, path: str) -> None:
+        # Collective: each rank writes its ZeRO partitions; DeepSpeed also saves our scheduler and its scaler.
+        self.engine.save_checkpoint(path, tag="zero", save_latest=False)
+
+    def load_checkpoint(self, path: str) -> None:
+        load_path, _ = self.engine.load_checkpoint(path, tag="zero", load_optimizer_states=True,
+                                                   load_lr_scheduler_states=True)
+        assert load_path is not None, f"DeepSpeed found no checkpoint under {path}"
+
+    def training_state(self) -> dict:
+        return {}  # inside DeepSpeed's own files
+
+    def load_training_state(self, state: dict) -> None:
+        pass
+
     def all_reduce_mean(self, t: torch.Tensor) -> torch.Tensor:
         return all_reduce_mean(t)
 
@@ -210,8 +227,15 @@ class DeepSpeedBackend:
     def close(self) -> None:
         import deepspeed.comm
 
+        from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as ZeroInit
+
         if hasattr(self, "engine"):
             self.engine.destroy()  # removes its hooks and buffers
+        # ZeRO-3 swaps torch.nn.functional.linear for its own memory-efficient version "until manually
+        # reset"; left in place it slows down (and changes the autograd graph of) any later model in
+        # this process.
+        if hasattr(ZeroInit, "linear_bk"):
+            torch.nn.functional.linear = ZeroInit.linear_bk
         # DeepSpeed's own teardown also drops its cached groups, so a later engine in this process (the
         # next job of an in-process sweep) starts from a clean slate.
         teardown(self, "engine", "_hf_ds", destroy=deepspeed.comm.destroy_process_group)

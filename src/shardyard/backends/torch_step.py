@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from typing import Callable
 
 import torch
 from omegaconf import DictConfig
@@ -18,13 +19,16 @@ class TorchStepper:
     """Autocast forward, scaled backward over accumulation micro-steps, then unscale -> clip -> step."""
 
     def __init__(self, model: torch.nn.Module, cfg: DictConfig, device: torch.device, accum: int, total_steps: int,
-                 scaler: torch.amp.GradScaler | None = None, autocast: bool = True):
+                 scaler: torch.amp.GradScaler | None = None, autocast: bool = True,
+                 wrap_optimizer: Callable[[torch.optim.Optimizer], torch.optim.Optimizer] | None = None):
         pr = cfg.precision
         self.model, self.accum, self.device_type = model, accum, device.type
         self.max_norm = cfg.train.max_grad_norm
         self.dtype = DTYPES[pr.compute_dtype]
         self.autocast_on = autocast and pr.name != "fp32"
         self.optimizer = build_optimizer(model, cfg.optim)
+        if wrap_optimizer is not None:  # e.g. Horovod's DistributedOptimizer
+            self.optimizer = wrap_optimizer(self.optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.sched, total_steps)
         # fp16 needs dynamic loss scaling; fp32 master weights stay in the optimizer either way.
         self.scaler = scaler or torch.amp.GradScaler(
@@ -45,6 +49,11 @@ class TorchStepper:
         return loss.detach()
 
     def step(self) -> StepStats:
+        synchronize = getattr(self.optimizer, "synchronize", None)
+        if synchronize is not None:
+            # Horovod's AMP pattern: finish the gradient all-reduces before unscaling and clipping, then
+            # step inside skip_synchronize() so the optimizer does not wait for them a second time.
+            synchronize()
         self.scaler.unscale_(self.optimizer)
         max_norm = self.max_norm if self.max_norm > 0 else float("inf")
         # Works for plain and DTensor (FSDP2) parameters alike; returns the global pre-clip norm.
@@ -52,10 +61,11 @@ class TorchStepper:
         if isinstance(grad_norm, torch.distributed.tensor.DTensor):
             grad_norm = grad_norm.full_tensor()
         lr = self.optimizer.param_groups[0]["lr"]
-        self.scaler.step(self.optimizer)  # skipped by the scaler when fp16 gradients overflowed
+        with self.optimizer.skip_synchronize() if synchronize is not None else contextlib.nullcontext():
+            self.scaler.step(self.optimizer)  # skipped by the scaler when fp16 gradients overflowed
         self.scaler.update()
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad()  # set_to_none=True is the default (and Horovod takes no argument)
         return StepStats(grad_norm.detach(), lr, self.scaler.get_scale() if self.scaler.is_enabled() else None)
 
     @torch.no_grad()
@@ -69,13 +79,33 @@ class TorchStepper:
         return breakdown({"params": self.params, "grads": [p.grad for p in self.params if p.grad is not None],
                           "optimizer": optimizer_state_tensors(self.optimizer)})
 
-    def state_dict(self) -> dict:
-        return {"scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict()}
+    def training_state(self) -> dict:
+        """Scheduler and loss-scaler state (JSON-able); model and optimizer go into the engine's shards."""
+        sched = {k: v for k, v in self.scheduler.state_dict().items() if k != "lr_lambdas"}
+        return {"scheduler": sched, "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None}
 
-    def load_state_dict(self, sd: dict) -> None:
-        self.scheduler.load_state_dict(sd["scheduler"])
-        if sd.get("scaler"):
-            self.scaler.load_state_dict(sd["scaler"])
+    def load_training_state(self, state: dict) -> None:
+        self.scheduler.load_state_dict({**self.scheduler.state_dict(), **state["scheduler"]})
+        if state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+
+    def save_dcp(self, path: str, model: torch.nn.Module) -> None:
+        """torch.distributed.checkpoint: every rank writes its own shards (replicated tensors once)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(model, self.optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+
+    def load_dcp(self, path: str, model: torch.nn.Module) -> None:
+        """Loads into this run's layout, so a checkpoint resumes at another world size (DCP reshards)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_sd, optim_sd = get_state_dict(model, self.optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
 def pick_device(plan, local_rank: int) -> torch.device:

@@ -91,6 +91,14 @@ class ZeroBackendConfig(BackendConfig):
     """DeepSpeed's per-phase timing (forward, backward, step) in its logs."""
 
 
+@dataclass
+class HorovodBackendConfig(BackendConfig):
+    compression: str = "none"
+    """Gradient compression on the wire: ``none`` or ``fp16`` (halves all-reduce bytes)."""
+    timeline: bool = False
+    """Write Horovod's timeline (Chrome-trace JSON) to ``<run_dir>/horovod_timeline.json``."""
+
+
 # ----------------------------------------------------------------------------------------------- model
 @dataclass
 class ModelConfig:
@@ -348,6 +356,7 @@ SCHEMAS = {
     "schema_backend_ddp": DDPBackendConfig,
     "schema_backend_fsdp": FSDPBackendConfig,
     "schema_backend_zero": ZeroBackendConfig,
+    "schema_backend_horovod": HorovodBackendConfig,
     "schema_model_llama": ModelConfig,
     "schema_model_deepseek_v3": DeepseekV3ModelConfig,
     "schema_data_stdlib_code": StdlibCodeDataConfig,

@@ -1,0 +1,128 @@
+"""``backend=horovod``: Horovod 0.28.1 (gloo controller; MPI when present), launched by Horovod's runner."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from omegaconf import DictConfig
+
+from shardyard.backends import StepStats
+from shardyard.backends.torch_step import TorchStepper, pick_device
+from shardyard.errors import UserError
+from shardyard.model import prepare_replica
+
+
+class HorovodBackend:
+    launcher = "horovod"
+
+    def __init__(self, cfg: DictConfig, plan):
+        self.cfg, self.plan, self.bcfg = cfg, plan, cfg.backend
+
+    @staticmethod
+    def validate(cfg: DictConfig, plan) -> None:
+        from shardyard.dist_env import detect
+
+        try:
+            import horovod.torch  # noqa: F401
+        except ImportError as e:
+            raise UserError("backend", "horovod", f"Horovod is not installed or not built for this torch ({e}).",
+                            "Run `make setup` (it builds Horovod 0.28.1 with PyTorch + Gloo), or pick another "
+                            "backend.") from None
+        if cfg.backend.compression not in ("none", "fp16"):
+            raise UserError("backend.compression", cfg.backend.compression, "Unknown gradient compression.",
+                            "Use none or fp16.")
+        env = detect()
+        if env is not None and env.launcher == "elastic" and env.world_size > 1:
+            raise UserError("backend", "horovod", "Horovod workers must be started by Horovod's runner, not by "
+                            "torchrun/deepspeed.", "Use `python train.py backend=horovod launch.nproc_per_node=N` "
+                            "or `horovodrun -np N python train.py backend=horovod`.")
+
+    def init(self) -> None:
+        import horovod.torch as hvd
+
+        if self.bcfg.timeline:
+            os.environ.setdefault("HOROVOD_TIMELINE", "DYNAMIC")  # lets us start it from here, on every rank
+        hvd.init()
+        self.hvd = hvd
+        self.rank, self.world_size = hvd.rank(), hvd.size()
+        self.device = pick_device(self.plan, hvd.local_rank())
+        if self.bcfg.timeline:
+            # Every rank must call it (it is coordinated); rank 0 writes the Chrome-trace JSON.
+            hvd.start_timeline(os.path.join(self.cfg.run_dir, "horovod_timeline.json"), mark_cycles=False)
+
+    def prepare(self, build, total_steps: int) -> None:
+        hvd = self.hvd
+        model = prepare_replica(build(allow_meta=True), self.cfg.model, self.device, self.cfg.seed)
+        compression = hvd.Compression.fp16 if self.bcfg.compression == "fp16" else hvd.Compression.none
+
+        def distributed(optimizer):
+            # Rank 0's initial state everywhere, then gradient all-reduce hooks that fire once every
+            # `backward_passes_per_step` backward passes: Horovod's own gradient accumulation.
+            hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+            hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+            return hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                            compression=compression, op=hvd.Average,
+                                            backward_passes_per_step=self.plan.grad_accum_steps)
+
+        self.model = model
+        self.stepper = TorchStepper(model, self.cfg, self.device, self.plan.grad_accum_steps, total_steps,
+                                    wrap_optimizer=distributed)
+
+    def forward_backward(self, inputs, targets, is_last_micro: bool) -> torch.Tensor:
+        return self.stepper.forward_backward(inputs, targets)
+
+    def step(self) -> StepStats:
+        return self.stepper.step()  # synchronize() -> unscale -> clip -> skip_synchronize(): step
+
+    def eval_loss(self, inputs, targets) -> torch.Tensor:
+        return self.stepper.eval_loss(inputs, targets)
+
+    def memory_breakdown(self) -> dict:
+        return self.stepper.memory_breakdown()
+
+    checkpoint_format = "torch-rank0"
+
+    def save_checkpoint(self, path: str) -> None:
+        # Every rank holds the same replica and optimizer state: rank 0 writes them, once.
+        if self.rank == 0:
+            from safetensors.torch import save_file
+
+            save_file({k: v.contiguous() for k, v in self.model.state_dict().items()}, os.path.join(path, "model.safetensors"))
+            torch.save(self.stepper.optimizer.state_dict(), os.path.join(path, "optimizer.pt"))
+
+    def load_checkpoint(self, path: str) -> None:
+        from safetensors.torch import load_file
+
+        self.model.load_state_dict(load_file(os.path.join(path, "model.safetensors"), device=str(self.device)))
+        self.stepper.optimizer.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"), weights_only=True,
+                                                          map_location=self.device))
+
+    def training_state(self) -> dict:
+        return self.stepper.training_state()
+
+    def load_training_state(self, state: dict) -> None:
+        self.stepper.load_training_state(state)
+
+    def all_reduce_mean(self, t: torch.Tensor) -> torch.Tensor:
+        return self.hvd.allreduce(t.detach(), op=self.hvd.Average, name="shardyard.metric")
+
+    def barrier(self) -> None:
+        self.hvd.barrier()
+
+    def hf_model(self) -> torch.nn.Module:
+        return self.model
+
+    def full_state_dict(self) -> dict | None:
+        if self.rank != 0:
+            return None
+        return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+
+    def close(self) -> None:
+        if not hasattr(self, "hvd"):
+            return
+        if self.bcfg.timeline:
+            self.hvd.stop_timeline()
+        self.__dict__.pop("stepper", None)
+        self.__dict__.pop("model", None)
+        self.hvd.shutdown()
