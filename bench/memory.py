@@ -73,7 +73,7 @@ def _rank(rank: int, world: int, ports: list[int], out: str) -> None:
         results[engine] = {"P": built["P"], **backend.memory_breakdown()}
         backend.close()
     if rank == 0:
-        Path(out).write_text(json.dumps(results))
+        Path(out).write_text(json.dumps({"world": world, **results}))
 
 
 def main() -> None:
@@ -83,12 +83,18 @@ def main() -> None:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--load", nargs="+", help="re-print from the per-world JSON files of an earlier run")
     a = ap.parse_args()
     table = {}
-    for world in a.worlds:
-        out = tempfile.mktemp(suffix=".json")
+    if a.load:
+        for path in a.load:
+            res = json.loads(Path(path).read_text())
+            table[res.pop("world")] = res
+    for world in ([] if a.load else a.worlds):
+        out = tempfile.mktemp(suffix=".json", prefix=f"shardyard-memory-w{world}-")
         mp.start_processes(_rank, args=(world, [free_port() for _ in ENGINES], out), nprocs=world, start_method="spawn")
         table[world] = json.loads(Path(out).read_text())
+        print(f"raw results: {out}")
     P = table[a.worlds[0]]["ddp"]["P"]
     mib = 1 / 2 ** 20
     print(f"\nbench/memory.py: {P / 1e6:.1f}M parameters, bf16 mixed precision, AdamW; MiB per rank "
@@ -102,19 +108,16 @@ def main() -> None:
             print(f"{engine:8} {world:>2} | {cells} | {tot_g * mib:7.1f} / {tot_e * mib:7.1f} | {100 * (tot_g / tot_e - 1):+5.1f}%")
     if len(table) >= 2:
         w0, w1 = sorted(table)[:2]
-        print(f"\nsharded share, N={w0} -> N={w1} (should halve when N doubles):")
+        print(f"\nsharded categories, N={w0} -> N={w1} (each should halve when N doubles):")
         for engine in ENGINES:
-            a0, a1 = table[w0][engine], table[w1][engine]
             e0, e1 = expected(engine, P, w0), expected(engine, P, w1)
-            # The replicated share does not change with N; subtract it (as expected) and compare the rest.
-            sharded0 = (sum(e0.values()) - sum(e1.values())) * w1 / (w1 - w0)
-            if sharded0 == 0:
+            sharded = [k for k in e0 if e0[k] != e1[k]]
+            if not sharded:
                 print(f"  {engine:6}: nothing sharded (a full replica per rank)")
                 continue
-            rep = sum(e0.values()) - sharded0
-            s0, s1 = sum(a0[k] for k in e0) - rep, sum(a1[k] for k in e0) - rep
-            print(f"  {engine:6}: {s0 * mib:7.1f} -> {s1 * mib:7.1f} MiB  (ratio {s1 / s0:.3f})")
-
+            cells = ", ".join(f"{k} {table[w0][engine][k] * mib:.1f} -> {table[w1][engine][k] * mib:.1f} MiB "
+                              f"(ratio {table[w1][engine][k] / table[w0][engine][k]:.3f})" for k in sharded)
+            print(f"  {engine:6}: {cells}")
 
 if __name__ == "__main__":
     main()

@@ -23,9 +23,21 @@ def init_process_group(cfg: DictConfig, device: torch.device, dist_backend: str 
     """env:// rendezvous (set by the elastic agent, torchrun, srun mapping, ...) with the recipe's timeout."""
     if dist_backend == "auto":
         dist_backend = "nccl" if device.type == "cuda" else "gloo"
-    if not dist.is_initialized():
-        dist.init_process_group(dist_backend, timeout=datetime.timedelta(seconds=cfg.launch.timeout_s),
-                                device_id=device if device.type == "cuda" else None)
+    if dist.is_initialized():
+        return
+    timeout = datetime.timedelta(seconds=cfg.launch.timeout_s)
+    store = {}
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        # The elastic agent's store lives for the whole job, and workers use it without a per-attempt
+        # prefix: after a restart, gloo would read the dead workers' addresses and fail to connect.
+        # Each attempt therefore gets its own namespace.
+        agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=timeout)
+        store = dict(store=dist.PrefixStore(f"shardyard/attempt-{attempt}", agent),
+                     rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    dist.init_process_group(dist_backend, timeout=timeout, device_id=device if device.type == "cuda" else None,
+                            **store)
 
 
 def teardown(backend, *attrs: str, destroy=None) -> None:

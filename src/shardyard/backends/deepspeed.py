@@ -18,7 +18,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from shardyard.backends import StepStats
-from shardyard.backends.ddp import all_reduce_mean, teardown
+from shardyard.backends.ddp import all_reduce_mean, init_process_group, teardown
 from shardyard.backends.torch_step import pick_device
 from shardyard.errors import UserError
 from shardyard.model import META_INIT_ABOVE, apply_activation_checkpointing, causal_lm_loss, count_params
@@ -116,6 +116,7 @@ class DeepSpeedBackend:
 
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
         self.device = pick_device(self.plan, int(os.environ.get("LOCAL_RANK", 0)))
+        init_process_group(self.cfg, self.device)  # restart-safe; DeepSpeed adopts the existing group
         deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo",
                                    timeout=datetime.timedelta(seconds=self.cfg.launch.timeout_s))
 
