@@ -22,9 +22,14 @@ def test_every_option_composes_and_validates(group, option, tmp_path):
     if group == "data" and option == "text_files":
         (tmp_path / "a.txt").write_text("hello world\n" * 100)
         extra = [f"data.paths=[{tmp_path}/a.txt]"]
+    if option == "zero_infinity":  # needs the user's NVMe directory
+        extra = [f"backend.nvme_path={tmp_path}"]
     cfg = compose([f"{group}={option}", *extra])
-    env = None
-    p = validate(cfg, env) if cfg.backend.name != "single" or cfg.launch.nproc_per_node in ("auto", 1) else plan(cfg, env)
+    try:
+        p = validate(cfg, None)
+    except UserError as e:  # the one option this machine may not run: it lacks libaio for async I/O
+        assert option == "zero_infinity" and "libaio" in e.paragraph(), e.paragraph()
+        return
     assert p.global_batch_size == p.micro_batch_size * p.grad_accum_steps * p.world_size
 
 
