@@ -3,12 +3,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from shardyard.testing import TINY, compose  # noqa: E402
+from shardyard.testing import TINY  # noqa: E402,F401  (re-exported to the tests)
 
 
 def train_py(*overrides: str, run_dir: Path, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -17,7 +15,3 @@ def train_py(*overrides: str, run_dir: Path, timeout: int = 600, env: dict | Non
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=full_env)
 
-
-@pytest.fixture
-def tiny():
-    return list(TINY)

@@ -26,7 +26,7 @@ import warnings
 
 import numpy as np
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from shardyard.errors import UserError
 

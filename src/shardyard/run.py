@@ -9,7 +9,6 @@ horovodrun) are workers already and train directly.
 from __future__ import annotations
 
 import os
-import sys
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -68,7 +67,7 @@ def prepare_run_dir(cfg: DictConfig) -> str:
         raise UserError("hydra.run.dir", run_dir, "That run directory already holds a run with checkpoints.",
                         "Continue it with checkpoint.resume=auto, or choose a new hydra.run.dir.")
     if os.path.exists(path):  # keep the config the run started with beside the new one
-        os.replace(path, os.path.join(run_dir, f"config.previous.yaml"))
+        os.replace(path, os.path.join(run_dir, "config.previous.yaml"))
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         f.write(OmegaConf.to_yaml(resolved(cfg)))

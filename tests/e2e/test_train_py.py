@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from conftest import ROOT, TINY, train_py
 
@@ -110,7 +109,6 @@ def test_help_lists_groups_and_options():
     for line in ["backend: ddp, single", "model: deepseek7b, deepseek_moe_tiny, deepseek_tiny, deepseek_v3",
                  "precision: bf16, fp16, fp32"]:
         assert line in proc.stdout
-    assert "torch" not in sys.modules or True
 
 
 def test_help_and_cfg_do_not_import_torch():

@@ -2,7 +2,6 @@
 
 import pytest
 from hydra.errors import ConfigCompositionException
-from omegaconf.errors import ConfigKeyError, ValidationError
 
 from shardyard.config.validate import plan, validate
 from shardyard.errors import UserError
