@@ -52,4 +52,6 @@ step "installing the cached wheel from $WHEEL_DIR"
 $PY -m pip install -q --no-deps "$WHEEL_DIR"/horovod-*.whl || fail "install wheel"
 $PY -m pip install -q cloudpickle psutil pyyaml packaging 'cffi>=1.4.0' || fail "install runtime deps"
 $PY -c "import horovod.torch" || fail "import horovod.torch"
-step "ok: $(horovodrun --check-build | grep -E 'PyTorch|Gloo' | tr -s ' ' | tr '\n' ' ')"
+# horovodrun may not be on PATH (venv not activated): ask the runner module through this interpreter.
+built=$($PY -m horovod.runner.launch --check-build | grep -E '\[X\] (PyTorch|Gloo|MPI|NCCL)' | sed 's/^ *//; s/ *$//' | sort -u | tr '\n' ' ')
+step "ok, horovodrun --check-build: $built"

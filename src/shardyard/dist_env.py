@@ -33,12 +33,14 @@ def _int(name: str, default: int | None = None) -> int | None:
 
 def detect() -> DistEnv | None:
     """The launcher that started this process as a worker, or None for a plain ``python train.py``."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return DistEnv("elastic", _int("RANK"), _int("LOCAL_RANK", 0), _int("WORLD_SIZE"),
-                       _int("LOCAL_WORLD_SIZE", _int("WORLD_SIZE")))
+    # Horovod first: only horovodrun sets HOROVOD_*, while RANK/WORLD_SIZE may have been exported by us
+    # (export_torch_env) for torch's env:// rendezvous in a worker of any launcher.
     if "HOROVOD_RANK" in os.environ:
         return DistEnv("horovod", _int("HOROVOD_RANK"), _int("HOROVOD_LOCAL_RANK", 0), _int("HOROVOD_SIZE"),
                        _int("HOROVOD_LOCAL_SIZE", _int("HOROVOD_SIZE")))
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return DistEnv("elastic", _int("RANK"), _int("LOCAL_RANK", 0), _int("WORLD_SIZE"),
+                       _int("LOCAL_WORLD_SIZE", _int("WORLD_SIZE")))
     if "OMPI_COMM_WORLD_RANK" in os.environ:
         return DistEnv("mpi", _int("OMPI_COMM_WORLD_RANK"), _int("OMPI_COMM_WORLD_LOCAL_RANK", 0),
                        _int("OMPI_COMM_WORLD_SIZE"), _int("OMPI_COMM_WORLD_LOCAL_SIZE", 1))

@@ -51,10 +51,13 @@ def elastic(run_dir: str, plan: Plan, launch_cfg: DictConfig) -> None:
         elastic_launch(config, sys.executable)("-m", "shardyard.worker", run_dir)
     except ChildFailedError as e:
         codes = {rank: f.exitcode for rank, f in e.failures.items()}
-        first = min(codes)
-        print(f"shardyard: worker rank {first} failed with exit code {codes[first]} "
+        # Ranks the agent terminated after the first failure show a negative (signal) code; blame and
+        # exit with the ranks that really failed (exit 2 stays 2: a user error such as a bad resume path).
+        real = {r: c for r, c in codes.items() if c > 0} or codes
+        first = min(real)
+        print(f"shardyard: worker rank {first} failed with exit code {real[first]} "
               f"(failed ranks and codes: {codes}); its output is above. Run dir: {run_dir}", file=sys.stderr, flush=True)
-        sys.exit(2 if set(codes.values()) == {2} else 1)
+        sys.exit(2 if set(real.values()) == {2} else 1)
 
 
 def horovod(run_dir: str, plan: Plan, launch_cfg: DictConfig) -> None:

@@ -81,3 +81,22 @@ def run_many(world: int, jobs: list[tuple[list[str], str]]) -> list[list[dict]]:
 def run_ranks(world: int, overrides: list[str], run_dir: str) -> list[dict]:
     """One run on ``world`` real worker processes."""
     return run_many(world, [(overrides, run_dir)])[0]
+
+
+def hf_eval_loss(hf_dir: str, cfg: DictConfig, world: int) -> float:
+    """Eval loss of an HF export on exactly the sequences a ``world``-rank run evaluates (same mean)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from shardyard import data
+    from shardyard.model import causal_lm_loss
+
+    prep = data.prepare(cfg)
+    val = data.PackedSequences(os.path.join(prep.token_dir, "val.npy"), cfg.data.seq_len)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True, dtype=torch.float32).eval()
+    losses = []
+    with torch.no_grad():
+        for rank in range(world):
+            for x, y in data.eval_batches(val, cfg.train.eval_batches, cfg.train.micro_batch_size, rank, world):
+                losses.append(causal_lm_loss(model, x, y).item())
+    return sum(losses) / len(losses)

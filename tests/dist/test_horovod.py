@@ -38,6 +38,7 @@ def test_horovod_matches_single_process(micro, reference, tmp_path):
 
 
 def test_fp16_compression_trains_close_to_fp32(reference, tmp_path):
-    got = run_horovod(tmp_path, "backend.compression=fp16", "train.steps=12", "optim.lr=3e-3")
-    assert got[-1] < got[0] - 0.3, got  # it trains
-    assert max(abs(a - b) / b for a, b in zip(got[:5], reference)) <= 2e-2, (got, reference)
+    got = run_horovod(tmp_path, "backend.compression=fp16")  # the reference's recipe, fp16 on the wire
+    assert got[-1] < got[0] - 0.05, got  # it trains (the fp32 reference falls by 0.09 in these 5 steps)
+    assert got != reference  # the gradients really travelled in fp16
+    assert max(abs(a - b) / b for a, b in zip(got, reference)) <= 2e-2, (got, reference)

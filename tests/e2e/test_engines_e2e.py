@@ -82,3 +82,17 @@ def test_horovod_through_train_py_and_horovodrun(tmp_path):
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert json.load(open(tmp_path / "b" / "summary.json"))["world_size"] == 2
+
+
+def test_pretrained_export_moves_weights_between_engines(tmp_path):
+    """Train with DDP, export; start an FSDP run from the export (weights and tokenizer from the HF dir):
+    its step-0 eval equals the DDP run's final eval on the same sequences."""
+    a = train_py(*FAST, "backend=ddp", "train.micro_batch_size=4", run_dir=tmp_path / "a")
+    assert a.returncode == 0, a.stderr[-2000:]
+    hf = tmp_path / "a" / "hf"
+    b = train_py(*FAST, "backend=fsdp", "launch.nproc_per_node=2", "train.micro_batch_size=2",
+                 f"model.pretrained_path={hf}", f"data.tokenizer.path={hf}", run_dir=tmp_path / "b")
+    assert b.returncode == 0, b.stdout[-2000:] + b.stderr[-2000:]
+    end_a = json.load(open(tmp_path / "a/summary.json"))["eval_losses"][-1][1]
+    start_b = json.load(open(tmp_path / "b/summary.json"))["eval_losses"][0][1]
+    assert abs(end_a - start_b) <= 1e-4 * end_a, (end_a, start_b)  # 1 rank x micro 4 == 2 ranks x micro 2

@@ -89,3 +89,12 @@ def test_launcher_detection(monkeypatch):
     monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "8")
     monkeypatch.setenv("SLURM_LOCALID", "1")
     assert detect() == DistEnv("slurm", 3, 1, 8, 1)
+    for k in ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS"):
+        monkeypatch.delenv(k)
+    # A horovodrun worker stays a Horovod worker after we export RANK/WORLD_SIZE for torch.
+    monkeypatch.setenv("HOROVOD_RANK", "1")
+    monkeypatch.setenv("HOROVOD_SIZE", "2")
+    monkeypatch.setenv("HOROVOD_LOCAL_RANK", "1")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert detect().launcher == "horovod"
