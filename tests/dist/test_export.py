@@ -41,3 +41,13 @@ def test_big_model_construction_path(engine, tmp_path):
     if engine == "fsdp":
         full = 4096 * 64
         assert ranks[0]["local"]["model.embed_tokens.weight"].numel() == full // 2
+
+
+def test_export_hf_beside_each_checkpoint(tmp_path):
+    """checkpoint.export_hf=true: every checkpoint carries an HF export of the (sharded) model at that step."""
+    res = run_many(2, [([*RUN, "backend=fsdp", "checkpoint.every_n_steps=2", "checkpoint.export_hf=true",
+                         "train.steps=2"], str(tmp_path))])[0]
+    hf = tmp_path / "checkpoints" / "step-00000002" / "hf"
+    got = hf_eval_loss(str(hf), compose([*RUN, "backend=fsdp"]), 2)
+    want = res[0]["summary"]["eval_losses"][-1][1]  # the step-2 eval
+    assert abs(got - want) <= 1e-4 * want, (got, want)

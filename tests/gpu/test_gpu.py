@@ -1,0 +1,31 @@
+"""GPU tier: nccl and the fp16 paths (loss scaling) of every engine. Marked ``gpu``; skipped without CUDA."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import TINY, train_py
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+N = min(2, torch.cuda.device_count()) if torch.cuda.is_available() else 0
+RUN = [*TINY, "train.steps=8", "train.eval_every_n_steps=0", "optim.lr=3e-3", f"launch.nproc_per_node={N}"]
+
+
+@pytest.mark.parametrize("engine", ["ddp", "fsdp", "zero2", "zero3"])
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_on_gpu(engine, precision, tmp_path):
+    proc = train_py(*RUN, f"backend={engine}", f"precision={precision}", run_dir=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    metrics = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if "train/loss" in line]
+    assert metrics[-1]["train/loss"] < metrics[0]["train/loss"] - 0.3
+    assert ("loss_scale" in metrics[-1]) == (precision == "fp16")
+
+
+def test_nccl_ddp_matches_single_gpu(tmp_path):
+    steps = [*TINY, "train.steps=5", "train.eval_every_n_steps=0", "train.global_batch_size=8"]
+    a = train_py(*steps, "backend=single", "backend.device=cuda", run_dir=tmp_path / "a")
+    b = train_py(*steps, "backend=ddp", f"launch.nproc_per_node={N}", run_dir=tmp_path / "b")
+    assert a.returncode == b.returncode == 0, a.stderr[-2000:] + b.stderr[-2000:]
+    la, lb = ([x for _, x in json.load(open(tmp_path / d / "summary.json"))["train_losses"]] for d in "ab")
+    assert max(abs(x - y) / y for x, y in zip(la, lb)) <= 1e-4, (la, lb)
