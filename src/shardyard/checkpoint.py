@@ -203,11 +203,6 @@ class Checkpointer:
                             f"({meta['format']} format), which backend={self.cfg.backend.name} cannot read.",
                             "Resume with the same engine family, or move weights across engines through "
                             "an HF export: model.pretrained_path=<run_dir>/hf.")
-        if meta["world_size"] != self.backend.world_size and meta["format"] == "deepspeed":
-            raise UserError("checkpoint.resume", path, f"DeepSpeed ZeRO checkpoints resume at the world size they "
-                            f"were saved with ({meta['world_size']}), not {self.backend.world_size}. Supported "
-                            "world-size changes: ddp/fsdp/single (DCP resharding) and horovod, any to any.",
-                            f"Resume with launch.nproc_per_node={meta['world_size']}, or start from its HF export.")
         if meta["global_batch_size"] != self.plan.global_batch_size and self.rank0:
             warnings.warn(f"shardyard: the global batch changed ({meta['global_batch_size']} -> "
                           f"{self.plan.global_batch_size}); the data order continues by step, not by sample")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import textwrap
 
@@ -11,9 +12,17 @@ EXIT_USER_ERROR = 2
 class UserError(ValueError):
     """A mistake in the user's config, command line or environment (never an internal bug)."""
 
+    all_ranks = False
+    """True when every rank raises the same error together (then only rank 0 prints it)."""
+
     def __init__(self, key: str, value: object, problem: str, fix: str):
         self.key, self.value, self.problem, self.fix = key, value, problem, fix
         super().__init__(f"{key}={value!r}: {problem} Fix: {fix}")
+
+    def on_every_rank(self) -> "UserError":
+        """Mark an error every rank raises together (a collective decision): rank 0 alone prints it."""
+        self.all_ranks = True
+        return self
 
     def paragraph(self) -> str:
         text = f"shardyard: error in `{self.key}` (value: {self.value!r}). {self.problem} Fix: {self.fix}"
@@ -23,5 +32,6 @@ class UserError(ValueError):
 def report_and_exit(err: UserError) -> None:
     """Print the paragraph on stderr and leave with exit code 2 (no traceback)."""
     sys.stdout.flush()
-    print(err.paragraph(), file=sys.stderr, flush=True)
+    if not (err.all_ranks and os.environ.get("RANK", "0") != "0"):
+        print(err.paragraph(), file=sys.stderr, flush=True)
     sys.exit(EXIT_USER_ERROR)

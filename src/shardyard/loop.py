@@ -11,6 +11,9 @@ import torch
 from omegaconf import DictConfig
 
 from shardyard.data import PackedSequences, TrainStream, eval_batches
+from shardyard.debug import NonFiniteGuard, anomaly_detection
+from shardyard.metrics import memory_metrics, peak_tflops
+from shardyard.profiling import StepProfiler
 
 
 @dataclass
@@ -22,6 +25,7 @@ class LoopResult:
     step_wall_s: list = field(default_factory=list)  # wall time of each step, logging included, eval not
     tokens: int = 0
     wall_s: float = 0.0
+    skipped_steps: int = 0  # updates dropped for non-finite gradients (debug.nan_policy=skip)
 
 
 def evaluate(backend, val: PackedSequences, cfg: DictConfig, plan) -> float:
@@ -35,48 +39,64 @@ def evaluate(backend, val: PackedSequences, cfg: DictConfig, plan) -> float:
     return backend.all_reduce_mean(total / cfg.train.eval_batches).item()
 
 
-def train(cfg: DictConfig, plan, backend, stream: TrainStream, val: PackedSequences, monitors, start_step: int = 0,
-          after_step: Callable[[int], None] | None = None) -> LoopResult:
-    """Steps ``start_step .. train.steps``; ``after_step(done)`` runs after each (checkpointing)."""
+def train(cfg: DictConfig, plan, backend, stream: TrainStream, val: PackedSequences, monitors,
+          flops_per_token: float, start_step: int = 0, after_step: Callable[[int], None] | None = None) -> LoopResult:
+    """Steps ``start_step .. train.steps``; ``after_step(done)`` runs after each (checkpointing).
+    ``flops_per_token`` (``model.flops_per_token``) turns throughput into TFLOP/s and MFU."""
     tr = cfg.train
     total, accum, dev = tr.steps, plan.grad_accum_steps, backend.device
     res = LoopResult()
+    guard = NonFiniteGuard(cfg, backend)
+    profiler = StepProfiler(cfg, backend.rank, dev)
+    peak = peak_tflops(dev, cfg.precision.name, cfg.metrics.peak_tflops)
 
     def run_eval(step: int) -> None:
         loss = evaluate(backend, val, cfg, plan)
         res.eval_losses.append((step, loss))
         monitors.log(step, {"eval/loss": loss, "eval/ppl": math.exp(min(loss, 50.0))})
 
-    if start_step == 0:
+    if start_step == 0 and not cfg.debug.fast_dev_run:
         run_eval(0)  # the untrained model's loss: the baseline every later eval is compared with
     loss_acc = torch.zeros((), device=dev)
     n_acc, step_time, data_time, interval_start = 0, 0.0, 0.0, time.perf_counter()
     t_begin = time.perf_counter()
     for step in range(start_step, total):
+        done = step + 1  # steps are counted from 1 in logs, checkpoints and profile.steps
+        profiler.before_step(done)
         t0 = time.perf_counter()
         step_loss = torch.zeros((), device=dev)
-        for micro in range(accum):
-            td = time.perf_counter()
-            x, y = stream.micro_batch(step, micro)
-            x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
-            data_time += time.perf_counter() - td
-            step_loss += backend.forward_backward(x, y, is_last_micro=micro == accum - 1).float()
-        stats = backend.step()
+        with anomaly_detection(cfg), torch.profiler.record_function("forward_backward"):
+            for micro in range(accum):
+                td = time.perf_counter()
+                x, y = stream.micro_batch(step, micro)
+                x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
+                data_time += time.perf_counter() - td
+                step_loss += backend.forward_backward(x, y, is_last_micro=micro == accum - 1).float()
+        with torch.profiler.record_function("optimizer_step"):
+            stats = backend.step(guard=guard.active)
+        if guard.active:  # stop (raise) or count a skipped update; one host sync per step
+            guard.check(done, step_loss, stats)
         loss_acc += step_loss / accum
         n_acc += 1
         step_time += time.perf_counter() - t0
-        done = step + 1
+        profiler.after_step(done)
         if done % tr.log_every_n_steps == 0 or done == total:
             # One small all-reduce per log interval, not per step: the loss is the interval's mean.
             loss = backend.all_reduce_mean(loss_acc / n_acc).item()
             wall = time.perf_counter() - interval_start
+            tokens_per_s = plan.tokens_per_step * n_acc / wall
             metrics = {"train/loss": loss, "lr": stats.lr, "grad_norm": stats.grad_norm.item(),
-                       "tokens_per_s": plan.tokens_per_step * n_acc / wall,
-                       "samples_per_s": plan.global_batch_size * n_acc / wall,
+                       "tokens_per_s": tokens_per_s, "samples_per_s": plan.global_batch_size * n_acc / wall,
                        "step_time_s": step_time / n_acc, "data_time_s": data_time / n_acc,
-                       "tokens_seen": done * plan.tokens_per_step}
+                       "tokens_seen": done * plan.tokens_per_step,
+                       "tflops_per_device": flops_per_token * tokens_per_s / backend.world_size / 1e12,
+                       **memory_metrics(dev)}
+            if peak is not None:
+                metrics["mfu"] = metrics["tflops_per_device"] / peak
             if stats.loss_scale is not None:
                 metrics["loss_scale"] = stats.loss_scale
+            if cfg.debug.nan_policy == "skip":
+                metrics["skipped_steps"] = guard.skipped
             monitors.log(done, metrics)
             res.train_losses.append((done, loss))
             res.grad_norms.append((done, metrics["grad_norm"]))
@@ -85,9 +105,12 @@ def train(cfg: DictConfig, plan, backend, stream: TrainStream, val: PackedSequen
             n_acc, step_time, data_time, interval_start = 0, 0.0, 0.0, time.perf_counter()
         res.step_wall_s.append(time.perf_counter() - t0)
         if done == total or (tr.eval_every_n_steps and done % tr.eval_every_n_steps == 0):
+            te = time.perf_counter()
             run_eval(done)
+            interval_start += time.perf_counter() - te  # throughput counts training time, not evaluation
         if after_step is not None:
             after_step(done)
     res.tokens = (total - start_step) * plan.tokens_per_step
+    res.skipped_steps = guard.skipped
     res.wall_s = time.perf_counter() - t_begin
     return res

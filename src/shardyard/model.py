@@ -50,6 +50,35 @@ def count_params(m: DictConfig) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def flops_per_token(m: DictConfig, seq_len: int) -> float:
+    """Training FLOPs per token, PaLM's 6N + 12*L*H*Q*T (appendix B), as torchtitan counts it.
+
+    N: parameters a token passes through, so the input embedding (a lookup) is left out and of a MoE
+    layer's routed experts only the ``num_experts_per_tok`` a token uses count. 12*L*H*Q*T is the
+    attention-score and attention-value matmuls (forward + backward), with Q the query/key head size
+    (and MLA's separate value head size averaged in).
+    """
+    import re
+
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config(m))
+    n = 0
+    for name, p in model.named_parameters():
+        if name.endswith("embed_tokens.weight"):
+            continue
+        if re.search(r"\.experts(\.|$)", name):  # routed experts only ("shared_experts" do not match)
+            n += p.numel() * m.num_experts_per_tok / m.n_routed_experts
+        else:
+            n += p.numel()
+    if m.arch == "deepseek_v3":
+        q = (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) / 2
+    else:
+        q = m.hidden_size // m.num_heads
+    return 6 * n + 12 * m.num_layers * m.num_heads * q * seq_len
+
+
 def build_model(m: DictConfig, seed: int, allow_meta: bool = True):
     """Build the bare model (seeded, so identical on every rank); no training options applied yet.
 

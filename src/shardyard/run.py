@@ -13,13 +13,14 @@ import os
 from omegaconf import DictConfig, OmegaConf
 
 from shardyard import dist_env
-from shardyard.config.validate import validate
+from shardyard.config.validate import apply_fast_dev_run, validate
 from shardyard.errors import UserError, report_and_exit
 
 
 def run(cfg: DictConfig) -> None:
     env = dist_env.detect()
     try:
+        apply_fast_dev_run(cfg)  # before the config is written: the workers read the shortened run
         plan = validate(cfg, env)
         if env is None:
             _run_parent(cfg, plan)

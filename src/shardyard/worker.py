@@ -22,7 +22,7 @@ from shardyard.checkpoint import Checkpointer
 from shardyard.config.validate import validate
 from shardyard.errors import UserError, report_and_exit
 from shardyard.export import save_hf
-from shardyard.model import build_model, param_count
+from shardyard.model import build_model, flops_per_token, param_count
 
 
 def seed_everything(seed: int) -> None:
@@ -55,28 +55,50 @@ def _train(cfg: DictConfig, plan, backend) -> dict:
     val = data.PackedSequences(os.path.join(prepared.token_dir, "val.npy"), cfg.data.seq_len)
     stream = data.TrainStream(seqs, cfg.seed, plan.global_batch_size, plan.micro_batch_size, backend.rank, backend.world_size)
     built = {}
+    current = {"step": 0}  # the step being trained (set by the loop's callbacks), for the NaN drill
 
     def build(allow_meta: bool):
         built["model"] = build_model(cfg.model, cfg.seed, allow_meta=allow_meta)
         built["params"] = param_count(built["model"])
+        _poison_gradient(built["model"], backend.rank, current)
         return built["model"]
 
+    # Before prepare: a ZeRO-3 engine makes HF build every model under zero.Init from then on.
+    flops = flops_per_token(cfg.model, cfg.data.seq_len)
     backend.prepare(build, cfg.train.steps)
     n_params = built["params"]
     if rank0:
-        print(f"shardyard | model {cfg.model.name}: {n_params:,} parameters | engine {cfg.backend.name} | "
+        print(f"shardyard | model {cfg.model.name}: {n_params:,} parameters, {flops / 1e9:.4g} GFLOPs per "
+              f"training token | engine {cfg.backend.name} | "
               f"precision {cfg.precision.name} | {len(seqs):,} train / {len(val):,} val sequences "
               f"({stream.steps_per_epoch} steps per epoch)", flush=True)
-    mon = monitors.build(cfg, cfg.run_dir, cfg.train.steps, rank0)
+    mon = monitors.build(cfg, rank0)
+    try:
+        summary = _train_loop(cfg, plan, backend, prepared, stream, val, mon, n_params, current, flops)
+    except BaseException as e:  # mark wandb/mlflow runs failed, flush the event files, then re-raise
+        mon.fail(e.paragraph() if isinstance(e, UserError) else f"{type(e).__name__}: {e}")
+        raise
+    mon.close(summary)
+    if rank0:
+        _draw_report(cfg.run_dir)
+    return summary
+
+
+def _train_loop(cfg: DictConfig, plan, backend, prepared, stream, val, mon, n_params: int, current: dict,
+                flops: float) -> dict:
+    rank0 = backend.rank == 0
     seed_everything(cfg.seed + backend.rank)  # per-rank streams (dropout, sampling) after identical init
     ckpt = Checkpointer(cfg, backend, plan, prepared.tokenizer_dir)
     start = ckpt.restore()  # 0, or the step of the checkpoint (RNG, scheduler, scaler, data position too)
+    current["step"] = start + 1
 
     def after_step(done: int) -> None:
+        current["step"] = done + 1
         ckpt.maybe_save(done, stream)
         _inject_fault(done, backend.rank)
 
-    result = loop.train(cfg, plan, backend, stream, val, mon, start_step=start, after_step=after_step)
+    result = loop.train(cfg, plan, backend, stream, val, mon, flops_per_token=flops, start_step=start,
+                        after_step=after_step)
     export = None
     if cfg.checkpoint.save_final:
         export = save_hf(backend, prepared.tokenizer_dir, os.path.join(cfg.run_dir, "hf"))
@@ -88,6 +110,7 @@ def _train(cfg: DictConfig, plan, backend) -> dict:
         "grad_norms": result.grad_norms,
         "median_step_s": float(np.median(result.step_wall_s)), "step_wall_s": result.step_wall_s,
         "final_eval_ppl": float(np.exp(min(result.eval_losses[-1][1], 50.0))), "run_dir": cfg.run_dir, "export": export,
+        "skipped_steps": result.skipped_steps,
     }
     if cfg.train.sample_tokens > 0:  # every rank: sharded engines all-gather inside the forward
         summary["sample"] = sample_text(backend.hf_model(), prepared.tokenizer_dir, cfg, backend.device)
@@ -97,8 +120,18 @@ def _train(cfg: DictConfig, plan, backend) -> dict:
     if rank0:
         with open(os.path.join(cfg.run_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=1)
-    mon.close(summary)
     return summary
+
+
+def _draw_report(run_dir: str) -> None:
+    """The end-of-run picture; a plotting problem must not fail a finished run."""
+    try:
+        from shardyard.report import draw
+
+        print(f"shardyard | report: {draw(run_dir)}", flush=True)
+    except Exception as e:
+        print(f"shardyard | could not draw the report ({type(e).__name__}: {e}); "
+              f"retry with: shardyard report {run_dir}", file=sys.stderr, flush=True)
 
 
 def _inject_fault(step: int, rank: int) -> None:
@@ -111,6 +144,20 @@ def _inject_fault(step: int, rank: int) -> None:
     if step == int(at) and rank == int(who or 0):
         print(f"shardyard | SHARDYARD_TEST_CRASH_AT_STEP: rank {rank} dies after step {step}", file=sys.stderr, flush=True)
         os._exit(13)
+
+
+def _poison_gradient(model, rank: int, current: dict) -> None:
+    """NaN drill for the tests: ``SHARDYARD_TEST_POISON_GRAD=STEP:RANK:PARAM`` turns the gradient of the
+    parameter named PARAM into NaN on that rank during that step. The tensor hook is registered on the bare
+    model, before the engine wraps it, so it runs first: before any engine hook and any reduction."""
+    spec = os.environ.get("SHARDYARD_TEST_POISON_GRAD")
+    if not spec:
+        return
+    at, who, name = spec.split(":", 2)
+    if int(who) != rank:
+        return
+    param = dict(model.named_parameters())[name]
+    param.register_hook(lambda g: g * float("nan") if current["step"] == int(at) else g)
 
 
 @torch.no_grad()

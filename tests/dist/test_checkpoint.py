@@ -57,9 +57,30 @@ def test_world_size_2_to_4_to_1(engine, tmp_path):
     assert max(abs(a - b) / b for a, b in zip(got, want)) <= 1e-4, (got, want)
 
 
-def test_deepspeed_world_size_change_is_refused_with_the_supported_pairs(tmp_path):
-    run_many(2, [([*STEPS, "backend=zero2", "train.steps=2", "checkpoint.every_n_steps=2"], str(tmp_path / "a"))])
-    proc = train_py(*STEPS, "backend=zero2", "launch.nproc_per_node=1", "backend=zero2",
+@pytest.mark.parametrize("stages", [("zero1", "zero2", "zero1"), ("zero3", "zero3", "zero3")])
+def test_deepspeed_world_size_2_to_4_to_1_through_universal_checkpoints(stages, tmp_path):
+    # ZeRO partitions are per rank: each resume at another world size converts the checkpoint with
+    # DeepSpeed's ds_to_universal (by itself) and loads that. Stages 1 and 2 read each other's checkpoints.
+    s2, s4, s1 = stages
+    ref = run_many(2, [([*STEPS, f"backend={s2}", "checkpoint.every_n_steps=2"], str(tmp_path / "w2"))])[0]
+    w4 = run_many(4, [([*STEPS, f"backend={s4}", "train.micro_batch_size=2", "checkpoint.every_n_steps=2",
+                        f"checkpoint.resume={tmp_path}/w2/checkpoints/step-00000002"], str(tmp_path / "w4"))])[0]
+    w1 = run_many(1, [([*STEPS, f"backend={s1}", f"checkpoint.resume={tmp_path}/w4/checkpoints/step-00000004"],
+                       str(tmp_path / "w1"))])[0]
+    assert os.listdir(tmp_path / "w4/universal") == []  # converted there, and removed once loaded
+    assert json.load(open(tmp_path / "w4/checkpoints/step-00000004/meta.json"))["training_state"]["zero_stage"] == int(s4[-1])
+    got = losses(w4[0])[:2] + losses(w1[0])  # steps 3-4 at world 4, steps 5-6 at world 1
+    want = losses(ref[0])[2:]
+    assert len(got) == 4
+    assert max(abs(a - b) / b for a, b in zip(got, want)) <= 1e-4, (got, want)
+
+
+def test_deepspeed_stage_3_to_2_is_refused_with_the_supported_pairs(tmp_path):
+    run_many(2, [([*STEPS, "backend=zero3", "train.steps=2", "checkpoint.every_n_steps=2"], str(tmp_path / "a"))])
+    proc = train_py(*STEPS, "backend=zero2", "launch.nproc_per_node=1",
                     f"checkpoint.resume={tmp_path}/a/checkpoints/step-00000002", run_dir=tmp_path / "b")
-    assert proc.returncode == 2 and "resume at the world size they were saved with" in proc.stderr
-    assert "Traceback" not in proc.stderr
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    err = " ".join(proc.stderr.split())
+    assert "holds ZeRO-3 partitions and this run is ZeRO-2" in err
+    assert "any world size within ZeRO-1/2" in err and "backend=zero3" in err
+    assert "Traceback" not in err

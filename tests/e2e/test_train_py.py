@@ -46,7 +46,7 @@ def test_two_workers_through_the_elastic_agent(tmp_path):
     proc = train_py(*FAST, "launch.nproc_per_node=2", run_dir=tmp_path)
     check_run(tmp_path, proc)
     assert "world size 2" in proc.stdout
-    assert sorted(os.listdir(tmp_path)) == ["config.yaml", "hf", "metrics.jsonl", "summary.json"]
+    assert sorted(os.listdir(tmp_path)) == ["config.yaml", "hf", "metrics.jsonl", "report.png", "summary.json"]
 
 
 def test_torchrun_starts_the_same_train_py(tmp_path):

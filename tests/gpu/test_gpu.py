@@ -29,3 +29,18 @@ def test_nccl_ddp_matches_single_gpu(tmp_path):
     assert a.returncode == b.returncode == 0, a.stderr[-2000:] + b.stderr[-2000:]
     la, lb = ([x for _, x in json.load(open(tmp_path / d / "summary.json"))["train_losses"]] for d in "ab")
     assert max(abs(x - y) / y for x, y in zip(la, lb)) <= 1e-4, (la, lb)
+
+
+def test_mfu_and_cuda_memory_are_reported(tmp_path):
+    proc = train_py(*TINY, "backend=single", "backend.device=cuda", "precision=bf16", "train.steps=6",
+                    "train.eval_every_n_steps=0", "profile.enabled=true", "profile.steps=[3,4]", run_dir=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if "train/loss" in line][-1]
+    from shardyard.metrics import peak_tflops
+
+    peak = peak_tflops(torch.device("cuda", 0), "bf16", None)
+    if peak is not None:  # a GPU of the peak table (A100, H100, H200)
+        assert 0 < last["mfu"] < 1 and last["mfu"] == pytest.approx(last["tflops_per_device"] / peak)
+    assert last["memory/max_allocated_gib"] > 0 and last["memory/max_reserved_gib"] >= last["memory/max_allocated_gib"]
+    trace = json.load(open(tmp_path / "profile/rank0.trace.json"))
+    assert any(e.get("cat") == "kernel" for e in trace["traceEvents"])  # CUDA kernels are in the trace

@@ -32,7 +32,8 @@ def test_every_option_composes_and_validates(group, option, tmp_path):
     assert p.global_batch_size == p.micro_batch_size * p.grad_accum_steps * p.world_size
 
 
-@pytest.mark.parametrize("monitors", ["[console]", "[tensorboard]", "[console,tensorboard]", "[]"])
+@pytest.mark.parametrize("monitors", ["[console]", "[tensorboard]", "[console,tensorboard]", "[]",
+                                      "[console,tensorboard,wandb,mlflow,csv]"])
 def test_monitor_list_group(monitors):
     cfg = compose([f"monitor={monitors}"])
     assert sorted(cfg.monitor) == sorted(m for m in monitors.strip("[]").split(",") if m)
@@ -88,6 +89,11 @@ def test_contradicting_accumulation_is_refused():
     (["backend=single", "launch.nproc_per_node=2"], "backend"),
     (["data.seq_len=100000"], "data.seq_len"),
     (["backend.dist_backend=nccl"], "backend.dist_backend"),
+    (["profile.enabled=true", "profile.steps=[5,2]"], "profile.steps"),
+    (["profile.enabled=true", "profile.steps=[1,9999]"], "profile.steps"),
+    (["debug.nan_policy=ignore"], "debug.nan_policy"),
+    (["debug.max_skipped=0"], "debug.max_skipped"),
+    (["metrics.peak_tflops=-1"], "metrics.peak_tflops"),
 ])
 def test_user_errors_name_the_key(overrides, key):
     cfg = compose(overrides)
@@ -107,3 +113,34 @@ def test_every_recipe_file_starts_with_its_command():
     for f in Path(CONF_DIR).rglob("*.yaml"):
         head = f.read_text().splitlines()[:3]
         assert any(line.startswith("# python train.py") or line.startswith("# Shared") for line in head), f
+
+
+def test_a_missing_monitor_package_is_named_before_launch(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else real(name, *a))
+    cfg = compose(["monitor=[console,mlflow]"])
+    with pytest.raises(UserError) as e:
+        validate(cfg, None)
+    assert e.value.key == "monitor" and e.value.value == "mlflow"
+    assert "pip install mlflow" in e.value.paragraph()
+
+
+def test_fast_dev_run_shortens_the_run_and_saves_nothing():
+    from shardyard.config.validate import apply_fast_dev_run
+
+    cfg = compose(["debug.fast_dev_run=true", "checkpoint.every_n_steps=10", "checkpoint.export_hf=true"])
+    apply_fast_dev_run(cfg)
+    assert cfg.train.steps == 2 and cfg.train.eval_every_n_steps == 0 and cfg.train.sample_tokens == 0
+    assert cfg.checkpoint.every_n_steps == 0 and not cfg.checkpoint.save_final and not cfg.checkpoint.export_hf
+
+
+def test_plugins_import_nothing_heavy_until_built():
+    import subprocess
+    import sys
+
+    code = ("import sys; import shardyard.monitors, shardyard.config.validate; "
+            "print(sorted(m for m in ('wandb', 'mlflow', 'tensorboard', 'matplotlib', 'deepspeed') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -62,3 +62,49 @@ def test_activation_checkpointing_disables_cache():
     model = prepare_replica(build_model(m, seed=0), m, torch.device("cpu"), 0)
     assert model.config.use_cache is False
     assert getattr(model, "is_activation_checkpointing", None) or model.is_gradient_checkpointing
+
+
+def test_flops_per_token_is_6n_plus_attention():
+    from shardyard.model import flops_per_token
+
+    m = compose(["model=deepseek_tiny"]).model
+    h, i, L, v = m.hidden_size, m.intermediate_size, m.num_layers, m.vocab_size
+    kv = (m.num_kv_heads or m.num_heads) * (h // m.num_heads)
+    # Non-embedding parameters of a LLaMA block stack, written out: q,o + k,v + SwiGLU + 2 norms; final norm; head.
+    n = L * (2 * h * h + 2 * h * kv + 3 * h * i + 2 * h) + h + v * h
+    assert flops_per_token(m, 128) == 6 * n + 12 * L * m.num_heads * (h // m.num_heads) * 128
+    moe = compose(["model=deepseek_moe_tiny"]).model
+    from shardyard.model import count_params
+
+    # Only the experts a token is routed to count: far fewer FLOPs than 6 x all parameters.
+    assert flops_per_token(moe, 128) < 6 * count_params(moe) * 0.7
+
+
+def test_peak_table_and_override(monkeypatch):
+    import torch
+
+    from shardyard.metrics import peak_tflops
+
+    cuda = torch.device("cuda", 0)
+    for name, precision, want in [("NVIDIA H100 80GB HBM3", "bf16", 989.4), ("NVIDIA H100 PCIe", "bf16", 756.0),
+                                  ("NVIDIA H200", "bf16", 989.4), ("NVIDIA A100-SXM4-80GB", "bf16", 312.0),
+                                  ("NVIDIA A100-SXM4-80GB", "fp32", 19.5), ("Tesla T4", "bf16", None)]:
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: name)
+        assert peak_tflops(cuda, precision, None) == want, name
+    assert peak_tflops(torch.device("cpu"), "bf16", None) is None
+    assert peak_tflops(torch.device("cpu"), "bf16", 2.5) == 2.5
+
+
+def test_anomaly_detection_switch():
+    import torch
+
+    from shardyard.debug import anomaly_detection
+
+    with anomaly_detection(compose(["debug.detect_anomaly=true"])):
+        assert torch.is_anomaly_enabled()
+        x = torch.ones(2, requires_grad=True)
+        y = torch.sqrt(x - 2)  # NaN in forward; backward of sqrt at a NaN input returns NaN
+        with pytest.raises(RuntimeError, match="SqrtBackward0"):
+            y.sum().backward()
+    with anomaly_detection(compose([])):
+        assert not torch.is_anomaly_enabled()

@@ -19,6 +19,11 @@ class StepStats:
     lr: float
     loss_scale: Optional[float] = None
     """Current dynamic loss scale under fp16, else None."""
+    applied: bool = True
+    """False when the update was not applied (non-finite gradients under a guard, or an fp16 overflow)."""
+    nonfinite_param: Optional[int] = None
+    """When gradients were non-finite: index (in ``hf_model().parameters()`` order) of the first parameter
+    whose gradient on *this* rank is non-finite, if the engine can tell; else None."""
 
 
 class Backend(Protocol):
@@ -43,8 +48,10 @@ class Backend(Protocol):
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, is_last_micro: bool) -> torch.Tensor:
         """Loss of one micro-batch (detached); gradients are synchronised only when ``is_last_micro``."""
 
-    def step(self) -> StepStats:
-        """Unscale, clip, optimizer + scheduler step, zero grads."""
+    def step(self, guard: bool = False) -> StepStats:
+        """Unscale, clip, optimizer + scheduler step, zero grads. With ``guard``, an update whose global
+        gradient norm is non-finite is not applied (the schedule still advances) and the first
+        non-finite local gradient is reported: the loop's ``debug.nan_policy`` decides what follows."""
 
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor: ...

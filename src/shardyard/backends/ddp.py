@@ -105,8 +105,8 @@ class DDPBackend:
         sync = contextlib.nullcontext() if is_last_micro else self.ddp.no_sync()
         return self.stepper.forward_backward(inputs, targets, sync)
 
-    def step(self) -> StepStats:
-        return self.stepper.step()  # gradients are already averaged: the norm is the global one
+    def step(self, guard: bool = False) -> StepStats:
+        return self.stepper.step(guard)  # gradients are already averaged: the norm is the global one
 
     def eval_loss(self, inputs, targets) -> torch.Tensor:
         return self.stepper.eval_loss(inputs, targets)

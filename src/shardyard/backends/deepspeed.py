@@ -11,7 +11,9 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import math
 import os
+import shutil
 
 import torch
 import torch.distributed as dist
@@ -23,6 +25,7 @@ from shardyard.backends.torch_step import pick_device
 from shardyard.errors import UserError
 from shardyard.model import META_INIT_ABOVE, apply_activation_checkpointing, causal_lm_loss, count_params
 from shardyard.optim import build_scheduler, param_groups
+from shardyard.safe_load import weights_only_loads
 
 
 def ds_config(cfg: DictConfig, plan) -> dict:
@@ -63,9 +66,15 @@ def ds_config(cfg: DictConfig, plan) -> dict:
         "zero_allow_untested_optimizer": True,
         # Offloaded SGD (or AdamW with a user's choice) must be allowed to run as a plain torch optimizer.
         "zero_force_ds_cpu_optimizer": False,
-        "steps_per_print": 10 ** 9,
+        # DeepSpeed prints its own timers (wall_clock_breakdown) every steps_per_print steps; nothing else.
+        "steps_per_print": cfg.train.log_every_n_steps if b.wall_clock_breakdown else 10 ** 9,
         "wall_clock_breakdown": b.wall_clock_breakdown,
     }
+    if b.flops_profiler:
+        # DeepSpeed counts steps from 0 (global_steps before the step); ours are 1-based.
+        config["flops_profiler"] = {"enabled": True, "profile_step": b.flops_profiler_step - 1, "module_depth": -1,
+                                    "top_modules": 3, "detailed": True,
+                                    "output_file": os.path.join(cfg.run_dir, "deepspeed_flops_profile.txt")}
     if pr.name == "bf16":  # bf16 compute, fp32 gradient accumulation (and fp32 master weights in ZeRO)
         config["data_types"] = {"grad_accum_dtype": "fp32"}
     return config
@@ -114,7 +123,8 @@ class DeepSpeedBackend:
     def init(self) -> None:
         import deepspeed
 
-        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+        # DeepSpeed logs a lot at INFO; its timers (wall_clock_breakdown) are INFO too, so keep them then.
+        logging.getLogger("DeepSpeed").setLevel(logging.INFO if self.bcfg.wall_clock_breakdown else logging.WARNING)
         self.device = pick_device(self.plan, int(os.environ.get("LOCAL_RANK", 0)))
         init_process_group(self.cfg, self.device)  # restart-safe; DeepSpeed adopts the existing group
         deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo",
@@ -138,6 +148,9 @@ class DeepSpeedBackend:
         self.engine, _, _, _ = deepspeed.initialize(
             model=model, model_parameters=param_groups(model, self.cfg.optim.weight_decay), config=self.config,
             lr_scheduler=lambda opt: build_scheduler(opt, self.cfg.sched, total_steps))
+        self._nonfinite = None
+        if self.cfg.debug.nan_policy != "off":
+            self._watch_gradients()
 
     def _write_config(self) -> None:
         if self.rank != 0:
@@ -156,14 +169,39 @@ class DeepSpeedBackend:
             self.engine.step()  # bookkeeping only: not an accumulation boundary
         return loss.detach()
 
-    def step(self) -> StepStats:
+    def step(self, guard: bool = False) -> StepStats:
         assert self.engine.is_gradient_accumulation_boundary()
         lr = self.engine.get_lr()[0]
-        self.engine.step()  # clip, optimizer step, our scheduler, zero grads
+        # Clip, optimizer step, our scheduler, zero grads. DeepSpeed checks the gradients itself and skips
+        # an update whose norm is non-finite (its overflow path), whatever the precision.
+        self.engine.step()
         norm = self.engine.get_global_grad_norm()  # pre-clip, over every partition
+        norm = float(norm if norm is not None else float("nan"))
         scale = getattr(self.engine.optimizer, "cur_scale", None) if self.cfg.precision.name == "fp16" else None
-        return StepStats(torch.as_tensor(float(norm if norm is not None else float("nan"))), lr,
-                         float(scale) if scale is not None else None)
+        stats = StepStats(torch.as_tensor(norm), lr, float(scale) if scale is not None else None,
+                          applied=self.engine.was_step_applied())
+        if self._nonfinite is not None:
+            if guard and not math.isfinite(norm):
+                bad = self._nonfinite.nonzero()
+                stats.nonfinite_param = int(bad[0]) if len(bad) else None
+            self._nonfinite.zero_()
+        return stats
+
+    def _watch_gradients(self) -> None:
+        """DeepSpeed reduces and partitions gradients inside backward and clears them on an overflow, so the
+        first non-finite gradient is recorded as it is produced: a flag per parameter, set by a tensor hook
+        on this rank's own (pre-reduction) gradient, read only after a non-finite step."""
+        params = list(self.engine.module.parameters())
+        self._nonfinite = torch.zeros(len(params), dtype=torch.bool, device=self.device)
+
+        def hook(i):
+            def flag(grad):
+                self._nonfinite[i] |= ~torch.isfinite(grad).all()
+            return flag
+
+        for i, p in enumerate(params):
+            if p.requires_grad:
+                p.register_hook(hook(i))
 
     @torch.no_grad()
     def eval_loss(self, inputs, targets) -> torch.Tensor:
@@ -196,15 +234,74 @@ class DeepSpeedBackend:
 
     def save_checkpoint(self, path: str) -> None:
         # Collective: each rank writes its ZeRO partitions; DeepSpeed also saves our scheduler and its scaler.
-        self.engine.save_checkpoint(path, tag="zero", save_latest=False)
+        # The universal-checkpoint marker lets ds_to_universal convert it later (world-size or stage changes).
+        from deepspeed.checkpoint.constants import (UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY,
+                                                    UNIVERSAL_CHECKPOINT_VERSION_VALUE)
+
+        self.engine.save_checkpoint(path, tag="zero", save_latest=False, client_state={
+            UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}})
 
     def load_checkpoint(self, path: str) -> None:
-        load_path, _ = self.engine.load_checkpoint(path, tag="zero", load_optimizer_states=True,
-                                                   load_lr_scheduler_states=True)
+        with open(os.path.join(path, "meta.json")) as f:
+            meta = json.load(f)
+        saved_stage = meta["training_state"].get("zero_stage", self.bcfg.stage)
+        if (saved_stage == 3) != (self.bcfg.stage == 3):
+            # ds_to_universal keeps ZeRO-3's per-rank model files, which stages 1-2 do not read (and back).
+            raise UserError("checkpoint.resume", path, f"It holds ZeRO-{saved_stage} partitions and this run is "
+                            f"ZeRO-{self.bcfg.stage}. Supported changes of a DeepSpeed checkpoint: any world size "
+                            "within ZeRO-1/2 (stages 1 and 2 interchangeable) and any world size within ZeRO-3, "
+                            "offload variants included, through DeepSpeed's universal checkpoint.",
+                            f"Resume with a ZeRO-{saved_stage} backend (backend=zero{saved_stage}), or start from "
+                            "the checkpoint's HF export (model.pretrained_path=...).").on_every_rank()
+        same_layout = meta["world_size"] == self.world_size and saved_stage == self.bcfg.stage
+        if same_layout:  # each rank reads back exactly the partition it wrote
+            self._load(path)
+            return
+        # ZeRO partitions are cut per rank and per stage, so another world size (or stage) cannot read them.
+        # DeepSpeed's universal format stores every parameter whole (fp32 weights plus optimizer moments);
+        # we convert once with its ds_to_universal and load that, so resharding needs no manual step.
+        universal = self._to_universal(path)
+        self.engine._config.load_universal_checkpoint = True  # DeepSpeed 0.19's switch, read at load time
+        try:
+            self._load(universal)
+        finally:
+            self.engine._config.load_universal_checkpoint = False
+        self.barrier()
+        if self.rank == 0:  # a full fp32 copy with optimizer state: too big to keep once loaded
+            shutil.rmtree(universal, ignore_errors=True)
+            print(f"shardyard | resharded ZeRO-{meta['training_state'].get('zero_stage', '?')} x{meta['world_size']} "
+                  f"-> ZeRO-{self.bcfg.stage} x{self.world_size} through DeepSpeed's universal checkpoint", flush=True)
+
+    def _load(self, path: str) -> None:
+        with weights_only_loads(_safe_globals()):  # DeepSpeed's own loads use weights_only=False
+            load_path, _ = self.engine.load_checkpoint(path, tag="zero", load_optimizer_states=True,
+                                                       load_lr_scheduler_states=True)
         assert load_path is not None, f"DeepSpeed found no checkpoint under {path}"
 
+    def _to_universal(self, path: str) -> str:
+        """Rank 0 converts ``path`` into ``<run_dir>/universal/<name>`` (under a temporary name first)."""
+        out = os.path.join(self.cfg.run_dir, "universal", os.path.basename(os.path.normpath(path)))
+        if self.rank == 0:
+            import argparse
+            import contextlib
+            import io
+
+            from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+            tmp = out + ".tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(out, ignore_errors=True)
+            args = argparse.Namespace(input_folder=os.path.join(path, "zero"), output_folder=os.path.join(tmp, "zero"),
+                                      num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False,
+                                      strict=True, inject_missing_state=True)
+            with contextlib.redirect_stdout(io.StringIO()), weights_only_loads(_safe_globals()):
+                ds_to_universal(args)
+            os.replace(tmp, out)
+        self.barrier()
+        return out
+
     def training_state(self) -> dict:
-        return {}  # inside DeepSpeed's own files
+        return {"zero_stage": self.bcfg.stage}  # the rest is inside DeepSpeed's own files
 
     def load_training_state(self, state: dict) -> None:
         pass
@@ -240,3 +337,15 @@ class DeepSpeedBackend:
         # DeepSpeed's own teardown also drops its cached groups, so a later engine in this process (the
         # next job of an in-process sweep) starts from a clean slate.
         teardown(self, "engine", "_hf_ds", destroy=deepspeed.comm.destroy_process_group)
+
+
+def _safe_globals() -> list:
+    """The plain (data-only) classes DeepSpeed 0.19 pickles into its checkpoints besides tensors (found with
+    ``torch.serialization.get_unsafe_globals_in_checkpoint`` on fp32 and bf16 checkpoints of every stage;
+    DynamicLossScaler is what fp16 runs hold in LossScaler's place)."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+

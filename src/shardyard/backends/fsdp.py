@@ -80,8 +80,8 @@ class FSDPBackend:
         self.model.set_requires_gradient_sync(is_last_micro)
         return self.stepper.forward_backward(inputs, targets)
 
-    def step(self) -> StepStats:
-        return self.stepper.step()  # clip_grad_norm_ on DTensors: the global norm over all shards
+    def step(self, guard: bool = False) -> StepStats:
+        return self.stepper.step(guard)  # clip_grad_norm_ on DTensors: the global norm over all shards
 
     def eval_loss(self, inputs, targets) -> torch.Tensor:
         return self.stepper.eval_loss(inputs, targets)

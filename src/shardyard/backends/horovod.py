@@ -72,8 +72,8 @@ class HorovodBackend:
     def forward_backward(self, inputs, targets, is_last_micro: bool) -> torch.Tensor:
         return self.stepper.forward_backward(inputs, targets)
 
-    def step(self) -> StepStats:
-        return self.stepper.step()  # synchronize() -> unscale -> clip -> skip_synchronize(): step
+    def step(self, guard: bool = False) -> StepStats:
+        return self.stepper.step(guard)  # synchronize() -> unscale -> clip -> skip_synchronize(): step
 
     def eval_loss(self, inputs, targets) -> torch.Tensor:
         return self.stepper.eval_loss(inputs, targets)

@@ -34,8 +34,8 @@ class SingleBackend:
     def forward_backward(self, inputs, targets, is_last_micro: bool) -> torch.Tensor:
         return self.stepper.forward_backward(inputs, targets)
 
-    def step(self) -> StepStats:
-        return self.stepper.step()
+    def step(self, guard: bool = False) -> StepStats:
+        return self.stepper.step(guard)
 
     def eval_loss(self, inputs, targets) -> torch.Tensor:
         return self.stepper.eval_loss(inputs, targets)

@@ -48,25 +48,38 @@ class TorchStepper:
             self.scaler.scale(loss / self.accum).backward()
         return loss.detach()
 
-    def step(self) -> StepStats:
+    def step(self, guard: bool = False) -> StepStats:
         synchronize = getattr(self.optimizer, "synchronize", None)
         if synchronize is not None:
             # Horovod's AMP pattern: finish the gradient all-reduces before unscaling and clipping, then
             # step inside skip_synchronize() so the optimizer does not wait for them a second time.
             synchronize()
         self.scaler.unscale_(self.optimizer)
-        max_norm = self.max_norm if self.max_norm > 0 else float("inf")
-        # Works for plain and DTensor (FSDP2) parameters alike; returns the global pre-clip norm.
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+        grads = [p.grad for p in self.params if p.grad is not None]
+        # Works for plain and DTensor (FSDP2) gradients alike: the global pre-clip norm.
+        grad_norm = torch.nn.utils.get_total_norm(grads)
         if isinstance(grad_norm, torch.distributed.tensor.DTensor):
             grad_norm = grad_norm.full_tensor()
         lr = self.optimizer.param_groups[0]["lr"]
+        scale = self.scaler.get_scale() if self.scaler.is_enabled() else None
+        # Under fp16 an overflow is routine: the scaler skips that step and lowers the scale by itself.
+        if guard and not self.scaler.is_enabled() and not torch.isfinite(grad_norm).item():
+            # The norm is global, so every rank takes this branch together. Look before clipping (which
+            # would spread the NaN to every gradient), then drop the update.
+            bad = next((i for i, p in enumerate(self.params)
+                        if p.grad is not None and not torch.isfinite(_local(p.grad)).all()), None)
+            self.scheduler.step()
+            self.optimizer.zero_grad()
+            return StepStats(grad_norm.detach(), lr, scale, applied=False, nonfinite_param=bad)
+        if self.max_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(self.params, self.max_norm, grad_norm)
         with self.optimizer.skip_synchronize() if synchronize is not None else contextlib.nullcontext():
             self.scaler.step(self.optimizer)  # skipped by the scaler when fp16 gradients overflowed
         self.scaler.update()
+        applied = not self.scaler.is_enabled() or self.scaler.get_scale() >= scale  # an overflow lowers it
         self.scheduler.step()
         self.optimizer.zero_grad()  # set_to_none=True is the default (and Horovod takes no argument)
-        return StepStats(grad_norm.detach(), lr, self.scaler.get_scale() if self.scaler.is_enabled() else None)
+        return StepStats(grad_norm.detach(), lr, scale, applied=applied)
 
     @torch.no_grad()
     def eval_loss(self, inputs, targets) -> torch.Tensor:
@@ -102,10 +115,18 @@ class TorchStepper:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+        from shardyard.safe_load import check_dcp_metadata, weights_only_loads
+
         model_sd, optim_sd = get_state_dict(model, self.optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=path)
+        check_dcp_metadata(path)  # a plain pickle: vetted before DCP unpickles it
+        with weights_only_loads():  # DCP's planner reads non-tensor values with weights_only=False
+            dcp.load(state, checkpoint_id=path)
         set_state_dict(model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def pick_device(plan, local_rank: int) -> torch.device:

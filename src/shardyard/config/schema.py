@@ -88,7 +88,13 @@ class ZeroBackendConfig(BackendConfig):
     dump_config: bool = False
     """Print the generated DeepSpeed JSON at start (it is always written to ``<run_dir>/deepspeed_config.json``)."""
     wall_clock_breakdown: bool = False
-    """DeepSpeed's per-phase timing (forward, backward, step) in its logs."""
+    """DeepSpeed's per-phase timers (forward, backward, step, and the communication inside them), printed
+    by DeepSpeed every ``train.log_every_n_steps`` steps."""
+    flops_profiler: bool = False
+    """DeepSpeed's flops profiler: per-module FLOPs, parameters and latency of one step, written to
+    ``<run_dir>/deepspeed_flops_profile.txt``."""
+    flops_profiler_step: int = 2
+    """The optimizer step (1-based) the flops profiler measures."""
 
 
 @dataclass
@@ -293,7 +299,78 @@ class TensorBoardMonitorConfig:
     """Event files go to ``<run_dir>/<subdir>``."""
 
 
+@dataclass
+class WandbMonitorConfig:
+    project: str = "shardyard"
+    """W&B project."""
+    entity: Optional[str] = None
+    """W&B team or user; ``null`` = the API key's default."""
+    name: Optional[str] = None
+    """Run name; ``null`` = the run directory's name."""
+    mode: str = "auto"
+    """``auto`` (online when ``WANDB_API_KEY`` is set or you are logged in, else offline), ``online``,
+    ``offline`` or ``disabled``. Offline runs live in ``<run_dir>/wandb``; upload them with ``wandb sync``."""
+    tags: List[str] = field(default_factory=list)
+    """Run tags."""
+
+
+@dataclass
+class MlflowMonitorConfig:
+    tracking_uri: Optional[str] = None
+    """MLflow tracking URI; ``null`` = a local store in the run dir (``sqlite:///<run_dir>/mlflow/mlflow.db``,
+    artifacts beside it). Read it with ``mlflow ui --backend-store-uri <that uri>``."""
+    experiment: str = "shardyard"
+    """Experiment name (created if missing)."""
+    run_name: Optional[str] = None
+    """Run name; ``null`` = the run directory's name."""
+    log_export: bool = True
+    """Log the final HF export (``<run_dir>/hf``) as the run's ``hf`` artifact."""
+
+
+@dataclass
+class CsvMonitorConfig:
+    file: str = "metrics.csv"
+    """CSV file in the run dir: one row per logged step, a fixed column per metric (empty when absent)."""
+
+
 # ------------------------------------------------------------------------------------ top-level parts
+@dataclass
+class MetricsConfig:
+    peak_tflops: Optional[float] = None
+    """Peak dense TFLOP/s of one accelerator for MFU; ``null`` = from the table (A100, H100, H200; bf16/fp16
+    or tf32 peaks by precision). MFU is reported only when a peak is known."""
+
+
+@dataclass
+class ProfileConfig:
+    enabled: bool = False
+    """Trace steps with ``torch.profiler`` (CPU, and CUDA on GPUs) on every rank."""
+    steps: List[int] = field(default_factory=lambda: [3, 4])
+    """``[first, last]`` optimizer steps (1-based, inclusive) to trace; warm-up steps are better skipped."""
+    dir: Optional[str] = None
+    """Trace directory; ``null`` = ``<run_dir>/profile`` (``rank<R>.trace.json``, open in Perfetto or
+    chrome://tracing)."""
+    record_shapes: bool = True
+    """Record operator input shapes."""
+    profile_memory: bool = False
+    """Track tensor allocations (slower, bigger traces)."""
+    with_stack: bool = False
+    """Record Python stacks (much bigger traces)."""
+
+
+@dataclass
+class DebugConfig:
+    nan_policy: str = "stop"
+    """A non-finite loss or gradient norm: ``stop`` the run naming the step, rank and first non-finite
+    gradient (before the bad update is applied), ``skip`` the optimizer step and go on, or ``off`` (apply it)."""
+    max_skipped: int = 5
+    """With ``skip``: stop after this many skipped steps in a row."""
+    detect_anomaly: bool = False
+    """Run forward and backward under ``torch.autograd.detect_anomaly`` (slow; names the op that made a NaN)."""
+    fast_dev_run: bool = False
+    """Smoke test: 2 steps and one evaluation; no checkpoints, exports or samples."""
+
+
 @dataclass
 class TrainLoopConfig:
     steps: int = 300
@@ -348,6 +425,9 @@ class TrainConfig:
     """Where this run writes everything; Hydra's run dir unless overridden."""
     train: TrainLoopConfig = field(default_factory=TrainLoopConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
 
 
 SCHEMAS = {
@@ -368,6 +448,9 @@ SCHEMAS = {
     "schema_checkpoint": CheckpointConfig,
     "schema_monitor_console": ConsoleMonitorConfig,
     "schema_monitor_tensorboard": TensorBoardMonitorConfig,
+    "schema_monitor_wandb": WandbMonitorConfig,
+    "schema_monitor_mlflow": MlflowMonitorConfig,
+    "schema_monitor_csv": CsvMonitorConfig,
 }
 
 

@@ -140,9 +140,59 @@ def validate(cfg: DictConfig, env: DistEnv | None) -> Plan:
     if cfg.checkpoint.resume not in (None, "auto") and not os.path.exists(cfg.checkpoint.resume):
         raise UserError("checkpoint.resume", cfg.checkpoint.resume, "There is no checkpoint at that path.",
                         "Use checkpoint.resume=auto (newest complete checkpoint of this run) or an existing path.")
+    _validate_monitors(cfg)
+    _validate_profile_debug(cfg)
     backend_cls = hydra.utils.get_class(cfg.backend._target_)
     backend_cls.validate(cfg, p)
     return p
+
+
+def apply_fast_dev_run(cfg: DictConfig) -> None:
+    """``debug.fast_dev_run=true``: 2 steps and one evaluation (at the end); nothing saved but metrics."""
+    if not cfg.debug.fast_dev_run:
+        return
+    from omegaconf import open_dict
+
+    with open_dict(cfg):
+        cfg.train.steps = min(cfg.train.steps, 2)
+        cfg.train.eval_every_n_steps = 0
+        cfg.train.sample_tokens = 0
+        cfg.checkpoint.every_n_steps = 0
+        cfg.checkpoint.save_final = False
+        cfg.checkpoint.export_hf = False
+        cfg.profile.enabled = False
+
+
+def _validate_monitors(cfg: DictConfig) -> None:
+    from shardyard.monitors import PLUGINS
+
+    for name in cfg.monitor or {}:
+        if name not in PLUGINS:  # a config file added to conf/monitor without a plugin behind it
+            raise UserError("monitor", name, f"There is no monitor plugin named {name!r}.",
+                            f"Use some of: {', '.join(PLUGINS)} (and jsonl, which is always on).")
+        package = PLUGINS[name][1]
+        if package and importlib.util.find_spec(package) is None:
+            raise UserError("monitor", name, f"The {name} monitor needs the `{package}` package, which is not "
+                            "installed in this environment.",
+                            f"Install it (pip install {package}, or pip install -e '.[monitors]'), or drop it "
+                            f"from the list, e.g. 'monitor=[console,tensorboard]'.")
+
+
+def _validate_profile_debug(cfg: DictConfig) -> None:
+    pr, dbg, steps = cfg.profile, cfg.debug, cfg.train.steps
+    if pr.enabled:
+        ok = len(pr.steps) == 2 and 1 <= pr.steps[0] <= pr.steps[1] <= steps
+        if not ok:
+            raise UserError("profile.steps", list(pr.steps), f"It must be [first, last] with 1 <= first <= last <= "
+                            f"train.steps ({steps}).", f"Use e.g. profile.steps=[{min(3, steps)},{min(4, steps)}].")
+    if dbg.nan_policy not in ("stop", "skip", "off"):
+        raise UserError("debug.nan_policy", dbg.nan_policy, "Unknown policy for non-finite losses and gradients.",
+                        "Use debug.nan_policy=stop (default), skip or off.")
+    if dbg.max_skipped < 1:
+        raise UserError("debug.max_skipped", dbg.max_skipped, "It must be at least 1.", "Use e.g. debug.max_skipped=5.")
+    if cfg.metrics.peak_tflops is not None and cfg.metrics.peak_tflops <= 0:
+        raise UserError("metrics.peak_tflops", cfg.metrics.peak_tflops, "A peak throughput must be positive.",
+                        "Use e.g. metrics.peak_tflops=989 (H100 SXM, bf16 dense), or null for the built-in table.")
 
 
 def _validate_data(d: DictConfig) -> None:

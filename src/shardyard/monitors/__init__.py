@@ -1,26 +1,58 @@
 """Metric sinks. ``jsonl`` is always on; the ``monitor`` list group picks the others. Rank 0 only.
 
-Each plugin module is imported only when selected (tensorboard, and later wandb/mlflow, are heavy).
+Each plugin module is imported only when selected (tensorboard, wandb and mlflow are heavy), and
+``validate`` checks before launch that a selected plugin's package is installed.
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Protocol
 
 from omegaconf import DictConfig
+
+# Every metric the loop reports, in the order the CSV columns take. A name absent from a log call is
+# simply not reported at that step (eval metrics only at evaluations, MFU only with a known peak...).
+METRICS = {
+    "train/loss": "mean training loss over the log interval (all ranks)",
+    "eval/loss": "mean loss on the held-out set",
+    "eval/ppl": "exp(eval/loss)",
+    "lr": "learning rate of the step",
+    "grad_norm": "global L2 norm of the gradients before clipping",
+    "tokens_per_s": "global training throughput, tokens per second",
+    "samples_per_s": "global training throughput, sequences per second",
+    "step_time_s": "mean wall time of an optimizer step",
+    "data_time_s": "mean time per step spent fetching batches",
+    "tokens_seen": "tokens trained on so far",
+    "tflops_per_device": "achieved model TFLOP/s per device (6N + 12*L*H*Q*T FLOPs per token)",
+    "mfu": "model FLOPs utilisation: tflops_per_device / the device's peak (GPUs with a known peak)",
+    "memory/max_allocated_gib": "CUDA: peak memory allocated by tensors in the interval (rank 0)",
+    "memory/max_reserved_gib": "CUDA: peak memory reserved by the caching allocator in the interval (rank 0)",
+    "memory/rss_gib": "CPU: resident memory of the rank-0 process",
+    "loss_scale": "dynamic loss scale (fp16 only)",
+    "skipped_steps": "optimizer steps skipped for non-finite gradients so far (debug.nan_policy=skip)",
+}
 
 
 class Monitor(Protocol):
     def log(self, step: int, metrics: dict) -> None: ...
 
-    def close(self, summary: dict) -> None: ...
+    def close(self, summary: dict) -> None:
+        """The run finished; ``summary`` holds its final numbers (and the export path)."""
+
+    def fail(self, error: str) -> None:
+        """The run stopped with an error: flush, and mark the run failed where the tool has the notion."""
 
 
 PLUGINS = {
-    "console": "shardyard.monitors.console:ConsoleMonitor",
-    "tensorboard": "shardyard.monitors.tensorboard:TensorBoardMonitor",
+    "console": ("shardyard.monitors.console:ConsoleMonitor", None),
+    "tensorboard": ("shardyard.monitors.tensorboard:TensorBoardMonitor", "tensorboard"),
+    "wandb": ("shardyard.monitors.wandb:WandbMonitor", "wandb"),
+    "mlflow": ("shardyard.monitors.mlflow:MlflowMonitor", "mlflow"),
+    "csv": ("shardyard.monitors.csv:CsvMonitor", None),
 }
+"""name -> (class, the package it needs)."""
 
 
 class Monitors:
@@ -37,14 +69,22 @@ class Monitors:
         for m in self.monitors:
             m.close(summary)
 
+    def fail(self, error: str) -> None:
+        for m in self.monitors:
+            try:
+                m.fail(error)
+            except Exception as e:  # a sink failing must not hide the error that stopped the run
+                print(f"shardyard | monitor {type(m).__name__} could not record the failure: {e}", file=sys.stderr)
 
-def build(cfg: DictConfig, run_dir: str, total_steps: int, is_rank0: bool) -> Monitors:
+
+def build(cfg: DictConfig, is_rank0: bool) -> Monitors:
+    """Each plugin is built as ``Plugin(its monitor.<name> config, run_dir, the whole run config)``."""
     if not is_rank0:
         return Monitors([])
     from shardyard.monitors.jsonl import JsonlMonitor
 
-    out: list[Monitor] = [JsonlMonitor(run_dir)]
+    out: list[Monitor] = [JsonlMonitor(cfg.run_dir)]
     for name, mcfg in (cfg.monitor or {}).items():
-        module, cls = PLUGINS[name].split(":")
-        out.append(getattr(importlib.import_module(module), cls)(mcfg, run_dir, total_steps))
+        module, cls = PLUGINS[name][0].split(":")
+        out.append(getattr(importlib.import_module(module), cls)(mcfg, cfg.run_dir, cfg))
     return Monitors(out)

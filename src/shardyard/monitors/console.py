@@ -14,8 +14,8 @@ def _fmt_time(s: float) -> str:
 
 
 class ConsoleMonitor:
-    def __init__(self, mcfg: DictConfig, run_dir: str, total_steps: int):
-        self.total, self.t0 = total_steps, time.perf_counter()
+    def __init__(self, mcfg: DictConfig, run_dir: str, cfg: DictConfig):
+        self.total, self.t0 = cfg.train.steps, time.perf_counter()
         style = mcfg.style
         self.rich = style == "rich" or (style == "auto" and sys.stdout.isatty())
         self.progress = None
@@ -24,13 +24,15 @@ class ConsoleMonitor:
 
             self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
                                      TextColumn("{task.fields[info]}"), TimeRemainingColumn())
-            self.task = self.progress.add_task("train", total=total_steps, info="")
+            self.task = self.progress.add_task("train", total=self.total, info="")
             self.progress.start()
 
     def log(self, step: int, m: dict) -> None:
         if "train/loss" in m:
             info = (f"loss {m['train/loss']:.4f} | lr {m['lr']:.2e} | grad {m['grad_norm']:.3f} | "
-                    f"{m['tokens_per_s']:,.0f} tok/s" + (f" | scale {m['loss_scale']:.0f}" if "loss_scale" in m else ""))
+                    f"{m['tokens_per_s']:,.0f} tok/s" + (f" | MFU {100 * m['mfu']:.1f}%" if "mfu" in m else "")
+                    + (f" | scale {m['loss_scale']:.0f}" if "loss_scale" in m else "")
+                    + (f" | skipped {m['skipped_steps']}" if m.get("skipped_steps") else ""))
             if self.progress is not None:
                 self.progress.update(self.task, completed=step, info=info)
             else:
@@ -40,6 +42,10 @@ class ConsoleMonitor:
         if "eval/loss" in m:
             line = f"eval @ step {step}: loss {m['eval/loss']:.4f} | ppl {m['eval/ppl']:.2f}"
             (self.progress.console.print if self.progress is not None else print)(line)
+
+    def fail(self, error: str) -> None:
+        if self.progress is not None:
+            self.progress.stop()
 
     def close(self, s: dict) -> None:
         if self.progress is not None:

@@ -16,3 +16,7 @@ class JsonlMonitor:
 
     def close(self, summary: dict) -> None:
         self.f.close()
+
+    def fail(self, error: str) -> None:
+        self.f.write(json.dumps({"error": error}) + "\n")
+        self.f.close()

@@ -8,7 +8,7 @@ from omegaconf import DictConfig
 
 
 class TensorBoardMonitor:
-    def __init__(self, mcfg: DictConfig, run_dir: str, total_steps: int):
+    def __init__(self, mcfg: DictConfig, run_dir: str, cfg: DictConfig):
         from torch.utils.tensorboard import SummaryWriter  # lazy: pulls in tensorboard
 
         self.writer = SummaryWriter(os.path.join(run_dir, mcfg.subdir))
@@ -21,3 +21,7 @@ class TensorBoardMonitor:
     def close(self, summary: dict) -> None:
         self.writer.flush()
         self.writer.close()
+
+    def fail(self, error: str) -> None:
+        self.writer.add_text("error", error)
+        self.close({})

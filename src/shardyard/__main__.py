@@ -1,0 +1,5 @@
+"""``python -m shardyard report RUN_DIR``."""
+
+from shardyard.cli import main
+
+main()
