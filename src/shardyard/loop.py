@@ -95,7 +95,7 @@ def train(cfg: DictConfig, plan, backend, stream: TrainStream, val: PackedSequen
                 metrics["mfu"] = metrics["tflops_per_device"] / peak
             if stats.loss_scale is not None:
                 metrics["loss_scale"] = stats.loss_scale
-            if cfg.debug.nan_policy == "skip":
+            if guard.policy == "skip":
                 metrics["skipped_steps"] = guard.skipped
             monitors.log(done, metrics)
             res.train_losses.append((done, loss))

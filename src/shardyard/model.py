@@ -43,11 +43,15 @@ def hf_config(m: DictConfig):
 
 def count_params(m: DictConfig) -> int:
     """Exact parameter count, from a meta-device build (no memory)."""
+    return sum(p.numel() for p in _meta_model(m).parameters())
+
+
+def _meta_model(m: DictConfig):
+    """The model's structure on the meta device: shapes and names, no memory, no init."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config(m))
-    return sum(p.numel() for p in model.parameters())
+        return AutoModelForCausalLM.from_config(hf_config(m))
 
 
 def flops_per_token(m: DictConfig, seq_len: int) -> float:
@@ -60,12 +64,8 @@ def flops_per_token(m: DictConfig, seq_len: int) -> float:
     """
     import re
 
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config(m))
     n = 0
-    for name, p in model.named_parameters():
+    for name, p in _meta_model(m).named_parameters():
         if name.endswith("embed_tokens.weight"):
             continue
         if re.search(r"\.experts(\.|$)", name):  # routed experts only ("shared_experts" do not match)

@@ -48,6 +48,7 @@ def _one_run(rank: int, overrides: list[str], run_dir: str) -> None:
     import torch
 
     from shardyard import worker
+    from shardyard.memory import local
 
     cfg = compose(overrides, run_dir)
     out: dict = {}
@@ -55,7 +56,7 @@ def _one_run(rank: int, overrides: list[str], run_dir: str) -> None:
     def grab(backend):
         out["full"] = backend.full_state_dict()  # collective on sharded engines; rank 0 gets the dict
         # This rank's own tensors exactly as the engine holds them (a replica, or DTensor local shards).
-        out["local"] = {k: (v.to_local() if hasattr(v, "to_local") else v).detach().cpu().clone()
+        out["local"] = {k: local(v).detach().cpu().clone()
                         for k, v in backend.hf_model().state_dict().items()}
 
     out["summary"] = worker.main(cfg, after_train=grab)

@@ -117,9 +117,5 @@ class FSDPBackend:
         sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return sd if self.rank == 0 else None
 
-    def local_state_dict(self) -> dict:
-        return {k: (v.to_local() if hasattr(v, "to_local") else v).detach().cpu().clone()
-                for k, v in self.model.state_dict().items()}
-
     def close(self) -> None:
         teardown(self, "stepper", "model")

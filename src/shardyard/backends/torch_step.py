@@ -9,6 +9,7 @@ import torch
 from omegaconf import DictConfig
 
 from shardyard.backends import StepStats
+from shardyard.memory import local
 from shardyard.model import causal_lm_loss
 from shardyard.optim import build_optimizer, build_scheduler
 
@@ -67,7 +68,7 @@ class TorchStepper:
             # The norm is global, so every rank takes this branch together. Look before clipping (which
             # would spread the NaN to every gradient), then drop the update.
             bad = next((i for i, p in enumerate(self.params)
-                        if p.grad is not None and not torch.isfinite(_local(p.grad)).all()), None)
+                        if p.grad is not None and not torch.isfinite(local(p.grad)).all()), None)
             self.scheduler.step()
             self.optimizer.zero_grad()
             return StepStats(grad_norm.detach(), lr, scale, applied=False, nonfinite_param=bad)
@@ -123,10 +124,6 @@ class TorchStepper:
         with weights_only_loads():  # DCP's planner reads non-tensor values with weights_only=False
             dcp.load(state, checkpoint_id=path)
         set_state_dict(model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def pick_device(plan, local_rank: int) -> torch.device:
