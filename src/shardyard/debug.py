@@ -33,15 +33,15 @@ class NonFiniteGuard:
 
     def check(self, step: int, loss: torch.Tensor, stats) -> None:
         """After ``backend.step(guard=True)``: raise (stop), or count a skipped step."""
-        local_bad = not torch.isfinite(loss).item()
         if self.fp16:  # gradient overflows are the loss scaler's; a non-finite loss on any rank is ours
-            bad = self.backend.all_reduce_mean(torch.tensor(float(local_bad), device=self.backend.device)).item() > 0
-        else:
+            flag = (~torch.isfinite(loss)).float()
+            bad = self.backend.all_reduce_mean(flag.to(self.backend.device)).item() > 0
+        else:  # the global norm, which the engine has already synchronised on
             bad = not stats.applied or not math.isfinite(float(stats.grad_norm))
         if not bad:
             self.in_a_row = 0
             return
-        where = self._locate(local_bad, stats.nonfinite_param)
+        where = self._locate(not torch.isfinite(loss).item(), stats.nonfinite_param)
         what = f"at step {step} the {'loss' if self.fp16 else 'gradient norm'} is not finite " \
                f"(grad norm {float(stats.grad_norm)}); {where}"
         if self.policy == "stop":
