@@ -39,6 +39,7 @@ def _rank(rank: int, world: int, ports: list[int], out: str) -> None:
     from shardyard import data
     from shardyard.config.validate import validate
     from shardyard.dist_env import detect
+    from shardyard.memory import held_by
     from shardyard.model import build_model, param_count
     from shardyard.testing import compose
 
@@ -52,12 +53,12 @@ def _rank(rank: int, world: int, ports: list[int], out: str) -> None:
         os.environ["MASTER_PORT"] = str(port)
         cfg = compose([*MODEL, f"backend={engine}", "train.steps=2"], run_dir=tempfile.mkdtemp(prefix="bench-mem-"))
         plan = validate(cfg, detect())
-        backend = hydra.utils.get_class(cfg.backend._target_)(cfg, plan)
+        backend = hydra.utils.get_object(cfg.backend._target_)(cfg, plan)
         backend.init()
         built = {}
 
         def build(allow_meta):
-            built["m"] = build_model(cfg.model, cfg.seed, allow_meta=allow_meta)
+            built["m"] = build_model(cfg.model, cfg.seed)
             built["P"] = param_count(built["m"])
             return built["m"]
 
@@ -70,7 +71,9 @@ def _rank(rank: int, world: int, ports: list[int], out: str) -> None:
         backend.step()
         x, y = stream.micro_batch(1, 0)
         backend.forward_backward(x, y, True)  # gradients of step 2 alive, optimizer state from step 1
-        results[engine] = {"P": built["P"], **backend.memory_breakdown()}
+        # What the engine's optimizer object is: DeepSpeed's ZeRO optimizer, or the torch one of the stepper.
+        optimizer = backend.engine.optimizer if hasattr(backend, "engine") else backend.stepper.optimizer
+        results[engine] = {"P": built["P"], **held_by(backend.hf_model(), optimizer)}
         backend.close()
     if rank == 0:
         Path(out).write_text(json.dumps({"world": world, **results}))

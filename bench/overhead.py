@@ -67,12 +67,15 @@ def _rank(rank: int, world: int, port: int, steps: int, rounds: int, out: str) -
     import torch.distributed as dist
 
     from shardyard import worker
+    from shardyard.config.validate import validate
+    from shardyard.dist_env import detect
     from shardyard.testing import compose
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     cfg = compose([*OVERRIDES, f"train.steps={steps}"], run_dir=tempfile.mkdtemp(prefix="bench-ours-"))
+    plan = validate(cfg, detect())
     res = {"plain": [], "ours": []}
     for r in range(rounds):
         # A fresh store port per process group: the previous one may still be closing.
@@ -81,7 +84,7 @@ def _rank(rank: int, world: int, port: int, steps: int, rounds: int, out: str) -
         res["plain"] += plain_ddp_loop(cfg, steps)[5:]  # skip warm-up steps
         dist.destroy_process_group()
         os.environ["MASTER_PORT"] = str(port + 2 * r + 1)
-        res["ours"] += worker.main(cfg)["step_wall_s"][5:]  # inits and destroys its own process group
+        res["ours"] += worker.main(cfg, plan)["step_wall_s"][5:]  # inits and destroys its own process group
     if rank == 0:
         Path(out).write_text(json.dumps(res))
 

@@ -21,23 +21,18 @@ import json
 import os
 import random
 import shutil
-import sys
 import warnings
 
 import numpy as np
 import torch
 from omegaconf import DictConfig
 
+from shardyard.backends import Backend
+from shardyard.config.validate import Plan
+
+from shardyard import drills
 from shardyard.errors import UserError
-
-ARCH_KEYS = ("arch", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-             "tie_word_embeddings", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-             "v_head_dim", "n_routed_experts", "n_shared_experts", "moe_intermediate_size", "first_k_dense_replace")
-
-
-def model_signature(m: DictConfig) -> dict:
-    return {k: m[k] for k in ARCH_KEYS if k in m}
-
+from shardyard.model import signature
 
 def _b64(t: torch.Tensor) -> str:
     return base64.b64encode(t.numpy().tobytes()).decode()
@@ -95,11 +90,12 @@ def verify(path: str) -> str | None:
 
 
 class Checkpointer:
-    def __init__(self, cfg: DictConfig, backend, plan, tokenizer_dir: str):
+    def __init__(self, cfg: DictConfig, backend: Backend, plan: Plan, tokenizer_dir: str):
         self.cfg, self.backend, self.plan, self.tokenizer_dir = cfg, backend, plan, tokenizer_dir
         self.c = cfg.checkpoint
         self.dir = self.c.dir or os.path.join(cfg.run_dir, "checkpoints")
         self.rank0 = backend.rank == 0
+        self.signature = signature(backend.hf_model())  # parameter names and full shapes
 
     # ----------------------------------------------------------------------------------------- saving
     def maybe_save(self, step: int, stream) -> None:
@@ -120,7 +116,7 @@ class Checkpointer:
             from shardyard.export import save_hf
 
             save_hf(self.backend, self.tokenizer_dir, os.path.join(tmp, "hf"))
-        _test_pause("SHARDYARD_TEST_PAUSE_IN_SAVE", step)
+        drills.pause_in_save(step)
         self.backend.barrier()  # every rank has finished writing
         if self.rank0:
             self._publish(tmp, final, step, stream)
@@ -138,8 +134,9 @@ class Checkpointer:
             "step": step, "tokens_seen": step * self.plan.tokens_per_step, "data": stream.position(step),
             "rng": rngs, "training_state": self.backend.training_state(), "engine": self.cfg.backend.name,
             "format": self.backend.checkpoint_format, "world_size": self.backend.world_size,
-            "global_batch_size": self.plan.global_batch_size, "model": model_signature(self.cfg.model),
-            "model_hash": hashlib.sha256(json.dumps(model_signature(self.cfg.model), sort_keys=True).encode()).hexdigest()[:16],
+            "global_batch_size": self.plan.global_batch_size, "model_name": self.cfg.model.name,
+            "model": self.signature,
+            "model_hash": hashlib.sha256(json.dumps(self.signature, sort_keys=True).encode()).hexdigest()[:16],
             "manifest": _manifest(tmp),
         }
         _write_atomic(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
@@ -182,7 +179,7 @@ class Checkpointer:
         with open(os.path.join(path, "meta.json")) as f:
             meta = json.load(f)
         self._check_compatible(path, meta)
-        self.backend.load_checkpoint(path)
+        self.backend.load_checkpoint(path, meta)
         self.backend.load_training_state(meta["training_state"])
         if meta["world_size"] == self.backend.world_size:
             set_rng_state(meta["rng"][self.backend.rank])
@@ -192,17 +189,19 @@ class Checkpointer:
         return meta["step"]
 
     def _check_compatible(self, path: str, meta: dict) -> None:
-        want = model_signature(self.cfg.model)
-        diff = {k: (meta["model"].get(k), v) for k, v in want.items() if meta["model"].get(k) != v}
+        have, want = meta["model"], self.signature
+        diff = sorted(k for k in have.keys() | want.keys() if have.get(k) != want.get(k))
         if diff:
-            shown = ", ".join(f"{k}: checkpoint {a} vs config {b}" for k, (a, b) in diff.items())
-            raise UserError("checkpoint.resume", path, f"The checkpoint holds a different model ({shown}).",
+            shown = ", ".join(f"{k}: checkpoint {have.get(k)} vs config {want.get(k)}" for k in diff[:4])
+            more = f" and {len(diff) - 4} more" if len(diff) > 4 else ""
+            raise UserError("checkpoint.resume", path, f"The checkpoint holds a different model "
+                            f"({meta.get('model_name', '?')}: {shown}{more}).",
                             "Resume with the model config it was saved with, or start a new run.")
         if meta["format"] != self.backend.checkpoint_format:
             raise UserError("checkpoint.resume", path, f"It was saved by backend={meta['engine']} "
                             f"({meta['format']} format), which backend={self.cfg.backend.name} cannot read.",
                             "Resume with the same engine family, or move weights across engines through "
-                            "an HF export: model.pretrained_path=<run_dir>/hf.")
+                            "an HF export: model=hf model.path=<run_dir>/hf.")
         if meta["global_batch_size"] != self.plan.global_batch_size and self.rank0:
             warnings.warn(f"shardyard: the global batch changed ({meta['global_batch_size']} -> "
                           f"{self.plan.global_batch_size}); the data order continues by step, not by sample")
@@ -215,14 +214,3 @@ def _write_atomic(path: str, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-
-
-def _test_pause(var: str, step: int) -> None:
-    """Fault-injection hook for the tests: ``VAR=SECONDS@STEP`` sleeps inside the save of that step."""
-    seconds, _, at = os.environ.get(var, "").partition("@")
-    seconds = float(seconds or 0)
-    if seconds and (not at or int(at) == step):
-        print(f"shardyard | {var}: pausing {seconds}s inside the save", flush=True, file=sys.stderr)
-        import time
-
-        time.sleep(seconds)

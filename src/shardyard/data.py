@@ -22,7 +22,7 @@ import sysconfig
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator, Protocol
 
 import numpy as np
 from omegaconf import DictConfig
@@ -33,48 +33,123 @@ EOT = "<|endoftext|>"
 
 
 # ------------------------------------------------------------------------------------------- documents
-def stdlib_files(exclude_dirs) -> list[Path]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    excluded = set(exclude_dirs)
-    files = [p for p in root.rglob("*.py") if not excluded.intersection(p.relative_to(root).parts[:-1])]
-    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+class DocumentSource(Protocol):
+    """What ``data._target_`` builds: documents in a fixed order, and a fingerprint of their content."""
+
+    def documents(self) -> Iterable[tuple[str, str]]:
+        """``(stable name, text)`` for every document, always in the same order. The name decides the
+        train/val split (a stable hash), so it must not change between runs."""
+
+    def fingerprint(self) -> str:
+        """Changes whenever the documents do: the key of the tokenizer and token caches."""
 
 
-def _input_files(d: DictConfig) -> list[Path]:
-    if d.name == "stdlib_code":
-        return stdlib_files(d.exclude_dirs)
-    out = []
-    for pattern in d.paths:
-        for hit in sorted(glob.glob(os.path.expanduser(pattern), recursive=True)):
-            p = Path(hit)
-            out += sorted(q for q in p.rglob("*") if q.suffix in (".txt", ".jsonl", ".json", ".parquet")) if p.is_dir() else [p]
-    bad = [str(p) for p in out if p.suffix not in (".txt", ".jsonl", ".json", ".parquet")]
-    if bad:
-        raise UserError("data.paths", bad[0], "Only .txt, .jsonl/.json and .parquet files can be read.",
-                        "Convert the file or leave it out of data.paths.")
-    return out
+class StdlibCode:
+    """The running interpreter's standard-library ``.py`` files (about 12 MB of real code, always present)."""
 
+    def __init__(self, exclude_dirs: list[str]):
+        self.exclude_dirs = list(exclude_dirs)
 
-def iter_documents(d: DictConfig, files: list[Path]) -> Iterator[tuple[str, str]]:
-    """(stable name, text) for every document, in a fixed order."""
-    if d.name == "stdlib_code":
-        for p in files:
+    def files(self) -> list[Path]:
+        root = Path(sysconfig.get_paths()["stdlib"])
+        excluded = set(self.exclude_dirs)
+        files = [p for p in root.rglob("*.py") if not excluded.intersection(p.relative_to(root).parts[:-1])]
+        return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+    def documents(self) -> Iterator[tuple[str, str]]:
+        for p in self.files():
             yield p.name + ":" + str(p.stat().st_size), p.read_text(encoding="utf-8", errors="replace")
-        return
-    import datasets  # lazy: heavy
 
-    datasets.disable_progress_bars()
+    def fingerprint(self) -> str:
+        return _files_fingerprint(self.files(), f"stdlib|{sys.version_info[:2]}")
+
+
+SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
+
+
+class TextFiles:
+    """Local ``.txt`` files (one document each), ``.jsonl``/``.json`` and ``.parquet`` files (one document per
+    row, from ``text_field``), given as files, directories or glob patterns."""
+
+    def __init__(self, paths: list[str], text_field: str = "text"):
+        if not paths:
+            raise UserError("data.paths", list(paths), "No input files are given.", "Use data.paths=[/path/to/corpus].")
+        self.paths, self.text_field = list(paths), text_field
+        for pattern in self.paths:
+            if not glob.glob(os.path.expanduser(pattern), recursive=True):
+                raise UserError("data.paths", pattern, "Nothing exists at that path or pattern.",
+                                "Give existing .txt/.jsonl/.parquet files, directories or glob patterns.")
+        # The file list is taken once: caches written under a listed directory later are not documents.
+        self._files: list[Path] = []
+        for pattern in self.paths:
+            for hit in sorted(glob.glob(os.path.expanduser(pattern), recursive=True)):
+                p = Path(hit)
+                self._files += sorted(q for q in p.rglob("*") if q.suffix in SUFFIXES) if p.is_dir() else [p]
+        bad = [str(p) for p in self._files if p.suffix not in SUFFIXES]
+        if bad:
+            raise UserError("data.paths", bad[0], "Only .txt, .jsonl/.json and .parquet files can be read.",
+                            "Convert the file or leave it out of data.paths.")
+        if not self._files:
+            raise UserError("data.paths", self.paths, "The corpus has no input files.",
+                            "Give existing .txt/.jsonl/.parquet files.")
+
+    def files(self) -> list[Path]:
+        return self._files
+
+    def documents(self) -> Iterator[tuple[str, str]]:
+        for p in self.files():
+            if p.suffix == ".txt":
+                yield str(p), p.read_text(encoding="utf-8", errors="replace")
+                continue
+            import datasets  # lazy: heavy
+
+            datasets.disable_progress_bars()
+            kind = "parquet" if p.suffix == ".parquet" else "json"
+            ds = datasets.load_dataset(kind, data_files=str(p), split="train")
+            if self.text_field not in ds.column_names:
+                raise UserError("data.text_field", self.text_field, f"{p} has no such column (it has {ds.column_names}).",
+                                f"Use data.text_field=<one of {ds.column_names}>.")
+            for i, text in enumerate(ds[self.text_field]):
+                yield f"{p}:{i}", text or ""
+
+    def fingerprint(self) -> str:
+        return _files_fingerprint(self.files(), f"text|{self.text_field}")
+
+
+class _Iterable:
+    """A user's source that returns a plain iterable of texts or ``(name, text)`` pairs: read once, named by
+    position, fingerprinted by content."""
+
+    def __init__(self, items: Iterable):
+        self.docs = [(d if isinstance(d, tuple) else (str(i), d)) for i, d in enumerate(items)]
+
+    def documents(self) -> list[tuple[str, str]]:
+        return self.docs
+
+    def fingerprint(self) -> str:
+        h = hashlib.sha256()
+        for name, text in self.docs:
+            h.update(f"{name}\0{text}\0".encode())
+        return h.hexdigest()[:16]
+
+
+def _files_fingerprint(files: list[Path], extra: str) -> str:
+    h = hashlib.sha256(extra.encode())
     for p in files:
-        if p.suffix == ".txt":
-            yield str(p), p.read_text(encoding="utf-8", errors="replace")
-            continue
-        kind = "parquet" if p.suffix == ".parquet" else "json"
-        ds = datasets.load_dataset(kind, data_files=str(p), split="train", cache_dir=os.path.join(d.cache_dir, "hf_datasets"))
-        if d.text_field not in ds.column_names:
-            raise UserError("data.text_field", d.text_field, f"{p} has no such column (it has {ds.column_names}).",
-                            f"Use data.text_field=<one of {ds.column_names}>.")
-        for i, text in enumerate(ds[d.text_field]):
-            yield f"{p}:{i}", text or ""
+        st = p.stat()
+        h.update(f"{p}|{st.st_size}|{int(st.st_mtime)}".encode())
+    return h.hexdigest()[:16]
+
+
+def open_source(d: DictConfig) -> DocumentSource:
+    """``data._target_`` called with the option's keys, less shardyard's own (``DataConfig``)."""
+    import dataclasses
+
+    from shardyard.config.plugins import build
+    from shardyard.config.schema import DataConfig
+
+    built = build(d, own=[f.name for f in dataclasses.fields(DataConfig)])
+    return built if hasattr(built, "documents") and hasattr(built, "fingerprint") else _Iterable(built)
 
 
 def is_val(name: str, val_fraction: float) -> bool:
@@ -102,28 +177,23 @@ def _publish(tmp: str, final: str) -> None:
         os.replace(tmp, final)
 
 
-def _fingerprint(d: DictConfig, files: list[Path], extra: str) -> str:
-    h = hashlib.sha256(f"{d.name}|{d.val_fraction}|{sys.version_info[:2]}|{extra}".encode())
-    for p in files:
-        st = p.stat()
-        h.update(f"{p}|{st.st_size}|{int(st.st_mtime)}".encode())
-    return h.hexdigest()[:16]
+def _cache_key(d: DictConfig, src: DocumentSource, extra: str) -> str:
+    h = hashlib.sha256(f"{d._target_}|{d.val_fraction}|{src.fingerprint()}|{extra}".encode())
+    return f"{d._target_.rsplit('.', 1)[-1].lower()}-{h.hexdigest()[:16]}"
 
 
-def tokenizer_dir(d: DictConfig, files: list[Path]) -> str:
-    if d.tokenizer.path is not None:
-        return d.tokenizer.path
-    key = _fingerprint(d, files, f"bpe|{d.tokenizer.vocab_size}|{d.tokenizer.train_bytes}")
-    out = os.path.join(d.cache_dir, "tokenizers", f"{d.name}-bpe{d.tokenizer.vocab_size}-{key}")
+def tokenizer_dir(d: DictConfig, src: DocumentSource) -> str:
+    key = _cache_key(d, src, f"bpe|{d.tokenizer.vocab_size}|{d.tokenizer.train_bytes}")
+    out = os.path.join(d.cache_dir, "tokenizers", f"{key}-bpe{d.tokenizer.vocab_size}")
     if os.path.exists(out):
         return out
     with _locked(out + ".lock"):
         if not os.path.exists(out):
-            _train_tokenizer(d, files, out)
+            _train_tokenizer(d, src, out)
     return out
 
 
-def _train_tokenizer(d: DictConfig, files: list[Path], out: str) -> None:
+def _train_tokenizer(d: DictConfig, src: DocumentSource, out: str) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -131,7 +201,7 @@ def _train_tokenizer(d: DictConfig, files: list[Path], out: str) -> None:
 
     def texts():
         budget = d.tokenizer.train_bytes
-        for name, text in iter_documents(d, files):
+        for name, text in src.documents():
             if budget <= 0 or is_val(name, d.val_fraction):
                 continue
             budget -= len(text)
@@ -155,19 +225,18 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
-def token_dir(d: DictConfig, files: list[Path], tok_dir: str) -> str:
+def token_dir(d: DictConfig, src: DocumentSource, tok_dir: str) -> str:
     tok_hash = hashlib.sha256(Path(tok_dir, "tokenizer.json").read_bytes()).hexdigest()[:12]
-    key = _fingerprint(d, files, f"tok|{tok_hash}")
-    out = os.path.join(d.cache_dir, "tokens", f"{d.name}-{key}")
+    out = os.path.join(d.cache_dir, "tokens", _cache_key(d, src, f"tok|{tok_hash}"))
     if os.path.exists(out):
         return out
     with _locked(out + ".lock"):
         if not os.path.exists(out):
-            _tokenize(d, files, tok_dir, out)
+            _tokenize(d, src, tok_dir, out)
     return out
 
 
-def _tokenize(d: DictConfig, files: list[Path], tok_dir: str, out: str) -> None:
+def _tokenize(d: DictConfig, src: DocumentSource, tok_dir: str, out: str) -> None:
     tok = load_tokenizer(tok_dir)
     eot = tok.eos_token_id
     dtype = np.uint16 if len(tok) <= 1 << 16 else np.uint32
@@ -183,7 +252,7 @@ def _tokenize(d: DictConfig, files: list[Path], tok_dir: str, out: str) -> None:
             counts[split] += 1
         batch.clear()
 
-    for doc in iter_documents(d, files):
+    for doc in src.documents():
         batch.append(doc)
         if len(batch) == 256:
             flush()
@@ -204,20 +273,34 @@ class Prepared:
     vocab_size: int
 
 
-def prepare(cfg: DictConfig) -> Prepared:
-    """Build (or find) the tokenizer and token caches; safe to call from many processes at once."""
+def has_tokenizer(path: str) -> bool:
+    return any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
+
+
+def tokenizer_path(cfg: DictConfig) -> str | None:
+    """The tokenizer to use as is: ``data.tokenizer.path``, else the model directory's own (``model=hf``), else
+    None (train a BPE tokenizer on the data)."""
+    if cfg.data.tokenizer.path is not None:
+        return cfg.data.tokenizer.path
+    model_dir = cfg.model.get("path")
+    return model_dir if isinstance(model_dir, str) and has_tokenizer(model_dir) else None
+
+
+def prepare(cfg: DictConfig, embedding_rows: int | None = None) -> Prepared:
+    """Build (or find) the tokenizer and token caches; safe to call from many processes at once.
+    ``embedding_rows``: the model's input embedding size, checked against the tokenizer."""
     d = cfg.data
-    files = _input_files(d)
-    if not files:
-        raise UserError("data.paths" if "paths" in d else "data", d.name, "The corpus has no input files.",
-                        "Give existing .txt/.jsonl/.parquet files.")
-    tok_dir = tokenizer_dir(d, files)
-    tdir = token_dir(d, files, tok_dir)
+    src = open_source(d)
+    tok_dir = tokenizer_path(cfg) or tokenizer_dir(d, src)
+    tdir = token_dir(d, src, tok_dir)
     meta = json.loads(Path(tdir, "meta.json").read_text())
-    if meta["vocab_size"] > cfg.model.vocab_size:
-        raise UserError("model.vocab_size", cfg.model.vocab_size,
-                        f"The tokenizer has {meta['vocab_size']} tokens, more than the model's embedding rows.",
-                        f"Use model.vocab_size>={meta['vocab_size']} or a smaller data.tokenizer.vocab_size.")
+    if embedding_rows is not None and meta["vocab_size"] > embedding_rows:
+        key = "model.vocab_size" if "vocab_size" in cfg.model else "data.tokenizer.path"
+        raise UserError(key, cfg.model.get("vocab_size", tok_dir),
+                        f"The tokenizer ({tok_dir}) has {meta['vocab_size']} tokens, more than the model's "
+                        f"{embedding_rows} embedding rows.",
+                        f"Use model.vocab_size>={meta['vocab_size']}, a smaller data.tokenizer.vocab_size, or the "
+                        "model's own tokenizer.")
     for split in ("train", "val"):
         if meta["tokens"][split] < d.seq_len + 1:
             raise UserError("data.seq_len", d.seq_len, f"The {split} split has only {meta['tokens'][split]} tokens, "

@@ -1,4 +1,5 @@
-"""HF export: safetensors + config + tokenizer, loadable by ``AutoModelForCausalLM.from_pretrained``."""
+"""HF export: safetensors + config + tokenizer, loadable by ``AutoModelForCausalLM.from_pretrained`` (a model
+that is not an HF model exports ``model.safetensors`` and the tokenizer)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,12 @@ import os
 import shutil
 import tempfile
 
+from shardyard.backends import Backend
 from shardyard.data import load_tokenizer
+from shardyard.model import is_hf
 
 
-def save_hf(backend, tokenizer_dir: str, out_dir: str) -> str | None:
+def save_hf(backend: Backend, tokenizer_dir: str, out_dir: str) -> str | None:
     """Collective: every rank calls it; rank 0 writes ``out_dir`` atomically (temp dir, then rename)."""
     state = backend.full_state_dict()
     if backend.rank != 0:
@@ -20,7 +23,12 @@ def save_hf(backend, tokenizer_dir: str, out_dir: str) -> str | None:
 
     hf_logging.disable_progress_bar()
     model = backend.hf_model()
-    model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+    if is_hf(model):
+        model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+    else:  # a plain nn.Module (shardyard.model.CausalLM): its weights, for its own builder to load
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(tmp, "model.safetensors"))
     load_tokenizer(tokenizer_dir).save_pretrained(tmp)
     if os.path.exists(out_dir):  # replace an older export only once the new one is complete
         old = out_dir + ".old"

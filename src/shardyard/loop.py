@@ -10,9 +10,12 @@ from typing import Callable
 import torch
 from omegaconf import DictConfig
 
+from shardyard.backends import Backend
+from shardyard.config.validate import Plan
 from shardyard.data import PackedSequences, TrainStream, eval_batches
 from shardyard.debug import NonFiniteGuard, anomaly_detection
 from shardyard.metrics import memory_metrics, peak_tflops
+from shardyard.monitors import Monitors
 from shardyard.profiling import StepProfiler
 
 
@@ -28,7 +31,7 @@ class LoopResult:
     skipped_steps: int = 0  # updates dropped for non-finite gradients (debug.nan_policy=skip)
 
 
-def evaluate(backend, val: PackedSequences, cfg: DictConfig, plan) -> float:
+def evaluate(backend: Backend, val: PackedSequences, cfg: DictConfig, plan: Plan) -> float:
     model = backend.hf_model()
     was_training = model.training
     model.eval()
@@ -39,11 +42,12 @@ def evaluate(backend, val: PackedSequences, cfg: DictConfig, plan) -> float:
     return backend.all_reduce_mean(total / cfg.train.eval_batches).item()
 
 
-def train(cfg: DictConfig, plan, backend, stream: TrainStream, val: PackedSequences, monitors,
-          flops_per_token: float, start_step: int = 0, after_step: Callable[[int], None] | None = None) -> LoopResult:
+def train(cfg: DictConfig, plan: Plan, backend: Backend, stream: TrainStream, val: PackedSequences,
+          monitors: Monitors, start_step: int = 0, after_step: Callable[[int], None] | None = None) -> LoopResult:
     """Steps ``start_step .. train.steps``; ``after_step(done)`` runs after each (checkpointing).
-    ``flops_per_token`` (``model.flops_per_token``) turns throughput into TFLOP/s and MFU."""
+    The plan's FLOPs per token turn throughput into TFLOP/s and MFU."""
     tr = cfg.train
+    flops_per_token = plan.model.flops_per_token
     total, accum, dev = tr.steps, plan.grad_accum_steps, backend.device
     res = LoopResult()
     guard = NonFiniteGuard(cfg, backend)

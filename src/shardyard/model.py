@@ -1,12 +1,22 @@
-"""HF transformers models built from the ``model`` group; never downloaded.
+"""Models: ``model._target_`` names a builder; shardyard builds, checks and prepares what it returns.
 
-``deepseek_tiny`` / ``deepseek7b`` are DeepSeek-LLM, i.e. the LLaMA architecture; ``deepseek_moe_tiny`` /
-``deepseek_v3`` are DeepSeek-V3 (MLA attention + routed/shared experts).
+A builder is any callable that takes the ``model`` option's own keys (everything but the shardyard keys of
+``config.schema.ModelConfig``) and returns either a ``transformers.PreTrainedModel`` (any
+``AutoModelForCausalLM``) or an ``nn.Module`` meeting ``CausalLM`` below. The built-in builders are
+``llama`` (DeepSeek-LLM is the LLaMA architecture), ``deepseek_v3`` (MLA attention + routed/shared
+experts) and ``hf`` (any local HF directory). Nothing is ever downloaded.
+
+shardyard itself decides *where* the model is created (CPU, the meta device for big models, under
+``deepspeed.zero.Init``), and applies activation checkpointing and compile to its transformer blocks.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import glob
+import os
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -17,131 +27,274 @@ from shardyard.errors import UserError
 META_INIT_ABOVE = 1_000_000_000  # parameters; above this `init_device: auto` builds on the meta device
 
 
-def hf_config(m: DictConfig):
-    from transformers import DeepseekV3Config, LlamaConfig
+@runtime_checkable
+class CausalLM(Protocol):
+    """What shardyard needs of a model that is not a ``transformers.PreTrainedModel``:
 
-    common = dict(
-        vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
-        num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads,
-        num_key_value_heads=m.num_kv_heads or m.num_heads, max_position_embeddings=m.max_position_embeddings,
-        rope_theta=m.rope_theta, rms_norm_eps=m.rms_norm_eps, tie_word_embeddings=m.tie_word_embeddings,
-        initializer_range=m.initializer_range, use_cache=not m.activation_checkpointing,
-        attn_implementation=m.attn_implementation, dtype=torch.float32,
-    )
-    if m.arch == "llama":
-        return LlamaConfig(**common)
-    if m.arch == "deepseek_v3":
-        return DeepseekV3Config(
-            **common, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_nope_head_dim,
-            qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim, n_routed_experts=m.n_routed_experts,
-            n_shared_experts=m.n_shared_experts, num_experts_per_tok=m.num_experts_per_tok,
-            moe_intermediate_size=m.moe_intermediate_size, first_k_dense_replace=m.first_k_dense_replace,
-            n_group=m.n_group, topk_group=m.topk_group, routed_scaling_factor=m.routed_scaling_factor,
-        )
-    raise UserError("model.arch", m.arch, "Unknown architecture.", "Use llama or deepseek_v3.")
+    * ``forward(input_ids)`` with a ``LongTensor[batch, seq]`` returns the logits ``[batch, seq, vocab]``
+      (or an object with a ``.logits`` attribute);
+    * its transformer blocks are the children of its longest ``nn.ModuleList`` (the units FSDP shards and
+      activation checkpointing recomputes);
+    * built on the meta device (``model.init_device=meta``), its modules' ``reset_parameters()`` (or the
+      model's own ``init_weights()``) initialise the materialised weights.
+
+    Such a model trains on every engine; the final export is then ``model.safetensors`` rather than an HF
+    directory.
+    """
+
+    def forward(self, input_ids: torch.Tensor) -> Any: ...
 
 
-def count_params(m: DictConfig) -> int:
-    """Exact parameter count, from a meta-device build (no memory)."""
-    return sum(p.numel() for p in _meta_model(m).parameters())
+def call_builder(m: DictConfig) -> torch.nn.Module:
+    """``model._target_`` called with the option's keys, less shardyard's own (``ModelConfig``)."""
+    from shardyard.config.plugins import build
+    from shardyard.config.schema import ModelConfig
+
+    model = build(m, own=[f.name for f in dataclasses.fields(ModelConfig)])
+    if is_hf(model):
+        model.config.use_cache = False  # training never decodes incrementally
+    return model
 
 
-def _meta_model(m: DictConfig):
+# ------------------------------------------------------------------------------------ built-in builders
+def _check_heads(hidden_size: int, num_heads: int, num_kv_heads: int | None) -> None:
+    if num_heads < 1 or hidden_size % num_heads:
+        raise UserError("model.num_heads", num_heads, f"model.hidden_size={hidden_size} must be a multiple of it "
+                        "(each head gets hidden_size / num_heads dimensions).",
+                        f"Use a divisor of {hidden_size} (e.g. model.num_heads={_divisor_near(hidden_size, num_heads)}), "
+                        "or change model.hidden_size.")
+    if num_kv_heads is not None and (num_kv_heads < 1 or num_heads % num_kv_heads):
+        raise UserError("model.num_kv_heads", num_kv_heads, f"Grouped-query attention shares each key/value head "
+                        f"among a whole number of query heads, so it must divide model.num_heads={num_heads}.",
+                        f"Use a divisor of {num_heads} (e.g. model.num_kv_heads={_divisor_near(num_heads, num_kv_heads)}), "
+                        "or null (= num_heads).")
+
+
+def _divisor_near(n: int, want: int) -> int:
+    return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: (abs(d - want), d))
+
+
+def llama(vocab_size: int, hidden_size: int, intermediate_size: int, num_layers: int, num_heads: int,
+          num_kv_heads: int | None = None, max_position_embeddings: int = 2048, rope_theta: float = 10000.0,
+          rms_norm_eps: float = 1e-6, tie_word_embeddings: bool = False, initializer_range: float = 0.02,
+          attn_implementation: str = "sdpa") -> torch.nn.Module:
+    """DeepSeek-LLM / LLaMA (``transformers.LlamaForCausalLM``) from its dimensions."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    _check_heads(hidden_size, num_heads, num_kv_heads)
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads or num_heads,
+        max_position_embeddings=max_position_embeddings, rope_theta=rope_theta, rms_norm_eps=rms_norm_eps,
+        tie_word_embeddings=tie_word_embeddings, initializer_range=initializer_range,
+        attn_implementation=attn_implementation, dtype=torch.float32)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def deepseek_v3(vocab_size: int, hidden_size: int, intermediate_size: int, num_layers: int, num_heads: int,
+                kv_lora_rank: int, qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int,
+                n_routed_experts: int, n_shared_experts: int, num_experts_per_tok: int, moe_intermediate_size: int,
+                q_lora_rank: int | None = None, first_k_dense_replace: int = 0, n_group: int = 1, topk_group: int = 1,
+                routed_scaling_factor: float = 1.0, num_kv_heads: int | None = None,
+                max_position_embeddings: int = 2048, rope_theta: float = 10000.0, rms_norm_eps: float = 1e-6,
+                tie_word_embeddings: bool = False, initializer_range: float = 0.02,
+                attn_implementation: str = "sdpa") -> torch.nn.Module:
+    """DeepSeek-V3 (``transformers.DeepseekV3ForCausalLM``): MLA attention, shared + routed experts."""
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+    if num_experts_per_tok > n_routed_experts:
+        raise UserError("model.num_experts_per_tok", num_experts_per_tok,
+                        f"A token cannot be routed to more than the model.n_routed_experts={n_routed_experts} experts.",
+                        f"Use model.num_experts_per_tok<={n_routed_experts}.")
+    if n_group < 1 or n_routed_experts % n_group or not 1 <= topk_group <= n_group:
+        raise UserError("model.n_group", n_group, f"Routing groups must split model.n_routed_experts={n_routed_experts} "
+                        f"evenly, and model.topk_group={topk_group} must lie in 1..n_group.",
+                        "Use model.n_group=1 model.topk_group=1 (no group-limited routing) or matching values.")
+    config = DeepseekV3Config(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads or num_heads,
+        max_position_embeddings=max_position_embeddings, rope_theta=rope_theta, rms_norm_eps=rms_norm_eps,
+        tie_word_embeddings=tie_word_embeddings, initializer_range=initializer_range,
+        attn_implementation=attn_implementation, dtype=torch.float32, q_lora_rank=q_lora_rank,
+        kv_lora_rank=kv_lora_rank, qk_nope_head_dim=qk_nope_head_dim, qk_rope_head_dim=qk_rope_head_dim,
+        v_head_dim=v_head_dim, n_routed_experts=n_routed_experts, n_shared_experts=n_shared_experts,
+        num_experts_per_tok=num_experts_per_tok, moe_intermediate_size=moe_intermediate_size,
+        first_k_dense_replace=first_k_dense_replace, n_group=n_group, topk_group=topk_group,
+        routed_scaling_factor=routed_scaling_factor)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def has_weights(path: str) -> bool:
+    return bool(glob.glob(os.path.join(path, "*.safetensors")) or glob.glob(os.path.join(path, "*.bin")))
+
+
+def hf(path: str, attn_implementation: str = "sdpa") -> torch.nn.Module:
+    """Any ``AutoModelForCausalLM`` architecture from a local directory: its weights when it has them,
+    else its architecture with a fresh init. On the meta device (shape inspection) weights are not read."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config_file = os.path.join(os.path.expanduser(path), "config.json")
+    if not os.path.isfile(config_file):
+        raise UserError("model.path", path, "No HF model directory (with config.json) is there.",
+                        "Point it at a local directory written by save_pretrained (e.g. a run's hf/ export).")
+    path = os.path.dirname(config_file)
+    if has_weights(path) and torch.get_default_device().type != "meta":
+        return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32,
+                                                    attn_implementation=attn_implementation)
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
+
+
+# ------------------------------------------------------------------------------ facts from a meta build
+@dataclasses.dataclass(frozen=True)
+class ModelFacts:
+    """What the parent learns from one meta-device build: no memory, no init. Carried to the workers."""
+
+    params: int
+    """Parameter count."""
+    flops_per_token: float
+    """Training FLOPs per token (``flops_per_token``)."""
+    embedding_rows: int | None
+    """Rows of the input embedding (the largest token id + 1 the model takes), if it has one."""
+    max_positions: int | None
+    """Longest sequence the model is set up for, if its config says."""
+
+    @property
+    def big(self) -> bool:
+        return self.params > META_INIT_ABOVE
+
+
+def shape_model(m: DictConfig) -> torch.nn.Module:
     """The model's structure on the meta device: shapes and names, no memory, no init."""
-    from transformers import AutoModelForCausalLM
-
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(hf_config(m))
+        return call_builder(m)
 
 
-def flops_per_token(m: DictConfig, seq_len: int) -> float:
+def inspect_model(m: DictConfig, seq_len: int) -> ModelFacts:
+    """Build on the meta device and report what validation and planning need. Builder errors that are not
+    already ``UserError`` are the user's model options not adding up: named, exit 2."""
+    try:
+        model = shape_model(m)
+    except UserError:
+        raise
+    except (ValueError, TypeError, AssertionError, KeyError, OSError, ImportError) as e:
+        raise UserError("model", m.get("name", m._target_), f"Its builder {m._target_} refused these options: "
+                        f"{type(e).__name__}: {e}", "Fix the model.* values it names (python train.py --cfg job "
+                        "shows them all).") from None
+    if not isinstance(model, torch.nn.Module):
+        raise UserError("model._target_", m._target_, f"It returned a {type(model).__name__}, not a torch.nn.Module.",
+                        "Return a transformers PreTrainedModel or an nn.Module meeting shardyard.model.CausalLM.")
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    config = getattr(model, "config", None)
+    return ModelFacts(params=param_count(model), flops_per_token=flops_per_token(model, seq_len),
+                      embedding_rows=getattr(emb, "num_embeddings", None),
+                      max_positions=getattr(config, "max_position_embeddings", None))
+
+
+def flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
     """Training FLOPs per token, PaLM's 6N + 12*L*H*Q*T (appendix B), as torchtitan counts it.
 
     N: parameters a token passes through, so the input embedding (a lookup) is left out and of a MoE
     layer's routed experts only the ``num_experts_per_tok`` a token uses count. 12*L*H*Q*T is the
     attention-score and attention-value matmuls (forward + backward), with Q the query/key head size
-    (and MLA's separate value head size averaged in).
+    (and MLA's separate value head size averaged in). Read from the model's HF config; a model without
+    one counts 6N.
     """
     import re
 
-    n = 0
-    for name, p in _meta_model(m).named_parameters():
-        if name.endswith("embed_tokens.weight"):
+    c = getattr(model, "config", None)
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    skip = {id(p) for p in emb.parameters()} if emb is not None else set()
+    routed = getattr(c, "num_experts_per_tok", None), getattr(c, "n_routed_experts", None)
+    n = 0.0
+    for name, p in model.named_parameters():
+        if id(p) in skip:
             continue
-        if re.search(r"\.experts(\.|$)", name):  # routed experts only ("shared_experts" do not match)
-            n += p.numel() * m.num_experts_per_tok / m.n_routed_experts
+        if routed[0] and routed[1] and re.search(r"\.experts(\.|$)", name):  # "shared_experts" do not match
+            n += p.numel() * routed[0] / routed[1]
         else:
             n += p.numel()
-    if m.arch == "deepseek_v3":
-        q = (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) / 2
+    layers, heads = getattr(c, "num_hidden_layers", None), getattr(c, "num_attention_heads", None)
+    if not (layers and heads):
+        return 6 * n
+    if getattr(c, "qk_nope_head_dim", None):
+        q = (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim) / 2
     else:
-        q = m.hidden_size // m.num_heads
-    return 6 * n + 12 * m.num_layers * m.num_heads * q * seq_len
+        q = getattr(c, "head_dim", None) or c.hidden_size // heads
+    return 6 * n + 12 * layers * heads * q * seq_len
 
 
-def build_model(m: DictConfig, seed: int, allow_meta: bool = True):
+# ------------------------------------------------------------------------------- building for training
+def build_model(m: DictConfig, seed: int, on_meta: bool = False) -> torch.nn.Module:
     """Build the bare model (seeded, so identical on every rank); no training options applied yet.
 
-    Small models are created on CPU. Big ones (or ``init_device: meta``) are created on the meta device
-    when ``allow_meta``; the engine then materialises them (``materialize``), shard by shard if it shards.
+    With ``on_meta`` (big models, ``init_device: meta``) it is created on the meta device, and the engine
+    materialises it (``materialize``), shard by shard if it shards.
     """
-    from transformers import AutoModelForCausalLM
-
-    if m.pretrained_path is not None:
-        return _load_pretrained(m)
-    cfg = hf_config(m)
-    on_meta = allow_meta and (m.init_device == "meta" or (m.init_device == "auto" and count_params(m) > META_INIT_ABOVE))
     torch.manual_seed(seed)
     with torch.device("meta") if on_meta else contextlib.nullcontext():
-        return AutoModelForCausalLM.from_config(cfg)
+        return call_builder(m)
 
 
-def materialize(model, device: torch.device, seed: int) -> None:
-    """Give meta (or sharded-meta) parameters real storage on ``device`` and run HF's init on them."""
+def wants_meta(m: DictConfig, facts: ModelFacts) -> bool:
+    return m.init_device == "meta" or (m.init_device == "auto" and facts.big)
+
+
+def materialize(model: torch.nn.Module, device: torch.device, seed: int) -> None:
+    """Give meta (or sharded-meta) parameters real storage on ``device`` and initialise them."""
     if not any(p.is_meta for p in model.parameters()):
         return
     model.to_empty(device=device)
     torch.manual_seed(seed)
     with torch.no_grad():
-        model.init_weights()  # HF's own init (rotary buffers included), on whatever shards this rank holds
+        if hasattr(model, "init_weights"):
+            model.init_weights()  # HF's own init (rotary buffers included), on whatever shards this rank holds
+        else:
+            for module in model.modules():
+                if hasattr(module, "reset_parameters"):
+                    module.reset_parameters()
 
 
-def _load_pretrained(m: DictConfig):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(m.pretrained_path, local_files_only=True, dtype=torch.float32,
-                                                 attn_implementation=m.attn_implementation)
-    want = hf_config(m).to_dict()
-    have = model.config.to_dict()
-    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads")
-    diff = {k: (want.get(k), have.get(k)) for k in keys if want.get(k) != have.get(k)}
-    if diff:
-        shown = ", ".join(f"{k}: config {a} vs checkpoint {b}" for k, (a, b) in diff.items())
-        raise UserError("model.pretrained_path", m.pretrained_path, f"Its dimensions differ from model={m.name} ({shown}).",
-                        "Choose the model option whose dimensions match the checkpoint, or override them.")
-    return model
+def is_hf(model: torch.nn.Module) -> bool:
+    return hasattr(model, "save_pretrained") and hasattr(model, "config")
 
 
-def apply_activation_checkpointing(model, m: DictConfig) -> None:
-    model.config.use_cache = not m.activation_checkpointing
-    if m.activation_checkpointing:
+def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks: HF's ``_no_split_modules`` classes, else the longest ``nn.ModuleList``."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    blocks = [mod for mod in model.modules() if type(mod).__name__ in names]
+    if blocks:
+        return blocks
+    lists = [mod for mod in model.modules() if isinstance(mod, torch.nn.ModuleList)]
+    return list(max(lists, key=len)) if lists else []
+
+
+def apply_activation_checkpointing(model: torch.nn.Module, m: DictConfig) -> None:
+    if not m.activation_checkpointing:
+        return
+    if is_hf(model) and getattr(model, "supports_gradient_checkpointing", False):
         # Non-reentrant checkpointing composes with DDP/FSDP and torch.compile.
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (apply_activation_checkpointing as wrap,
+                                                                             checkpoint_wrapper)
+
+    block_ids = {id(b) for b in transformer_blocks(model)}
+    wrap(model, checkpoint_wrapper_fn=checkpoint_wrapper, check_fn=lambda mod: id(mod) in block_ids)
 
 
-def apply_compile(model, m: DictConfig) -> None:
+def apply_compile(model: torch.nn.Module, m: DictConfig) -> None:
     # Per block, not the whole model: blocks are identical, so one compiled graph serves them all, and
     # sharding/DDP hooks stay outside the compiled regions.
     if m.compile:
-        for block in model.model.layers:
+        for block in transformer_blocks(model):
             block.compile()
 
 
-def prepare_replica(model, m: DictConfig, device: torch.device, seed: int):
+def prepare_replica(model: torch.nn.Module, m: DictConfig, device: torch.device, seed: int) -> torch.nn.Module:
     """Full-replica engines (single, DDP): materialise, activation checkpointing, then compile, then move."""
     materialize(model, device, seed)
     apply_activation_checkpointing(model, m)
@@ -149,16 +302,21 @@ def prepare_replica(model, m: DictConfig, device: torch.device, seed: int):
     return model.to(device)
 
 
-def param_count(model) -> int:
+def param_count(model: torch.nn.Module) -> int:
     """Full parameter count, also for DeepSpeed ZeRO-3 partitioned (``ds_numel``) or meta parameters."""
     return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
 
 
-def transformer_blocks(model) -> list[torch.nn.Module]:
-    return list(model.model.layers)
+def signature(model: torch.nn.Module) -> dict[str, list[int]]:
+    """Parameter names and full shapes: what a checkpoint must match to be loaded into this model."""
+    return {n: list(getattr(p, "ds_shape", p.shape)) for n, p in model.named_parameters()}
 
 
-def causal_lm_loss(model, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def logits(output: Any) -> torch.Tensor:
+    return output.logits if hasattr(output, "logits") else output
+
+
+def causal_lm_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy; logits upcast to fp32 for a stable softmax under autocast."""
-    logits = model(input_ids=inputs, use_cache=False).logits
-    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+    out = logits(model(inputs))
+    return F.cross_entropy(out.float().reshape(-1, out.size(-1)), targets.reshape(-1))

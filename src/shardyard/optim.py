@@ -1,11 +1,21 @@
-"""Optimizers and learning-rate schedules from the ``optim`` / ``sched`` groups."""
+"""Optimizers and learning-rate schedules: ``optim._target_`` and ``sched._target_`` build them.
+
+An optimizer option is ``_target_(param_groups, **its other keys)``: a ``torch.optim`` class, DeepSpeed's
+or your own factory. A schedule option is ``_target_(**its keys)`` returning ``factor(step, total_steps)``,
+the multiplier of the peak learning rate; every engine (DeepSpeed included) follows that one function.
+"""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from omegaconf import DictConfig
+
+Schedule = Callable[[int, int], float]
+"""``factor(step, total_steps)``: multiplier of ``optim.lr`` at 0-based optimizer step ``step``."""
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -17,28 +27,66 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def optimizer_kwargs(o: DictConfig) -> dict:
+    """The optimizer option's keys as the arguments of its ``_target_`` (lists become tuples: betas, eps)."""
+    from shardyard.config.plugins import arguments
+
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in arguments(o).items()}
+
+
 def build_optimizer(model: torch.nn.Module, o: DictConfig) -> torch.optim.Optimizer:
-    groups = param_groups(model, o.weight_decay)
-    if o.name == "adamw":
-        return torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps)
-    if o.name == "sgd":
-        return torch.optim.SGD(groups, lr=o.lr, momentum=o.momentum, nesterov=o.nesterov)
-    raise AssertionError(f"validated earlier: {o.name}")
+    from hydra.utils import get_object
+
+    kwargs = optimizer_kwargs(o)
+    return get_object(o._target_)(param_groups(model, kwargs.get("weight_decay", 0.0)), **kwargs)
 
 
-def lr_factor(step: int, total: int, s: DictConfig) -> float:
-    """Multiplier of the peak lr at optimizer step ``step`` (0-based): warmup, then decay to min_lr_ratio."""
-    if step < s.warmup_steps:
-        return (step + 1) / s.warmup_steps
-    if s.name == "constant":
-        return 1.0
-    progress = min(1.0, (step - s.warmup_steps) / max(1, total - s.warmup_steps))
-    if s.name == "linear":
-        decay = 1.0 - progress
-    else:
-        decay = 0.5 * (1.0 + math.cos(math.pi * progress))
-    return s.min_lr_ratio + (1.0 - s.min_lr_ratio) * decay
+def build_schedule(s: DictConfig) -> Schedule:
+    from shardyard.config.plugins import build
+
+    return build(s)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, s: DictConfig, total_steps: int):
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total_steps, s))
+    schedule = build_schedule(s)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: schedule(step, total_steps))
+
+
+@dataclass(frozen=True)
+class WarmupConstant:
+    """Linear warmup from 0 to the peak over ``warmup_steps``, then the peak."""
+
+    warmup_steps: int
+
+    def __call__(self, step: int, total: int) -> float:
+        return (step + 1) / self.warmup_steps if step < self.warmup_steps else 1.0
+
+
+def _warmup_then_decay(step: int, total: int, warmup: int, min_ratio: float, decay: Callable[[float], float]) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1.0 - min_ratio) * decay(progress)
+
+
+@dataclass(frozen=True)
+class WarmupCosine:
+    """Linear warmup, then a half cosine from the peak down to ``min_lr_ratio`` x peak at the last step."""
+
+    warmup_steps: int
+    min_lr_ratio: float
+
+    def __call__(self, step: int, total: int) -> float:
+        return _warmup_then_decay(step, total, self.warmup_steps, self.min_lr_ratio,
+                                  lambda progress: 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+@dataclass(frozen=True)
+class WarmupLinear:
+    """Linear warmup, then a straight line from the peak down to ``min_lr_ratio`` x peak."""
+
+    warmup_steps: int
+    min_lr_ratio: float
+
+    def __call__(self, step: int, total: int) -> float:
+        return _warmup_then_decay(step, total, self.warmup_steps, self.min_lr_ratio, lambda progress: 1.0 - progress)

@@ -17,7 +17,8 @@ TINY = ["model.hidden_size=64", "model.intermediate_size=176", "model.num_layers
 
 
 def compose(overrides: list[str], run_dir: str | None = None) -> DictConfig:
-    """The config ``python train.py <overrides>`` would run with (resolved), outside a Hydra app."""
+    """The config ``python train.py <overrides>`` composes (typed, as ``run.validate`` sees it), outside a
+    Hydra app. ``shardyard.rundir.resolved`` turns it into what the workers get."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
@@ -28,7 +29,7 @@ def compose(overrides: list[str], run_dir: str | None = None) -> DictConfig:
     extra = [f"run_dir={run_dir}"] if run_dir else ["run_dir=unused"]
     with initialize_config_dir(version_base="1.3", config_dir=CONF_DIR):
         cfg = hydra_compose("train", overrides=list(overrides) + extra)
-    return OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    return cfg
 
 
 def _rank_main(rank: int, world: int, ports: list[int], jobs: list[tuple[list[str], str]]) -> None:
@@ -48,9 +49,14 @@ def _one_run(rank: int, overrides: list[str], run_dir: str) -> None:
     import torch
 
     from shardyard import worker
+    from shardyard.config.validate import validate
+    from shardyard.dist_env import detect
     from shardyard.memory import local
+    from shardyard.rundir import resolved
 
     cfg = compose(overrides, run_dir)
+    plan = validate(cfg, detect())  # what run.py does before any worker starts
+    cfg = resolved(cfg)
     out: dict = {}
 
     def grab(backend):
@@ -59,7 +65,7 @@ def _one_run(rank: int, overrides: list[str], run_dir: str) -> None:
         out["local"] = {k: local(v).detach().cpu().clone()
                         for k, v in backend.hf_model().state_dict().items()}
 
-    out["summary"] = worker.main(cfg, after_train=grab)
+    out["summary"] = worker.main(cfg, plan, after_train=grab)
     torch.save(out, os.path.join(run_dir, f"rank{rank}.pt"))
 
 

@@ -1,8 +1,8 @@
-"""One training worker: backend.init -> model, data, optimizer -> loop -> export -> backend.close.
+"""One training worker: backend.init -> data, model, optimizer -> resume -> loop -> export -> backend.close.
 
-Started in-process by run.py (world of one), by our launcher as ``python -m shardyard.worker RUN_DIR``
-(it then reads the resolved ``RUN_DIR/config.yaml``; workers never re-compose), or by run.py under an
-external launcher (torchrun, srun, deepspeed, horovodrun).
+Started in-process by run.py (world of one), by our launcher as ``python -m shardyard.worker RUN_DIR`` (it
+reads the config and plan the parent wrote there), or by run.py under an external launcher (torchrun,
+srun, deepspeed, horovodrun). It never composes or validates: it trains the plan it is given.
 """
 
 from __future__ import annotations
@@ -17,12 +17,13 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
-from shardyard import data, dist_env, loop, monitors
+from shardyard import data, drills, loop, monitors
+from shardyard.backends import Backend
 from shardyard.checkpoint import Checkpointer
-from shardyard.config.validate import validate
+from shardyard.config.validate import Plan
 from shardyard.errors import UserError, report_and_exit
 from shardyard.export import save_hf
-from shardyard.model import build_model, flops_per_token, param_count
+from shardyard.model import build_model, logits, wants_meta
 
 
 def seed_everything(seed: int) -> None:
@@ -31,15 +32,14 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def main(cfg: DictConfig, after_train: Callable | None = None) -> dict:
+def main(cfg: DictConfig, plan: Plan, after_train: Callable[[Backend], None] | None = None) -> dict:
     """Train one worker; ``after_train(backend)`` (a test seam) sees the engine before it closes."""
-    import hydra.utils
+    from hydra.utils import get_object
 
-    plan = validate(cfg, dist_env.detect())
-    backend = hydra.utils.get_class(cfg.backend._target_)(cfg, plan)
+    backend: Backend = get_object(cfg.backend._target_)(cfg, plan)
     backend.init()
     try:
-        summary = _train(cfg, plan, backend)
+        summary = train(cfg, plan, backend)
         if after_train is not None:
             after_train(backend)
         return summary
@@ -47,69 +47,77 @@ def main(cfg: DictConfig, after_train: Callable | None = None) -> dict:
         backend.close()
 
 
-def _train(cfg: DictConfig, plan, backend) -> dict:
+def train(cfg: DictConfig, plan: Plan, backend: Backend) -> dict:
     rank0 = backend.rank == 0
     seed_everything(cfg.seed)
-    prepared = data.prepare(cfg)  # cache hit (the parent or the first rank built it)
+
+    # 1. Data: the parent (or the first rank) built the caches; every rank reads its own share.
+    prepared = data.prepare(cfg)
     seqs = data.PackedSequences(os.path.join(prepared.token_dir, "train.npy"), cfg.data.seq_len)
     val = data.PackedSequences(os.path.join(prepared.token_dir, "val.npy"), cfg.data.seq_len)
-    stream = data.TrainStream(seqs, cfg.seed, plan.global_batch_size, plan.micro_batch_size, backend.rank, backend.world_size)
-    built = {}
-    current = {"step": 0}  # the step being trained (set by the loop's callbacks), for the NaN drill
+    stream = data.TrainStream(seqs, cfg.seed, plan.global_batch_size, plan.micro_batch_size, backend.rank,
+                              backend.world_size)
 
-    def build(allow_meta: bool):
-        built["model"] = build_model(cfg.model, cfg.seed, allow_meta=allow_meta)
-        built["params"] = param_count(built["model"])
-        _poison_gradient(built["model"], backend.rank, current)
-        return built["model"]
+    # 2. Model, engine, optimizer, schedule. The engine calls `build` where and how it needs the model
+    # (meta device, deepspeed.zero.Init); the model is seeded identically on every rank.
+    step = {"now": 1}  # the step being trained, for the NaN drill
 
-    # Before prepare: a ZeRO-3 engine makes HF build every model under zero.Init from then on.
-    flops = flops_per_token(cfg.model, cfg.data.seq_len)
+    def build(allow_meta: bool) -> torch.nn.Module:
+        model = build_model(cfg.model, cfg.seed, on_meta=allow_meta and wants_meta(cfg.model, plan.model))
+        drills.poison_gradient(model, backend.rank, lambda: step["now"])
+        return model
+
     backend.prepare(build, cfg.train.steps)
-    n_params = built["params"]
     if rank0:
-        print(f"shardyard | model {cfg.model.name}: {n_params:,} parameters, {flops / 1e9:.4g} GFLOPs per "
-              f"training token | engine {cfg.backend.name} | "
+        print(f"shardyard | model {cfg.model.name}: {plan.model.params:,} parameters, "
+              f"{plan.model.flops_per_token / 1e9:.4g} GFLOPs per training token | engine {cfg.backend.name} | "
               f"precision {cfg.precision.name} | {len(seqs):,} train / {len(val):,} val sequences "
               f"({stream.steps_per_epoch} steps per epoch)", flush=True)
+
+    # 3. Resume: model, optimizer, schedule, RNG and data position, or a fresh start.
+    seed_everything(cfg.seed + backend.rank)  # per-rank streams (dropout, sampling) after identical init
+    ckpt = Checkpointer(cfg, backend, plan, prepared.tokenizer_dir)
+    start = ckpt.restore()
+    if start >= cfg.train.steps:
+        return _already_complete(cfg, start, rank0)
+    step["now"] = start + 1
+
+    # 4. Train.
     mon = monitors.build(cfg, rank0)
     try:
-        summary = _train_loop(cfg, plan, backend, prepared, stream, val, mon, n_params, current, flops)
+        def after_step(done: int) -> None:
+            step["now"] = done + 1
+            ckpt.maybe_save(done, stream)
+            drills.crash_after(done, backend.rank)
+
+        result = loop.train(cfg, plan, backend, stream, val, mon, start_step=start, after_step=after_step)
+        summary = _finish(cfg, plan, backend, prepared, result, history=monitors.history(cfg.run_dir, start))
     except BaseException as e:  # mark wandb/mlflow runs failed, flush the event files, then re-raise
         mon.fail(e.paragraph() if isinstance(e, UserError) else f"{type(e).__name__}: {e}")
         raise
     mon.close(summary)
-    if rank0:
+    if rank0 and not cfg.debug.fast_dev_run:
         _draw_report(cfg.run_dir)
     return summary
 
 
-def _train_loop(cfg: DictConfig, plan, backend, prepared, stream, val, mon, n_params: int, current: dict,
-                flops: float) -> dict:
+def _finish(cfg: DictConfig, plan: Plan, backend: Backend, prepared: data.Prepared, result: loop.LoopResult,
+            history: dict) -> dict:
+    """Export, sample and summary. A resumed run's curves start from its own history (metrics.jsonl), so it
+    reports what an uninterrupted run would."""
     rank0 = backend.rank == 0
-    seed_everything(cfg.seed + backend.rank)  # per-rank streams (dropout, sampling) after identical init
-    ckpt = Checkpointer(cfg, backend, plan, prepared.tokenizer_dir)
-    start = ckpt.restore()  # 0, or the step of the checkpoint (RNG, scheduler, scaler, data position too)
-    current["step"] = start + 1
-
-    def after_step(done: int) -> None:
-        current["step"] = done + 1
-        ckpt.maybe_save(done, stream)
-        _inject_fault(done, backend.rank)
-
-    result = loop.train(cfg, plan, backend, stream, val, mon, flops_per_token=flops, start_step=start,
-                        after_step=after_step)
     export = None
     if cfg.checkpoint.save_final:
         export = save_hf(backend, prepared.tokenizer_dir, os.path.join(cfg.run_dir, "hf"))
+    eval_losses = history["eval_losses"] + result.eval_losses
     summary = {
         "steps": cfg.train.steps, "wall_s": result.wall_s, "tokens": result.tokens,
-        "tokens_per_s": result.tokens / max(result.wall_s, 1e-9), "params": n_params,
+        "tokens_per_s": result.tokens / max(result.wall_s, 1e-9), "params": plan.model.params,
         "backend": cfg.backend.name, "world_size": backend.world_size, "final_train_loss": result.final_train_loss,
-        "eval_losses": result.eval_losses, "train_losses": result.train_losses,
-        "grad_norms": result.grad_norms,
+        "eval_losses": eval_losses, "train_losses": history["train_losses"] + result.train_losses,
+        "grad_norms": history["grad_norms"] + result.grad_norms,
         "median_step_s": float(np.median(result.step_wall_s)), "step_wall_s": result.step_wall_s,
-        "final_eval_ppl": float(np.exp(min(result.eval_losses[-1][1], 50.0))), "run_dir": cfg.run_dir, "export": export,
+        "final_eval_ppl": float(np.exp(min(eval_losses[-1][1], 50.0))), "run_dir": cfg.run_dir, "export": export,
         "skipped_steps": result.skipped_steps,
     }
     if cfg.train.sample_tokens > 0:  # every rank: sharded engines all-gather inside the forward
@@ -123,6 +131,18 @@ def _train_loop(cfg: DictConfig, plan, backend, prepared, stream, val, mon, n_pa
     return summary
 
 
+def _already_complete(cfg: DictConfig, step: int, rank0: bool) -> dict:
+    """Re-running a finished run (``checkpoint.resume=auto``): nothing to train; say so and exit 0."""
+    if rank0:
+        print(f"shardyard | the run is already complete: its checkpoint is at step {step} and train.steps is "
+              f"{cfg.train.steps}. Raise train.steps to train on. Run dir: {cfg.run_dir}", flush=True)
+    path = os.path.join(cfg.run_dir, "summary.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)
+    return {"steps": cfg.train.steps, "run_dir": cfg.run_dir, "already_complete": True}
+
+
 def _draw_report(run_dir: str) -> None:
     """The end-of-run picture; a plotting problem must not fail a finished run."""
     try:
@@ -134,42 +154,16 @@ def _draw_report(run_dir: str) -> None:
               f"retry with: shardyard report {run_dir}", file=sys.stderr, flush=True)
 
 
-def _inject_fault(step: int, rank: int) -> None:
-    """Fault drill for the tests: ``SHARDYARD_TEST_CRASH_AT_STEP=STEP[:RANK]`` kills that rank after that
-    step, on the first attempt only (a restarted worker has TORCHELASTIC_RESTART_COUNT > 0)."""
-    spec = os.environ.get("SHARDYARD_TEST_CRASH_AT_STEP")
-    if not spec or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-        return
-    at, _, who = spec.partition(":")
-    if step == int(at) and rank == int(who or 0):
-        print(f"shardyard | SHARDYARD_TEST_CRASH_AT_STEP: rank {rank} dies after step {step}", file=sys.stderr, flush=True)
-        os._exit(13)
-
-
-def _poison_gradient(model, rank: int, current: dict) -> None:
-    """NaN drill for the tests: ``SHARDYARD_TEST_POISON_GRAD=STEP:RANK:PARAM`` turns the gradient of the
-    parameter named PARAM into NaN on that rank during that step. The tensor hook is registered on the bare
-    model, before the engine wraps it, so it runs first: before any engine hook and any reduction."""
-    spec = os.environ.get("SHARDYARD_TEST_POISON_GRAD")
-    if not spec:
-        return
-    at, who, name = spec.split(":", 2)
-    if int(who) != rank:
-        return
-    param = dict(model.named_parameters())[name]
-    param.register_hook(lambda g: g * float("nan") if current["step"] == int(at) else g)
-
-
 @torch.no_grad()
-def sample_text(model, tokenizer_dir: str, cfg: DictConfig, device) -> str:
+def sample_text(model: torch.nn.Module, tokenizer_dir: str, cfg: DictConfig, device: torch.device) -> str:
     tok = data.load_tokenizer(tokenizer_dir)
     ids = tok(cfg.train.sample_prompt, return_tensors="pt", add_special_tokens=False).input_ids.to(device)
     g = torch.Generator(device=device).manual_seed(cfg.seed)
     was_training = model.training
     model.eval()
     for _ in range(cfg.train.sample_tokens):  # plain top-k sampling: works for every engine's module
-        logits = model(input_ids=ids[:, -cfg.data.seq_len:], use_cache=False).logits[:, -1].float()
-        top = torch.topk(logits, 20)
+        out = logits(model(ids[:, -cfg.data.seq_len:]))[:, -1].float()
+        top = torch.topk(out, min(20, out.size(-1)))
         probs = torch.softmax(top.values / 0.8, dim=-1)
         nxt = top.indices.gather(-1, torch.multinomial(probs, 1, generator=g))
         ids = torch.cat([ids, nxt], dim=1)
@@ -177,14 +171,10 @@ def sample_text(model, tokenizer_dir: str, cfg: DictConfig, device) -> str:
     return tok.decode(ids[0], skip_special_tokens=True)
 
 
-def _main_from_run_dir() -> None:
-    from shardyard.run import load_run_config
+if __name__ == "__main__":
+    from shardyard import rundir
 
     try:
-        main(load_run_config(sys.argv[1]))
+        main(*rundir.load(sys.argv[1]))
     except UserError as err:
         report_and_exit(err)
-
-
-if __name__ == "__main__":
-    _main_from_run_dir()

@@ -23,6 +23,12 @@ def test_every_option_composes_and_validates(group, option, tmp_path):
         extra = [f"data.paths=[{tmp_path}/a.txt]"]
     if option == "zero_infinity":  # needs the user's NVMe directory
         extra = [f"backend.nvme_path={tmp_path}"]
+    if option == "hf":  # needs a local HF model directory
+        from transformers import LlamaConfig
+
+        LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4).save_pretrained(tmp_path)
+        extra = [f"model.path={tmp_path}"]
     cfg = compose([f"{group}={option}", *extra])
     try:
         p = validate(cfg, None)
@@ -84,14 +90,13 @@ def test_contradicting_accumulation_is_refused():
     (["backend.device=cuda"], "backend.device"),
     (["data=text_files", "data.paths=[/nonexistent/corpus.txt]"], "data.paths"),
     (["data.tokenizer.path=/nonexistent/tok"], "data.tokenizer.path"),
-    (["model.pretrained_path=/nonexistent/model"], "model.pretrained_path"),
+    (["model=hf", "model.path=/nonexistent/model"], "model.path"),
     (["model.attn_implementation=flash_attention_2"], "model.attn_implementation"),
     (["backend=single", "launch.nproc_per_node=2"], "backend"),
     (["data.seq_len=100000"], "data.seq_len"),
     (["backend.dist_backend=nccl"], "backend.dist_backend"),
     (["profile.enabled=true", "profile.steps=[5,2]"], "profile.steps"),
     (["profile.enabled=true", "profile.steps=[1,9999]"], "profile.steps"),
-    (["debug.nan_policy=ignore"], "debug.nan_policy"),
     (["debug.max_skipped=0"], "debug.max_skipped"),
     (["metrics.peak_tflops=-1"], "metrics.peak_tflops"),
 ])

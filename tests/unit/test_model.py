@@ -3,32 +3,34 @@
 import pytest
 import torch
 
-from shardyard.model import build_model, count_params, hf_config, materialize, prepare_replica
+from shardyard.model import build_model, inspect_model, materialize, prepare_replica, shape_model, wants_meta
 from shardyard.testing import compose
 
 
 def test_deepseek7b_has_the_published_dimensions():
     m = compose(["model=deepseek7b"]).model
-    c = hf_config(m)
+    c = shape_model(m).config  # meta device: no memory
     assert (c.vocab_size, c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.num_attention_heads) == \
         (102400, 4096, 11008, 30, 32)
-    n = count_params(m)  # meta device: no memory
-    assert n == 6_910_365_696  # deepseek-llm-7b-base: 6.9B
+    assert inspect_model(m, 128).params == 6_910_365_696  # deepseek-llm-7b-base: 6.9B
 
 
 def test_deepseek_v3_is_671b():
     m = compose(["model=deepseek_v3"]).model
-    c = hf_config(m)
+    c = shape_model(m).config
     assert (c.hidden_size, c.num_hidden_layers, c.n_routed_experts, c.kv_lora_rank, c.q_lora_rank) == (7168, 61, 256, 512, 1536)
-    n = count_params(m)
+    n = inspect_model(m, 128).params
     assert abs(n / 671e9 - 1) < 0.01, n
 
 
 def test_big_models_are_built_on_meta():
     m = compose(["model=deepseek7b"]).model
-    model = build_model(m, seed=0)
+    assert wants_meta(m, inspect_model(m, 128))
+    model = build_model(m, seed=0, on_meta=True)
     assert all(p.is_meta for p in model.parameters())
-    assert build_model(compose(["model=deepseek_tiny"]).model, seed=0).model.embed_tokens.weight.device.type == "cpu"
+    tiny = compose(["model=deepseek_tiny"]).model
+    assert not wants_meta(tiny, inspect_model(tiny, 128))
+    assert build_model(tiny, seed=0).model.embed_tokens.weight.device.type == "cpu"
 
 
 @pytest.mark.parametrize("name", ["deepseek_tiny", "deepseek_moe_tiny"])
@@ -47,8 +49,7 @@ def test_seeded_build_is_identical_and_meta_init_matches_distribution():
     m = compose(["model=deepseek_tiny"]).model
     a, b = build_model(m, seed=3), build_model(m, seed=3)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
-    m.init_device = "meta"
-    c = build_model(m, seed=3)
+    c = build_model(m, seed=3, on_meta=True)
     assert c.model.layers[0].mlp.up_proj.weight.is_meta
     materialize(c, torch.device("cpu"), seed=3)
     w = c.model.layers[0].mlp.up_proj.weight
@@ -62,6 +63,7 @@ def test_activation_checkpointing_disables_cache():
     model = prepare_replica(build_model(m, seed=0), m, torch.device("cpu"), 0)
     assert model.config.use_cache is False
     assert getattr(model, "is_activation_checkpointing", None) or model.is_gradient_checkpointing
+    assert model.model.layers[0].training and model.config.use_cache is False
 
 
 def test_flops_per_token_is_6n_plus_attention():
@@ -72,12 +74,11 @@ def test_flops_per_token_is_6n_plus_attention():
     kv = (m.num_kv_heads or m.num_heads) * (h // m.num_heads)
     # Non-embedding parameters of a LLaMA block stack, written out: q,o + k,v + SwiGLU + 2 norms; final norm; head.
     n = L * (2 * h * h + 2 * h * kv + 3 * h * i + 2 * h) + h + v * h
-    assert flops_per_token(m, 128) == 6 * n + 12 * L * m.num_heads * (h // m.num_heads) * 128
+    assert flops_per_token(shape_model(m), 128) == 6 * n + 12 * L * m.num_heads * (h // m.num_heads) * 128
     moe = compose(["model=deepseek_moe_tiny"]).model
-    from shardyard.model import count_params
-
+    facts = inspect_model(moe, 128)
     # Only the experts a token is routed to count: far fewer FLOPs than 6 x all parameters.
-    assert flops_per_token(moe, 128) < 6 * count_params(moe) * 0.7
+    assert facts.flops_per_token < 6 * facts.params * 0.7
 
 
 def test_peak_table_and_override(monkeypatch):

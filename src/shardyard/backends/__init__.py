@@ -7,9 +7,10 @@ its name. Engines share code by composition (``torch_step.TorchStepper``), never
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Optional, Protocol
+from typing import Any, Callable, ClassVar, Optional, Protocol
 
 import torch
+from omegaconf import DictConfig
 
 
 @dataclass
@@ -27,14 +28,22 @@ class StepStats:
 
 
 class Backend(Protocol):
+    """Every method the worker, the loop, the checkpointer and the export call. Built as
+    ``Backend(cfg, plan)`` from ``backend._target_``; engines share code by composition only."""
+
     launcher: ClassVar[str]
     """Name of the function in ``shardyard.launch.LAUNCHERS`` that starts this engine's workers."""
+    checkpoint_format: ClassVar[str]
+    """Name of the on-disk form (``dcp``, ``deepspeed``, ``torch-rank0``); a checkpoint resumes only into
+    an engine of the same format."""
     rank: int
     world_size: int
     device: torch.device
 
+    def __init__(self, cfg: DictConfig, plan: Any) -> None: ...
+
     @staticmethod
-    def validate(cfg, plan) -> None:
+    def validate(cfg: DictConfig, plan: Any) -> None:
         """Engine-specific checks of the composed config; raise ``UserError``."""
 
     def init(self) -> None:
@@ -65,5 +74,17 @@ class Backend(Protocol):
 
     def full_state_dict(self) -> Optional[dict]:
         """Full, unsharded CPU state dict on rank 0 (None elsewhere); collective on sharded engines."""
+
+    def save_checkpoint(self, path: str) -> None:
+        """Collective: every rank writes its part of model and optimizer state into ``path``."""
+
+    def load_checkpoint(self, path: str, meta: dict) -> None:
+        """Collective: load model and optimizer state from ``path``; ``meta`` is its parsed ``meta.json``
+        (world size and engine state it was saved with)."""
+
+    def training_state(self) -> dict:
+        """JSON-able state beside the shards (scheduler, loss scaler, engine facts) for ``meta.json``."""
+
+    def load_training_state(self, state: dict) -> None: ...
 
     def close(self) -> None: ...

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import datetime
-import gc
 import inspect
 import os
 
@@ -14,51 +12,10 @@ from omegaconf import DictConfig
 from torch.nn.parallel import DistributedDataParallel
 
 from shardyard.backends import StepStats
+from shardyard.backends.process_group import all_reduce_mean, init_process_group, teardown
 from shardyard.backends.torch_step import TorchStepper, pick_device
 from shardyard.errors import UserError
 from shardyard.model import prepare_replica
-
-
-def init_process_group(cfg: DictConfig, device: torch.device, dist_backend: str = "auto") -> None:
-    """env:// rendezvous (set by the elastic agent, torchrun, srun mapping, ...) with the recipe's timeout."""
-    if dist_backend == "auto":
-        dist_backend = "nccl" if device.type == "cuda" else "gloo"
-    if dist.is_initialized():
-        return
-    timeout = datetime.timedelta(seconds=cfg.launch.timeout_s)
-    store = {}
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if attempt is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
-        # The elastic agent's store lives for the whole job, and workers use it without a per-attempt
-        # prefix: after a restart, gloo would read the dead workers' addresses and fail to connect.
-        # Each attempt therefore gets its own namespace.
-        agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                              timeout=timeout)
-        store = dict(store=dist.PrefixStore(f"shardyard/attempt-{attempt}", agent),
-                     rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
-    dist.init_process_group(dist_backend, timeout=timeout, device_id=device if device.type == "cuda" else None,
-                            **store)
-
-
-def teardown(backend, *attrs: str, destroy=None) -> None:
-    """Free an engine's wrapped model/optimizer while the process group is alive, then destroy the group.
-
-    DDP's Reducer (and FSDP's mesh, DeepSpeed's engine) hold the last reference to the gloo group. Freed
-    after ``destroy_process_group``, its destructor joins gloo's worker thread while holding the GIL, and
-    that thread is waiting for the GIL to drop a tensor: a deadlock at exit or between two in-process runs.
-    """
-    for name in attrs:
-        backend.__dict__.pop(name, None)
-    gc.collect()
-    if dist.is_initialized():
-        dist.barrier()  # queued collectives are finished (and their work objects gone) before teardown
-        (destroy or dist.destroy_process_group)()
-
-
-def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().clone()
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)  # gloo has no AVG
-    return t / dist.get_world_size()
 
 
 def _buffer_sync_kwargs(sync: bool) -> dict:
@@ -111,15 +68,12 @@ class DDPBackend:
     def eval_loss(self, inputs, targets) -> torch.Tensor:
         return self.stepper.eval_loss(inputs, targets)
 
-    def memory_breakdown(self) -> dict:
-        return self.stepper.memory_breakdown()
-
     checkpoint_format = "dcp"
 
     def save_checkpoint(self, path: str) -> None:
         self.stepper.save_dcp(path, self.ddp)
 
-    def load_checkpoint(self, path: str) -> None:
+    def load_checkpoint(self, path: str, meta: dict) -> None:
         self.stepper.load_dcp(path, self.ddp)
 
     def training_state(self) -> dict:

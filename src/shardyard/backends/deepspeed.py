@@ -20,23 +20,17 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from shardyard.backends import StepStats
-from shardyard.backends.ddp import all_reduce_mean, init_process_group, teardown
+from shardyard.backends.process_group import all_reduce_mean, init_process_group, teardown
 from shardyard.backends.torch_step import pick_device
 from shardyard.errors import UserError
-from shardyard.model import META_INIT_ABOVE, apply_activation_checkpointing, causal_lm_loss, count_params
-from shardyard.optim import build_scheduler, param_groups
+from shardyard.model import apply_activation_checkpointing, causal_lm_loss, wants_meta
+from shardyard.optim import build_optimizer, build_scheduler, optimizer_kwargs, param_groups
 from shardyard.safe_load import weights_only_loads
 
 
 def ds_config(cfg: DictConfig, plan) -> dict:
     """The complete DeepSpeed config for this recipe and launch."""
-    b, pr, o = cfg.backend, cfg.precision, cfg.optim
-    if o.name == "adamw":
-        optimizer = {"type": "AdamW", "params": {"lr": o.lr, "betas": list(o.betas), "eps": o.eps,
-                                                 "weight_decay": o.weight_decay}}
-    else:
-        optimizer = {"type": "SGD", "params": {"lr": o.lr, "momentum": o.momentum, "nesterov": o.nesterov,
-                                               "weight_decay": o.weight_decay}}
+    b, pr = cfg.backend, cfg.precision
     zero = {"stage": b.stage, "overlap_comm": b.overlap_comm, "contiguous_gradients": b.contiguous_gradients,
             "reduce_scatter": b.reduce_scatter, "reduce_bucket_size": int(b.reduce_bucket_size),
             "allgather_bucket_size": int(b.allgather_bucket_size)}
@@ -57,7 +51,6 @@ def ds_config(cfg: DictConfig, plan) -> dict:
         "train_micro_batch_size_per_gpu": plan.micro_batch_size,
         "gradient_accumulation_steps": plan.grad_accum_steps,
         "gradient_clipping": float(cfg.train.max_grad_norm),
-        "optimizer": optimizer,
         "zero_optimization": zero,
         "bf16": {"enabled": pr.name == "bf16"},
         "fp16": {"enabled": pr.name == "fp16", "loss_scale": 0, "initial_scale_power": pr.initial_scale_power,
@@ -77,7 +70,26 @@ def ds_config(cfg: DictConfig, plan) -> dict:
                                     "output_file": os.path.join(cfg.run_dir, "deepspeed_flops_profile.txt")}
     if pr.name == "bf16":  # bf16 compute, fp32 gradient accumulation (and fp32 master weights in ZeRO)
         config["data_types"] = {"grad_accum_dtype": "fp32"}
+    optimizer = ds_optimizer(cfg.optim)
+    if optimizer is not None:
+        config["optimizer"] = optimizer
     return config
+
+
+def ds_optimizer(o: DictConfig) -> dict | None:
+    """The JSON ``optimizer`` section for ``optim._target_``, or None when DeepSpeed is handed the built
+    optimizer object instead (a client optimizer).
+
+    1. A ``torch.optim`` class is expressed by name: DeepSpeed maps Adam/AdamW onto its own fused (GPU) or
+       CPU-Adam (offload) kernels and builds any other name as ``torch.optim.<type>`` from the same params.
+    2. Anything else (DeepSpeed's ``deepspeed.ops`` optimizers, a user's factory) is built by us from the
+       recipe and passed to ``deepspeed.initialize(optimizer=...)``; ZeRO wraps it like its own.
+    """
+    module, _, name = o._target_.rpartition(".")
+    if module != "torch.optim" or not hasattr(torch.optim, name):
+        return None
+    params = {k: list(v) if isinstance(v, tuple) else v for k, v in optimizer_kwargs(o).items()}
+    return {"type": name, "params": params}
 
 
 class DeepSpeedBackend:
@@ -113,6 +125,13 @@ class DeepSpeedBackend:
                                 "lacks its system library (libaio).",
                                 "Install it (apt-get install libaio-dev) and reinstall deepspeed, or use "
                                 "backend=zero3_offload (CPU offload).")
+        target = cfg.optim._target_
+        if b.offload_optimizer != "none" and ds_optimizer(cfg.optim) is None and not target.startswith("deepspeed.ops."):
+            raise UserError("optim._target_", target, f"{b.name} runs the optimizer step on the CPU (ZeRO-Offload), "
+                            "which DeepSpeed does with its own CPU kernels or a torch.optim class, not with an "
+                            "arbitrary optimizer object.",
+                            "Use a torch.optim optimizer (optim=adamw, sgd, adafactor) or deepspeed.ops.adam."
+                            "DeepSpeedCPUAdam, or the same engine without offload (backend=zero2/zero3).")
         if cfg.precision.name == "fp16":
             from deepspeed.accelerator import get_accelerator
 
@@ -136,8 +155,7 @@ class DeepSpeedBackend:
         self.config = ds_config(self.cfg, self.plan)
         self._write_config()
         m = self.cfg.model
-        big = m.init_device == "meta" or (m.init_device == "auto" and count_params(m) > META_INIT_ABOVE)
-        if self.bcfg.stage == 3 and big:
+        if self.bcfg.stage == 3 and wants_meta(m, self.plan.model):
             # HF sees the live ZeRO-3 config and builds under deepspeed.zero.Init: every parameter is
             # partitioned as soon as its module exists, and HF's init gathers each one to initialise it.
             from transformers.integrations import HfDeepSpeedConfig
@@ -145,9 +163,10 @@ class DeepSpeedBackend:
             self._hf_ds = HfDeepSpeedConfig(self.config)
         model = build(allow_meta=False)
         apply_activation_checkpointing(model, m)
+        client = build_optimizer(model, self.cfg.optim) if "optimizer" not in self.config else None
         self.engine, _, _, _ = deepspeed.initialize(
             model=model, model_parameters=param_groups(model, self.cfg.optim.weight_decay), config=self.config,
-            lr_scheduler=lambda opt: build_scheduler(opt, self.cfg.sched, total_steps))
+            optimizer=client, lr_scheduler=lambda opt: build_scheduler(opt, self.cfg.sched, total_steps))
         self._nonfinite = None
         if self.cfg.debug.nan_policy != "off":
             self._watch_gradients()
@@ -159,7 +178,7 @@ class DeepSpeedBackend:
         with open(os.path.join(self.cfg.run_dir, "deepspeed_config.json"), "w") as f:
             f.write(text + "\n")
         if self.bcfg.dump_config:
-            print(f"shardyard | generated DeepSpeed config (lr schedule: shardyard's {self.cfg.sched.name}, "
+            print(f"shardyard | generated DeepSpeed config (lr schedule: shardyard's {self.cfg.sched._target_}, "
                   f"passed as a callable):\n{text}", flush=True)
 
     def forward_backward(self, inputs, targets, is_last_micro: bool) -> torch.Tensor:
@@ -207,29 +226,6 @@ class DeepSpeedBackend:
     def eval_loss(self, inputs, targets) -> torch.Tensor:
         return causal_lm_loss(self.engine, inputs, targets).detach()
 
-    def memory_breakdown(self) -> dict:
-        """What DeepSpeed's ZeRO optimizers hold on this rank (attribute names of DeepSpeed 0.19)."""
-        from shardyard.memory import breakdown, optimizer_state_tensors
-
-        opt = self.engine.optimizer
-        params = [getattr(p, "ds_tensor", p) for p in self.engine.module.parameters()]  # ZeRO-3: own partition
-        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
-        masters = []
-        for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition"):
-            masters += list(getattr(opt, name, None) or [])
-        grads += [m.grad for m in masters if m.grad is not None]
-        for name in ("averaged_gradients", "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition",
-                     "fp32_groups_gradients_flat", "grad_partitions_flat_buffer", "ipg_buffer"):
-            value = getattr(opt, name, None)
-            if isinstance(value, dict):
-                value = list(value.values())
-            if isinstance(value, torch.Tensor):
-                value = [value]
-            for v in value or []:
-                grads += v if isinstance(v, list) else [v]
-        return breakdown({"params": params, "grads": grads,
-                          "optimizer": masters + list(optimizer_state_tensors(opt.optimizer if hasattr(opt, "optimizer") else opt))})
-
     checkpoint_format = "deepspeed"
 
     def save_checkpoint(self, path: str) -> None:
@@ -241,9 +237,7 @@ class DeepSpeedBackend:
         self.engine.save_checkpoint(path, tag="zero", save_latest=False, client_state={
             UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}})
 
-    def load_checkpoint(self, path: str) -> None:
-        with open(os.path.join(path, "meta.json")) as f:
-            meta = json.load(f)
+    def load_checkpoint(self, path: str, meta: dict) -> None:
         saved_stage = meta["training_state"].get("zero_stage", self.bcfg.stage)
         if (saved_stage == 3) != (self.bcfg.stage == 3):
             # ds_to_universal keeps ZeRO-3's per-rank model files, which stages 1-2 do not read (and back).
@@ -252,7 +246,7 @@ class DeepSpeedBackend:
                             "within ZeRO-1/2 (stages 1 and 2 interchangeable) and any world size within ZeRO-3, "
                             "offload variants included, through DeepSpeed's universal checkpoint.",
                             f"Resume with a ZeRO-{saved_stage} backend (backend=zero{saved_stage}), or start from "
-                            "the checkpoint's HF export (model.pretrained_path=...).").on_every_rank()
+                            "the checkpoint's HF export (model=hf model.path=...).").on_every_rank()
         same_layout = meta["world_size"] == self.world_size and saved_stage == self.bcfg.stage
         if same_layout:  # each rank reads back exactly the partition it wrote
             self._load(path)

@@ -11,8 +11,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from shardyard.backends import StepStats
-from shardyard.backends.ddp import all_reduce_mean, init_process_group, teardown
-from shardyard.backends.torch_step import DTYPES, TorchStepper, pick_device
+from shardyard.backends.process_group import all_reduce_mean, init_process_group, teardown
+from shardyard.backends.torch_step import COMPUTE_DTYPES, TorchStepper, pick_device
 from shardyard.errors import UserError
 from shardyard.model import apply_activation_checkpointing, apply_compile, materialize, transformer_blocks
 
@@ -34,7 +34,7 @@ def parallelize_fsdp(model: torch.nn.Module, cfg: DictConfig, device: torch.devi
     apply_compile(model, cfg.model)  # 2
     # bf16/fp16: parameters all-gathered in the compute dtype, gradients reduced in fp32; the sharded fp32
     # parameters are the master weights the optimizer updates.
-    mp = MixedPrecisionPolicy(param_dtype=DTYPES[pr.compute_dtype], reduce_dtype=torch.float32) \
+    mp = MixedPrecisionPolicy(param_dtype=COMPUTE_DTYPES[pr.name], reduce_dtype=torch.float32) \
         if pr.name != "fp32" else MixedPrecisionPolicy()
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if b.cpu_offload else OffloadPolicy()
     for block in transformer_blocks(model):  # 3
@@ -86,15 +86,12 @@ class FSDPBackend:
     def eval_loss(self, inputs, targets) -> torch.Tensor:
         return self.stepper.eval_loss(inputs, targets)
 
-    def memory_breakdown(self) -> dict:
-        return self.stepper.memory_breakdown()
-
     checkpoint_format = "dcp"
 
     def save_checkpoint(self, path: str) -> None:
         self.stepper.save_dcp(path, self.model)
 
-    def load_checkpoint(self, path: str) -> None:
+    def load_checkpoint(self, path: str, meta: dict) -> None:
         self.stepper.load_dcp(path, self.model)
 
     def training_state(self) -> dict:

@@ -66,8 +66,11 @@ class HorovodBackend:
                                             backward_passes_per_step=self.plan.grad_accum_steps)
 
         self.model = model
+        # Horovod's AMP pattern: synchronize() finishes the gradient all-reduces before unscale and clip; the
+        # step then runs inside skip_synchronize() so the optimizer does not wait for them a second time.
         self.stepper = TorchStepper(model, self.cfg, self.device, self.plan.grad_accum_steps, total_steps,
-                                    wrap_optimizer=distributed)
+                                    wrap_optimizer=distributed, before_unscale=lambda: self.stepper.optimizer.synchronize(),
+                                    step_context=lambda: self.stepper.optimizer.skip_synchronize())
 
     def forward_backward(self, inputs, targets, is_last_micro: bool) -> torch.Tensor:
         return self.stepper.forward_backward(inputs, targets)
@@ -77,9 +80,6 @@ class HorovodBackend:
 
     def eval_loss(self, inputs, targets) -> torch.Tensor:
         return self.stepper.eval_loss(inputs, targets)
-
-    def memory_breakdown(self) -> dict:
-        return self.stepper.memory_breakdown()
 
     checkpoint_format = "torch-rank0"
 
@@ -91,7 +91,7 @@ class HorovodBackend:
             save_file({k: v.contiguous() for k, v in self.model.state_dict().items()}, os.path.join(path, "model.safetensors"))
             torch.save(self.stepper.optimizer.state_dict(), os.path.join(path, "optimizer.pt"))
 
-    def load_checkpoint(self, path: str) -> None:
+    def load_checkpoint(self, path: str, meta: dict) -> None:
         from safetensors.torch import load_file
 
         self.model.load_state_dict(load_file(os.path.join(path, "model.safetensors"), device=str(self.device)))

@@ -40,15 +40,12 @@ class SingleBackend:
     def eval_loss(self, inputs, targets) -> torch.Tensor:
         return self.stepper.eval_loss(inputs, targets)
 
-    def memory_breakdown(self) -> dict:
-        return self.stepper.memory_breakdown()
-
     checkpoint_format = "dcp"
 
     def save_checkpoint(self, path: str) -> None:
         self.stepper.save_dcp(path, self.model)
 
-    def load_checkpoint(self, path: str) -> None:
+    def load_checkpoint(self, path: str, meta: dict) -> None:
         self.stepper.load_dcp(path, self.model)
 
     def training_state(self) -> dict:

@@ -13,7 +13,8 @@ from shardyard.memory import local
 from shardyard.model import causal_lm_loss
 from shardyard.optim import build_optimizer, build_scheduler
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""``precision.name`` -> the dtype matmuls run in; master weights, gradients and reductions stay fp32."""
 
 
 class TorchStepper:
@@ -21,11 +22,16 @@ class TorchStepper:
 
     def __init__(self, model: torch.nn.Module, cfg: DictConfig, device: torch.device, accum: int, total_steps: int,
                  scaler: torch.amp.GradScaler | None = None, autocast: bool = True,
-                 wrap_optimizer: Callable[[torch.optim.Optimizer], torch.optim.Optimizer] | None = None):
+                 wrap_optimizer: Callable[[torch.optim.Optimizer], torch.optim.Optimizer] | None = None,
+                 before_unscale: Callable[[], None] | None = None,
+                 step_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
+        """``before_unscale`` / ``step_context``: an engine that reduces gradients inside its optimizer
+        (Horovod) finishes the reduction before unscale and clip, and keeps the step from waiting again."""
         pr = cfg.precision
         self.model, self.accum, self.device_type = model, accum, device.type
         self.max_norm = cfg.train.max_grad_norm
-        self.dtype = DTYPES[pr.compute_dtype]
+        self.before_unscale, self.step_context = before_unscale, step_context
+        self.dtype = COMPUTE_DTYPES[pr.name]
         self.autocast_on = autocast and pr.name != "fp32"
         self.optimizer = build_optimizer(model, cfg.optim)
         if wrap_optimizer is not None:  # e.g. Horovod's DistributedOptimizer
@@ -50,11 +56,8 @@ class TorchStepper:
         return loss.detach()
 
     def step(self, guard: bool = False) -> StepStats:
-        synchronize = getattr(self.optimizer, "synchronize", None)
-        if synchronize is not None:
-            # Horovod's AMP pattern: finish the gradient all-reduces before unscaling and clipping, then
-            # step inside skip_synchronize() so the optimizer does not wait for them a second time.
-            synchronize()
+        if self.before_unscale is not None:
+            self.before_unscale()
         self.scaler.unscale_(self.optimizer)
         grads = [p.grad for p in self.params if p.grad is not None]
         # Works for plain and DTensor (FSDP2) gradients alike: the global pre-clip norm.
@@ -74,7 +77,7 @@ class TorchStepper:
             return StepStats(grad_norm.detach(), lr, scale, applied=False, nonfinite_param=bad)
         if self.max_norm > 0:
             torch.nn.utils.clip_grads_with_norm_(self.params, self.max_norm, grad_norm)
-        with self.optimizer.skip_synchronize() if synchronize is not None else contextlib.nullcontext():
+        with self.step_context():
             self.scaler.step(self.optimizer)  # skipped by the scaler when fp16 gradients overflowed
         self.scaler.update()
         applied = not self.scaler.is_enabled() or self.scaler.get_scale() >= scale  # an overflow lowers it
@@ -86,12 +89,6 @@ class TorchStepper:
     def eval_loss(self, inputs, targets) -> torch.Tensor:
         with self.autocast():
             return causal_lm_loss(self.model, inputs, targets).detach()
-
-    def memory_breakdown(self) -> dict:
-        from shardyard.memory import breakdown, optimizer_state_tensors
-
-        return breakdown({"params": self.params, "grads": [p.grad for p in self.params if p.grad is not None],
-                          "optimizer": optimizer_state_tensors(self.optimizer)})
 
     def training_state(self) -> dict:
         """Scheduler and loss-scaler state (JSON-able); model and optimizer go into the engine's shards."""

@@ -10,9 +10,31 @@ This module must stay import-light (no torch): ``python train.py --help`` compos
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, List, Optional
 
 from omegaconf import MISSING
+
+
+class Choice(str, Enum):
+    """A closed choice: OmegaConf refuses any other value at composition and lists the allowed ones.
+    Members compare equal to their names (``Precision.bf16 == "bf16"``), and configs written for workers
+    hold plain strings."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+Device = Choice("Device", {n: n for n in ("auto", "cpu", "cuda")})
+DistBackend = Choice("DistBackend", {n: n for n in ("auto", "gloo", "nccl")})
+Offload = Choice("Offload", {n: n for n in ("none", "cpu", "nvme")})
+Compression = Choice("Compression", {n: n for n in ("none", "fp16")})
+AttnImplementation = Choice("AttnImplementation", {n: n for n in ("sdpa", "eager", "flash_attention_2")})
+InitDevice = Choice("InitDevice", {n: n for n in ("auto", "cpu", "meta")})
+Precision = Choice("Precision", {n: n for n in ("fp32", "bf16", "fp16")})
+NanPolicy = Choice("NanPolicy", {n: n for n in ("stop", "skip", "off")})
+ConsoleStyle = Choice("ConsoleStyle", {n: n for n in ("auto", "rich", "plain")})
+WandbMode = Choice("WandbMode", {n: n for n in ("auto", "online", "offline", "disabled")})
 
 
 # --------------------------------------------------------------------------------------------- backend
@@ -22,13 +44,13 @@ class BackendConfig:
     """Import path of the engine class implementing ``shardyard.backends.Backend``."""
     name: str = MISSING
     """Engine name, shown in logs and stored in checkpoints."""
-    device: str = "auto"
+    device: Device = Device.auto
     """``auto`` (cuda if available, else cpu), ``cpu`` or ``cuda``."""
 
 
 @dataclass
 class DDPBackendConfig(BackendConfig):
-    dist_backend: str = "auto"
+    dist_backend: DistBackend = DistBackend.auto
     """Process-group backend: ``auto`` = nccl on CUDA, gloo on CPU."""
     bucket_cap_mb: float = 25.0
     """DDP gradient bucket size in MiB (bigger buckets: fewer, larger all-reduces)."""
@@ -77,9 +99,9 @@ class ZeroBackendConfig(BackendConfig):
     """ZeRO-3: gather full 16-bit weights when the model is saved (needed for the HF export)."""
     sub_group_size: float = 1e9
     """ZeRO-3: optimizer steps run over parameter groups of this many elements (bounds offload memory)."""
-    offload_optimizer: str = "none"
+    offload_optimizer: Offload = Offload.none
     """``none``, ``cpu`` (ZeRO-Offload) or ``nvme`` (ZeRO-Infinity) for optimizer state and step."""
-    offload_param: str = "none"
+    offload_param: Offload = Offload.none
     """ZeRO-3 only: ``none``, ``cpu`` or ``nvme`` for the partitioned parameters."""
     pin_memory: bool = True
     """Page-locked CPU buffers for offloaded tensors (faster host-device copies)."""
@@ -99,7 +121,7 @@ class ZeroBackendConfig(BackendConfig):
 
 @dataclass
 class HorovodBackendConfig(BackendConfig):
-    compression: str = "none"
+    compression: Compression = Compression.none
     """Gradient compression on the wire: ``none`` or ``fp16`` (halves all-reduce bytes)."""
     timeline: bool = False
     """Write Horovod's timeline (Chrome-trace JSON) to ``<run_dir>/horovod_timeline.json``."""
@@ -108,14 +130,29 @@ class HorovodBackendConfig(BackendConfig):
 # ----------------------------------------------------------------------------------------------- model
 @dataclass
 class ModelConfig:
+    """What shardyard itself reads of every ``model`` option. Every other key of the option is an argument
+    of its ``_target_``, a builder returning the model (``shardyard.model.CausalLM``)."""
+
+    _target_: str = MISSING
+    """Builder: a callable that takes the option's other keys and returns a ``transformers.PreTrainedModel``
+    or any ``nn.Module`` meeting ``shardyard.model.CausalLM`` (e.g. ``shardyard.model.llama`` or your own
+    ``mypkg.models.build``)."""
     name: str = MISSING
-    """Human-readable model name (used in run names and exports)."""
-    arch: str = "llama"
-    """``llama`` (DeepSeek-LLM is the LLaMA architecture) or ``deepseek_v3`` (MLA + MoE)."""
+    """Human-readable model name (logs, summaries)."""
+    activation_checkpointing: bool = False
+    """Recompute each transformer block's activations in backward (non-reentrant checkpointing)."""
+    compile: bool = False
+    """Wrap each transformer block in ``torch.compile``."""
+    init_device: InitDevice = InitDevice.auto
+    """Where parameters are first created: ``auto`` (meta above 1B parameters), ``cpu`` or ``meta``."""
+
+
+@dataclass
+class LlamaModelConfig(ModelConfig):
     vocab_size: int = MISSING
     """Embedding rows; must be >= the tokenizer's vocabulary."""
     hidden_size: int = MISSING
-    """Model width."""
+    """Model width; a multiple of ``num_heads``."""
     intermediate_size: int = MISSING
     """Dense MLP width (SwiGLU)."""
     num_layers: int = MISSING
@@ -123,8 +160,8 @@ class ModelConfig:
     num_heads: int = MISSING
     """Attention heads."""
     num_kv_heads: Optional[int] = None
-    """Key/value heads for grouped-query attention; ``null`` = ``num_heads`` (multi-head)."""
-    max_position_embeddings: int = 4096
+    """Key/value heads for grouped-query attention (a divisor of ``num_heads``); ``null`` = ``num_heads``."""
+    max_position_embeddings: int = 2048
     """Longest position the rotary embedding is set up for."""
     rope_theta: float = 10000.0
     """RoPE base frequency."""
@@ -134,20 +171,12 @@ class ModelConfig:
     """Share input embedding and LM head weights."""
     initializer_range: float = 0.02
     """Std of the normal weight init."""
-    attn_implementation: str = "sdpa"
+    attn_implementation: AttnImplementation = AttnImplementation.sdpa
     """``sdpa`` | ``eager`` | ``flash_attention_2`` (needs the flash-attn package and CUDA)."""
-    activation_checkpointing: bool = False
-    """Recompute block activations in backward (HF gradient checkpointing; sets ``use_cache=False``)."""
-    compile: bool = False
-    """Wrap each transformer block in ``torch.compile``."""
-    pretrained_path: Optional[str] = None
-    """Local HF directory to load weights from (``local_files_only``); nothing is ever downloaded."""
-    init_device: str = "auto"
-    """Where parameters are first created: ``auto`` (meta above 1B parameters), ``cpu`` or ``meta``."""
 
 
 @dataclass
-class DeepseekV3ModelConfig(ModelConfig):
+class DeepseekV3ModelConfig(LlamaModelConfig):
     q_lora_rank: Optional[int] = None
     """Low-rank query compression (MLA); ``null`` = full-rank queries."""
     kv_lora_rank: int = MISSING
@@ -176,22 +205,37 @@ class DeepseekV3ModelConfig(ModelConfig):
     """Scale applied to the routed experts' output."""
 
 
+@dataclass
+class HFModelConfig(ModelConfig):
+    path: str = MISSING
+    """A local directory written by ``save_pretrained``: ``config.json`` of any ``AutoModelForCausalLM``
+    architecture, with weights (``*.safetensors``/``*.bin``: they are loaded) or without (random init),
+    and optionally its tokenizer (then used for the data). Nothing is downloaded."""
+    attn_implementation: AttnImplementation = AttnImplementation.sdpa
+    """``sdpa`` | ``eager`` | ``flash_attention_2``."""
+
+
 # ------------------------------------------------------------------------------------------------ data
 @dataclass
 class TokenizerConfig:
     path: Optional[str] = None
-    """Local HF tokenizer directory; ``null`` trains a byte-level BPE on the training text (cached)."""
+    """Local HF tokenizer directory; ``null`` = the model directory's tokenizer when it has one (``model=hf``),
+    else a byte-level BPE trained on the training text (cached)."""
     vocab_size: int = 4096
     """Vocabulary of a freshly trained tokenizer."""
     train_bytes: int = 8_000_000
-    """How many bytes of the corpus (from the start, in file order) train the tokenizer."""
+    """How many bytes of the corpus (from the start, in document order) train the tokenizer."""
 
 
 @dataclass
 class DataConfig:
-    name: str = MISSING
-    """Corpus name, part of the cache key."""
-    seq_len: int = 256
+    """What shardyard reads of every ``data`` option; every other key is an argument of its ``_target_``."""
+
+    _target_: str = MISSING
+    """Document source: a callable taking the option's other keys and returning a
+    ``shardyard.data.DocumentSource`` (``documents()`` and ``fingerprint()``), or any iterable of texts or
+    ``(name, text)`` pairs (e.g. ``shardyard.data.StdlibCode`` or your own ``mypkg.data.corpus``)."""
+    seq_len: int = 128
     """Tokens per packed training sequence."""
     val_fraction: float = 0.05
     """Share of documents (chosen by a stable hash of their name) held out for evaluation."""
@@ -210,7 +254,7 @@ class StdlibCodeDataConfig(DataConfig):
 @dataclass
 class TextFilesDataConfig(DataConfig):
     paths: List[str] = MISSING
-    """Local ``.txt`` / ``.jsonl`` / ``.parquet`` files or directories (read with HF ``datasets``)."""
+    """Local ``.txt`` / ``.jsonl`` / ``.parquet`` files, directories or glob patterns."""
     text_field: str = "text"
     """Column holding the text in ``.jsonl`` / ``.parquet`` files."""
 
@@ -218,11 +262,15 @@ class TextFilesDataConfig(DataConfig):
 # ------------------------------------------------------------------------------------ optim and sched
 @dataclass
 class OptimConfig:
-    name: str = MISSING
-    """``adamw`` or ``sgd``."""
-    lr: float = 3e-4
+    """Every key is an argument of ``_target_``, called as ``_target_(param_groups, **keys)``; matrices are
+    decayed with ``weight_decay``, norms and biases are not (the groups carry it)."""
+
+    _target_: str = MISSING
+    """An optimizer class or factory: ``torch.optim.AdamW``, ``torch.optim.Adafactor``, or your own
+    ``mypkg.optim.build(params, lr, ...) -> torch.optim.Optimizer``."""
+    lr: float = MISSING
     """Peak learning rate."""
-    weight_decay: float = 0.1
+    weight_decay: float = 0.0
     """Decoupled weight decay, applied to matrices only (not to norms or biases)."""
 
 
@@ -243,22 +291,36 @@ class SGDConfig(OptimConfig):
 
 
 @dataclass
+class AdafactorConfig(OptimConfig):
+    beta2_decay: float = -0.8
+    """Decay rate of the second-moment average (Adafactor's -0.8 schedule)."""
+    d: float = 1.0
+    """Update clipping threshold."""
+
+
+@dataclass
 class SchedConfig:
-    name: str = MISSING
-    """``cosine`` | ``linear`` | ``constant`` (all after a linear warmup)."""
-    warmup_steps: int = 0
+    """A learning-rate schedule: ``_target_(**keys)`` returns ``factor(step, total_steps) -> float``, the
+    multiplier of ``optim.lr`` at 0-based optimizer step ``step``."""
+
+    _target_: str = MISSING
+    """``shardyard.optim.WarmupCosine``, ``WarmupLinear``, ``WarmupConstant`` or your own factory."""
+    warmup_steps: int = 20
     """Steps of linear warmup from 0 to the peak learning rate."""
+
+
+@dataclass
+class DecaySchedConfig(SchedConfig):
     min_lr_ratio: float = 0.1
-    """Final learning rate as a fraction of the peak (cosine and linear)."""
+    """Final learning rate as a fraction of the peak."""
 
 
 # ------------------------------------------------------------------------------------------ precision
 @dataclass
 class PrecisionConfig:
-    name: str = MISSING
-    """``fp32``, ``bf16`` (autocast, fp32 master weights) or ``fp16`` (autocast + dynamic loss scaling)."""
-    compute_dtype: str = "float32"
-    """Dtype matmuls run in under autocast."""
+    name: Precision = MISSING
+    """``fp32``; ``bf16`` (bf16 compute, fp32 master weights, gradients and reductions); ``fp16`` (fp16
+    compute with dynamic loss scaling, fp32 master weights). The compute dtype follows from it."""
     initial_scale_power: int = 16
     """fp16 only: the loss scale starts at 2**this."""
     loss_scale_window: int = 1000
@@ -288,26 +350,35 @@ class CheckpointConfig:
 
 # -------------------------------------------------------------------------------------------- monitor
 @dataclass
-class ConsoleMonitorConfig:
-    style: str = "auto"
+class MonitorConfig:
+    """Every monitor is built as ``_target_(run_dir=..., config=<the run config>, **its other keys)`` on
+    rank 0 and must meet ``shardyard.monitors.Monitor`` (``log``, ``close``, ``fail``)."""
+
+    _target_: str = MISSING
+    """The monitor class, e.g. ``shardyard.monitors.csv.CsvMonitor`` or your own ``mypkg.MyMonitor``."""
+
+
+@dataclass
+class ConsoleMonitorConfig(MonitorConfig):
+    style: ConsoleStyle = ConsoleStyle.auto
     """``auto`` (a rich progress bar on a TTY, plain lines otherwise), ``rich`` or ``plain``."""
 
 
 @dataclass
-class TensorBoardMonitorConfig:
+class TensorBoardMonitorConfig(MonitorConfig):
     subdir: str = "tensorboard"
     """Event files go to ``<run_dir>/<subdir>``."""
 
 
 @dataclass
-class WandbMonitorConfig:
+class WandbMonitorConfig(MonitorConfig):
     project: str = "shardyard"
     """W&B project."""
     entity: Optional[str] = None
     """W&B team or user; ``null`` = the API key's default."""
     name: Optional[str] = None
     """Run name; ``null`` = the run directory's name."""
-    mode: str = "auto"
+    mode: WandbMode = WandbMode.auto
     """``auto`` (online when ``WANDB_API_KEY`` is set or you are logged in, else offline), ``online``,
     ``offline`` or ``disabled``. Offline runs live in ``<run_dir>/wandb``; upload them with ``wandb sync``."""
     tags: List[str] = field(default_factory=list)
@@ -315,7 +386,7 @@ class WandbMonitorConfig:
 
 
 @dataclass
-class MlflowMonitorConfig:
+class MlflowMonitorConfig(MonitorConfig):
     tracking_uri: Optional[str] = None
     """MLflow tracking URI; ``null`` = a local store in the run dir (``sqlite:///<run_dir>/mlflow/mlflow.db``,
     artifacts beside it). Read it with ``mlflow ui --backend-store-uri <that uri>``."""
@@ -328,7 +399,7 @@ class MlflowMonitorConfig:
 
 
 @dataclass
-class CsvMonitorConfig:
+class CsvMonitorConfig(MonitorConfig):
     file: str = "metrics.csv"
     """CSV file in the run dir: one row per logged step, a fixed column per metric (empty when absent)."""
 
@@ -360,7 +431,7 @@ class ProfileConfig:
 
 @dataclass
 class DebugConfig:
-    nan_policy: str = "stop"
+    nan_policy: NanPolicy = NanPolicy.stop
     """A non-finite loss or gradient norm: ``stop`` the run naming the step, rank and first non-finite
     gradient (before the bad update is applied), ``skip`` the optimizer step and go on, or ``off`` (apply it)."""
     max_skipped: int = 5
@@ -373,9 +444,9 @@ class DebugConfig:
 
 @dataclass
 class TrainLoopConfig:
-    steps: int = 300
+    steps: int = 250
     """Optimizer steps to train for."""
-    micro_batch_size: int = 8
+    micro_batch_size: int = 16
     """Sequences per forward/backward on one rank."""
     grad_accum_steps: Optional[int] = None
     """Micro-steps per optimizer step; ``null`` derives it from ``global_batch_size`` (or 1)."""
@@ -412,13 +483,21 @@ class LaunchConfig:
 @dataclass
 class TrainConfig:
     backend: Any = MISSING
+    """The engine (``backend`` group; ``_target_`` is a ``shardyard.backends.Backend`` class)."""
     model: Any = MISSING
+    """The model (``model`` group; ``_target_`` is a builder)."""
     data: Any = MISSING
+    """The corpus and its tokenization (``data`` group; ``_target_`` is a document source)."""
     optim: Any = MISSING
+    """The optimizer (``optim`` group; ``_target_`` is an optimizer class or factory)."""
     sched: Any = MISSING
+    """The learning-rate schedule (``sched`` group; ``_target_`` returns ``factor(step, total)``)."""
     precision: Any = MISSING
+    """Numeric precision (``precision`` group)."""
     checkpoint: Any = MISSING
+    """Checkpointing, resume and export (``checkpoint`` group)."""
     monitor: Any = field(default_factory=dict)
+    """Metric sinks by name (``monitor`` list group); ``metrics.jsonl`` is always written."""
     seed: int = 1234
     """Seed for model init, data order and dropout; every rank derives its streams from it."""
     run_dir: str = MISSING
@@ -437,13 +516,16 @@ SCHEMAS = {
     "schema_backend_fsdp": FSDPBackendConfig,
     "schema_backend_zero": ZeroBackendConfig,
     "schema_backend_horovod": HorovodBackendConfig,
-    "schema_model_llama": ModelConfig,
+    "schema_model_llama": LlamaModelConfig,
+    "schema_model_hf": HFModelConfig,
     "schema_model_deepseek_v3": DeepseekV3ModelConfig,
     "schema_data_stdlib_code": StdlibCodeDataConfig,
     "schema_data_text_files": TextFilesDataConfig,
     "schema_optim_adamw": AdamWConfig,
     "schema_optim_sgd": SGDConfig,
+    "schema_optim_adafactor": AdafactorConfig,
     "schema_sched": SchedConfig,
+    "schema_sched_decay": DecaySchedConfig,
     "schema_precision": PrecisionConfig,
     "schema_checkpoint": CheckpointConfig,
     "schema_monitor_console": ConsoleMonitorConfig,

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-import glob
+import dataclasses
 import importlib.util
+import inspect
 import os
 from dataclasses import dataclass
+from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from shardyard.dist_env import DistEnv
 from shardyard.errors import UserError
@@ -24,6 +26,8 @@ class Plan:
     grad_accum_steps: int
     global_batch_size: int
     seq_len: int
+    model: Any = None
+    """``shardyard.model.ModelFacts`` from one meta-device build (parameters, FLOPs/token, ...)."""
 
     @property
     def tokens_per_step(self) -> int:
@@ -47,8 +51,6 @@ def device_type(cfg: DictConfig) -> str:
     n_gpu = _cuda_count()
     if want == "auto":
         return "cuda" if n_gpu else "cpu"
-    if want not in ("cpu", "cuda"):
-        raise UserError("backend.device", want, "The device must be auto, cpu or cuda.", "Use backend.device=auto.")
     if want == "cuda" and not n_gpu:
         raise UserError("backend.device", want, "No CUDA device is visible to this process.",
                         "Use backend.device=auto (or cpu), or run on a machine with GPUs.")
@@ -107,44 +109,172 @@ def plan(cfg: DictConfig, env: DistEnv | None) -> Plan:
     return Plan(dev, nproc, world, mbs, accum, gbs, cfg.data.seq_len)
 
 
-def validate(cfg: DictConfig, env: DistEnv | None) -> Plan:
-    """All cross-group rules, run in the parent before any worker starts (and again in each worker)."""
-    import hydra.utils
+def to_json(p: Plan) -> dict:
+    return dataclasses.asdict(p)
 
+
+def from_json(d: dict) -> Plan:
+    from shardyard.model import ModelFacts
+
+    return Plan(**{**d, "model": ModelFacts(**d["model"]) if d.get("model") else None})
+
+
+def validate(cfg: DictConfig, env: DistEnv | None) -> Plan:
+    """All cross-group rules, run once before any worker starts; the Plan it returns goes to the workers."""
+    from hydra.utils import get_object
+
+    from shardyard.model import inspect_model
+
+    check_keys(cfg)
     p = plan(cfg, env)
-    tr, m, d = cfg.train, cfg.model, cfg.data
+    tr, m, d, c = cfg.train, cfg.model, cfg.data, cfg.checkpoint
     if tr.steps < 1:
         raise UserError("train.steps", tr.steps, "Training needs at least one optimizer step.", "Use train.steps=1 or more.")
     for key in ("log_every_n_steps", "eval_batches"):
-        if tr[key] < 1:
-            raise UserError(f"train.{key}", tr[key], "It must be at least 1.", f"Use train.{key}=1 or more.")
-    if d.seq_len > m.max_position_embeddings:
-        raise UserError("data.seq_len", d.seq_len,
-                        f"It exceeds model.max_position_embeddings={m.max_position_embeddings}.",
-                        f"Use data.seq_len<={m.max_position_embeddings} or raise model.max_position_embeddings.")
-    if m.attn_implementation not in ("sdpa", "eager", "flash_attention_2"):
-        raise UserError("model.attn_implementation", m.attn_implementation, "Unknown attention implementation.",
-                        "Use sdpa, eager or flash_attention_2.")
-    if m.attn_implementation == "flash_attention_2" and (p.device_type != "cuda" or importlib.util.find_spec("flash_attn") is None):
-        raise UserError("model.attn_implementation", m.attn_implementation,
+        _at_least(f"train.{key}", tr[key], 1)
+    for key in ("eval_every_n_steps", "sample_tokens"):
+        _at_least(f"train.{key}", tr[key], 0)
+    if tr.max_grad_norm < 0:
+        raise UserError("train.max_grad_norm", tr.max_grad_norm, "A clipping threshold cannot be negative.",
+                        "Use train.max_grad_norm=1.0, or 0 to disable clipping.")
+    _at_least("checkpoint.every_n_steps", c.every_n_steps, 0)
+    _at_least("checkpoint.keep_last", c.keep_last, 0)
+    _at_least("launch.max_restarts", cfg.launch.max_restarts, 0)
+    _at_least("launch.timeout_s", cfg.launch.timeout_s, 1)
+    attn = m.get("attn_implementation")
+    if attn == "flash_attention_2" and (p.device_type != "cuda" or importlib.util.find_spec("flash_attn") is None):
+        raise UserError("model.attn_implementation", attn,
                         "FlashAttention-2 needs CUDA and the flash-attn package.",
                         "Use model.attn_implementation=sdpa (fast on every device), or install flash-attn on a GPU machine.")
-    if m.init_device not in ("auto", "cpu", "meta"):
-        raise UserError("model.init_device", m.init_device, "Unknown init device.", "Use auto, cpu or meta.")
-    if m.pretrained_path is not None and not os.path.isfile(os.path.join(m.pretrained_path, "config.json")):
-        raise UserError("model.pretrained_path", m.pretrained_path, "No HF model directory (with config.json) is there.",
-                        "Point it at a local directory written by save_pretrained (e.g. a run's hf/ export).")
-    _validate_data(d)
+    facts = inspect_model(m, d.seq_len)
+    if facts.max_positions is not None and d.seq_len > facts.max_positions:
+        key = "model.max_position_embeddings" if "max_position_embeddings" in m else "model.path"
+        raise UserError("data.seq_len", d.seq_len, f"It exceeds the model's longest position ({key}={facts.max_positions}).",
+                        f"Use data.seq_len<={facts.max_positions}" + (f" or raise {key}." if key != "model.path" else "."))
+    _validate_data(cfg)
     _validate_precision(cfg.precision, p.device_type)
-    _validate_optim(cfg)
-    if cfg.checkpoint.resume not in (None, "auto") and not os.path.exists(cfg.checkpoint.resume):
-        raise UserError("checkpoint.resume", cfg.checkpoint.resume, "There is no checkpoint at that path.",
+    if cfg.optim.lr <= 0:
+        raise UserError("optim.lr", cfg.optim.lr, "The learning rate must be positive.", "Use e.g. optim.lr=3e-4.")
+    if cfg.sched.get("warmup_steps", 0) < 0:
+        raise UserError("sched.warmup_steps", cfg.sched.warmup_steps, "Warmup cannot be negative.",
+                        "Use sched.warmup_steps=0 or more.")
+    if c.resume not in (None, "auto") and not os.path.exists(c.resume):
+        raise UserError("checkpoint.resume", c.resume, "There is no checkpoint at that path.",
                         "Use checkpoint.resume=auto (newest complete checkpoint of this run) or an existing path.")
     _validate_monitors(cfg)
     _validate_profile_debug(cfg)
-    backend_cls = hydra.utils.get_class(cfg.backend._target_)
-    backend_cls.validate(cfg, p)
+    p = dataclasses.replace(p, model=facts)
+    get_object(cfg.backend._target_).validate(cfg, p)
     return p
+
+
+def _at_least(key: str, value: int, low: int) -> None:
+    if value < low:
+        raise UserError(key, value, f"It must be at least {low}.", f"Use {key}={low} or more.")
+
+
+# ------------------------------------------------------------------------------- keys nobody would read
+GROUP_SCHEMAS = {"model": "ModelConfig", "data": "DataConfig"}
+"""Groups whose options mix shardyard's own keys (these schemas) with their ``_target_``'s arguments."""
+
+
+def check_keys(cfg: DictConfig) -> None:
+    """Refuse keys that no schema or plug-in reads (``+some.key=value``, a misspelt plug-in argument), and
+    ``_target_`` values that cannot be imported or called with the keys given. A user's plug-in option
+    without a schema gets shardyard's own keys of its group filled in with their defaults."""
+    _complete_plugin_options(cfg)
+    _unknown_in_schemas(cfg, "")
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise UserError(missing[0], "???", "This option needs a value, and none is given.",
+                        f"Set it on the command line ({missing[0]}=...) or in the recipe.")
+    for group in ("model", "data", "optim", "sched", "backend"):
+        _check_target(f"{group}", cfg[group])
+    for name, node in (cfg.monitor or {}).items():
+        _check_target(f"monitor.{name}", node)
+
+
+def _schema_fields(node: DictConfig) -> set[str] | None:
+    typ = OmegaConf.get_type(node)
+    return {f.name for f in dataclasses.fields(typ)} if typ is not None and dataclasses.is_dataclass(typ) else None
+
+
+def _unknown_in_schemas(node: DictConfig, prefix: str) -> None:
+    fields = _schema_fields(node)
+    for key in node:
+        full = f"{prefix}{key}"
+        if fields is not None and key not in fields:
+            raise UserError(full, node[key], "No schema or plug-in reads this key, so it would be ignored.",
+                            f"Remove it, or spell one of: {', '.join(sorted(fields))}. "
+                            "`python train.py --cfg job` prints every key.")
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and not child._is_missing() and not child._is_none():
+            _unknown_in_schemas(child, full + ".")
+
+
+def _complete_plugin_options(cfg: DictConfig) -> None:
+    from shardyard.config import schema
+
+    for group, schema_name in GROUP_SCHEMAS.items():
+        node = cfg[group]
+        if _schema_fields(node) is not None:
+            continue
+        base = getattr(schema, schema_name)
+        fields = {f.name for f in dataclasses.fields(base)}
+        own = {k: node[k] for k in node if k in fields}
+        try:
+            typed = OmegaConf.merge(OmegaConf.structured(base), own)
+        except Exception as e:  # omegaconf.ValidationError: a wrong type for one of our keys
+            raise UserError(group, own, f"One of shardyard's own {group} keys has a wrong value: {e}",
+                            f"See {schema_name} in src/shardyard/config/schema.py.") from None
+        with open_dict(cfg):
+            for f in dataclasses.fields(base):
+                if f.name not in node and not OmegaConf.is_missing(typed, f.name):
+                    node[f.name] = typed[f.name]
+            if "name" in fields and "name" not in node:
+                node["name"] = str(node.get("_target_", group)).rsplit(".", 1)[-1]
+
+
+def _check_target(key: str, node: DictConfig) -> None:
+    """``node._target_`` imports, and accepts the node's keys (less shardyard's own) as arguments."""
+    from hydra.utils import get_object
+
+    from shardyard.config import schema
+
+    target = node.get("_target_")
+    if not target:
+        raise UserError(f"{key}._target_", target, "Every pluggable option names what builds it.",
+                        f"Set {key}._target_ to an importable callable (e.g. mypkg.module.function).")
+    try:
+        obj = get_object(target)
+    except Exception as e:
+        raise UserError(f"{key}._target_", target, f"It cannot be imported ({type(e).__name__}: {e}).",
+                        "Check the spelling, and that its package is installed or on PYTHONPATH.") from None
+    group = key.split(".")[0]
+    if group == "backend":
+        return  # engines take the whole run config
+    own = {f.name for f in dataclasses.fields(getattr(schema, GROUP_SCHEMAS[group]))} if group in GROUP_SCHEMAS else {"_target_"}
+    given = [k for k in node if k not in own]
+    try:
+        params = list(inspect.signature(obj).parameters.values())
+    except (TypeError, ValueError):  # a builtin without a signature: let the call itself judge
+        return
+    if group == "optim":  # shardyard passes the parameter groups first
+        params = params[1:]
+    if group == "monitor":  # ... and a monitor's run dir and run config
+        params = [p for p in params if p.name not in ("run_dir", "config")]
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return
+    names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    for k in given:
+        if k not in names:
+            raise UserError(f"{key}.{k}", node[k], f"No schema or plug-in reads this key: {target} takes "
+                            f"({', '.join(sorted(names))}).", f"Remove it, or spell one of those.")
+    for p in params:
+        if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) \
+                and p.name not in given:
+            raise UserError(f"{key}.{p.name}", None, f"{target} needs this argument, and the config does not give it.",
+                            f"Add it to the option's YAML or the command line: +{key}.{p.name}=...")
 
 
 def apply_fast_dev_run(cfg: DictConfig) -> None:
@@ -164,13 +294,11 @@ def apply_fast_dev_run(cfg: DictConfig) -> None:
 
 
 def _validate_monitors(cfg: DictConfig) -> None:
-    from shardyard.monitors import PLUGINS
+    """A selected monitor whose package is missing (its class's ``requires``) is named before launch."""
+    from hydra.utils import get_object
 
-    for name in cfg.monitor or {}:
-        if name not in PLUGINS:  # a config file added to conf/monitor without a plugin behind it
-            raise UserError("monitor", name, f"There is no monitor plugin named {name!r}.",
-                            f"Use some of: {', '.join(PLUGINS)} (and jsonl, which is always on).")
-        package = PLUGINS[name][1]
+    for name, node in (cfg.monitor or {}).items():
+        package = getattr(get_object(node._target_), "requires", None)
         if package and importlib.util.find_spec(package) is None:
             raise UserError("monitor", name, f"The {name} monitor needs the `{package}` package, which is not "
                             "installed in this environment.",
@@ -185,9 +313,6 @@ def _validate_profile_debug(cfg: DictConfig) -> None:
         if not ok:
             raise UserError("profile.steps", list(pr.steps), f"It must be [first, last] with 1 <= first <= last <= "
                             f"train.steps ({steps}).", f"Use e.g. profile.steps=[{min(3, steps)},{min(4, steps)}].")
-    if dbg.nan_policy not in ("stop", "skip", "off"):
-        raise UserError("debug.nan_policy", dbg.nan_policy, "Unknown policy for non-finite losses and gradients.",
-                        "Use debug.nan_policy=stop (default), skip or off.")
     if dbg.max_skipped < 1:
         raise UserError("debug.max_skipped", dbg.max_skipped, "It must be at least 1.", "Use e.g. debug.max_skipped=5.")
     if cfg.metrics.peak_tflops is not None and cfg.metrics.peak_tflops <= 0:
@@ -195,9 +320,11 @@ def _validate_profile_debug(cfg: DictConfig) -> None:
                         "Use e.g. metrics.peak_tflops=989 (H100 SXM, bf16 dense), or null for the built-in table.")
 
 
-def _validate_data(d: DictConfig) -> None:
-    if d.tokenizer.path is not None and not os.path.isfile(os.path.join(d.tokenizer.path, "tokenizer.json")) \
-            and not os.path.isfile(os.path.join(d.tokenizer.path, "tokenizer_config.json")):
+def _validate_data(cfg: DictConfig) -> None:
+    from shardyard.data import has_tokenizer, open_source
+
+    d = cfg.data
+    if d.tokenizer.path is not None and not has_tokenizer(d.tokenizer.path):
         raise UserError("data.tokenizer.path", d.tokenizer.path, "No HF tokenizer (tokenizer.json) is in that directory.",
                         "Point it at a directory written by a tokenizer's save_pretrained, or set it to null to "
                         "train a BPE tokenizer on the data.")
@@ -208,20 +335,12 @@ def _validate_data(d: DictConfig) -> None:
         raise UserError("data.val_fraction", d.val_fraction, "It must lie strictly between 0 and 1.", "Use e.g. 0.05.")
     if d.seq_len < 2:
         raise UserError("data.seq_len", d.seq_len, "Sequences need at least 2 tokens.", "Use e.g. data.seq_len=256.")
-    if "paths" in d:
-        if not d.paths:
-            raise UserError("data.paths", list(d.paths), "No input files are given.", "Use data.paths=[/path/to/corpus].")
-        for p in d.paths:
-            if not glob.glob(os.path.expanduser(p)):
-                raise UserError("data.paths", p, "Nothing exists at that path or pattern.",
-                                "Give existing .txt/.jsonl/.parquet files, directories or glob patterns.")
+    open_source(d)  # sources check their own arguments (paths exist, ...) when built
 
 
 def _validate_precision(pr: DictConfig, dev: str) -> None:
     import torch
 
-    if pr.name not in ("fp32", "bf16", "fp16"):
-        raise UserError("precision.name", pr.name, "Unknown precision.", "Use precision=fp32, bf16 or fp16.")
     if pr.name == "bf16" and dev == "cuda" and not torch.cuda.is_bf16_supported():
         raise UserError("precision", "bf16", f"This GPU ({torch.cuda.get_device_name()}) has no bf16 support.",
                         "Use precision=fp16 (loss-scaled) or precision=fp32.")
@@ -234,15 +353,3 @@ def _validate_precision(pr: DictConfig, dev: str) -> None:
         except RuntimeError as e:
             raise UserError("precision", "fp16", f"This CPU torch build cannot run fp16 autocast ({e}).",
                             "Use precision=bf16 or precision=fp32 on CPU.") from None
-
-
-def _validate_optim(cfg: DictConfig) -> None:
-    if cfg.optim.name not in ("adamw", "sgd"):
-        raise UserError("optim.name", cfg.optim.name, "Unknown optimizer.", "Use optim=adamw or optim=sgd.")
-    if cfg.sched.name not in ("cosine", "linear", "constant"):
-        raise UserError("sched.name", cfg.sched.name, "Unknown schedule.", "Use sched=cosine, linear or constant.")
-    if cfg.optim.lr <= 0:
-        raise UserError("optim.lr", cfg.optim.lr, "The learning rate must be positive.", "Use e.g. optim.lr=3e-4.")
-    if cfg.sched.warmup_steps < 0:
-        raise UserError("sched.warmup_steps", cfg.sched.warmup_steps, "Warmup cannot be negative.",
-                        "Use sched.warmup_steps=0 or more.")

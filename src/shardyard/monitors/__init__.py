@@ -6,7 +6,6 @@ Each plugin module is imported only when selected (tensorboard, wandb and mlflow
 
 from __future__ import annotations
 
-import importlib
 import sys
 from typing import Protocol
 
@@ -36,6 +35,9 @@ METRICS = {
 
 
 class Monitor(Protocol):
+    """Built as ``_target_(run_dir=..., config=<the run config>, **its option's keys)`` on rank 0. A class
+    attribute ``requires = "package"`` lets validation name a missing package before launch."""
+
     def log(self, step: int, metrics: dict) -> None: ...
 
     def close(self, summary: dict) -> None:
@@ -43,16 +45,6 @@ class Monitor(Protocol):
 
     def fail(self, error: str) -> None:
         """The run stopped with an error: flush, and mark the run failed where the tool has the notion."""
-
-
-PLUGINS = {
-    "console": ("shardyard.monitors.console:ConsoleMonitor", None),
-    "tensorboard": ("shardyard.monitors.tensorboard:TensorBoardMonitor", "tensorboard"),
-    "wandb": ("shardyard.monitors.wandb:WandbMonitor", "wandb"),
-    "mlflow": ("shardyard.monitors.mlflow:MlflowMonitor", "mlflow"),
-    "csv": ("shardyard.monitors.csv:CsvMonitor", None),
-}
-"""name -> (class, the package it needs)."""
 
 
 class Monitors:
@@ -78,13 +70,36 @@ class Monitors:
 
 
 def build(cfg: DictConfig, is_rank0: bool) -> Monitors:
-    """Each plugin is built as ``Plugin(its monitor.<name> config, run_dir, the whole run config)``."""
+    """Each selected monitor is ``monitor.<name>._target_(run_dir=..., config=<the run config>, **its keys)``."""
     if not is_rank0:
         return Monitors([])
+    from shardyard.config.plugins import build as build_plugin
     from shardyard.monitors.jsonl import JsonlMonitor
 
     out: list[Monitor] = [JsonlMonitor(cfg.run_dir)]
-    for name, mcfg in (cfg.monitor or {}).items():
-        module, cls = PLUGINS[name][0].split(":")
-        out.append(getattr(importlib.import_module(module), cls)(mcfg, cfg.run_dir, cfg))
+    for node in (cfg.monitor or {}).values():
+        out.append(build_plugin(node, run_dir=cfg.run_dir, config=cfg))
     return Monitors(out)
+
+
+def history(run_dir: str, upto_step: int) -> dict:
+    """A resumed run's own past, read back from ``metrics.jsonl``: evaluations, train losses and grad norms
+    logged at steps <= ``upto_step`` (the checkpoint it resumed from), each step once (the latest line)."""
+    import json
+    import os
+
+    out: dict[str, dict[int, float]] = {"eval_losses": {}, "train_losses": {}, "grad_norms": {}}
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if upto_step <= 0 or not os.path.exists(path):
+        return {k: [] for k in out}
+    keys = {"eval/loss": "eval_losses", "train/loss": "train_losses", "grad_norm": "grad_norms"}
+    with open(path) as f:
+        for line in f:
+            row = json.loads(line)
+            step = row.get("step")
+            if step is None or step > upto_step:
+                continue
+            for metric, name in keys.items():
+                if metric in row:
+                    out[name][step] = row[metric]
+    return {k: sorted(v.items()) for k, v in out.items()}

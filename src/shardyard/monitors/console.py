@@ -14,9 +14,8 @@ def _fmt_time(s: float) -> str:
 
 
 class ConsoleMonitor:
-    def __init__(self, mcfg: DictConfig, run_dir: str, cfg: DictConfig):
-        self.total, self.t0 = cfg.train.steps, time.perf_counter()
-        style = mcfg.style
+    def __init__(self, run_dir: str, config: DictConfig, style: str = "auto"):
+        self.total, self.t0 = config.train.steps, time.perf_counter()
         self.rich = style == "rich" or (style == "auto" and sys.stdout.isatty())
         self.progress = None
         if self.rich:

@@ -14,10 +14,10 @@ from omegaconf import DictConfig
 
 
 class CsvMonitor:
-    def __init__(self, mcfg: DictConfig, run_dir: str, cfg: DictConfig):
+    def __init__(self, run_dir: str, config: DictConfig, file: str = "metrics.csv"):
         from shardyard.monitors import METRICS
 
-        path = os.path.join(run_dir, mcfg.file)
+        path = os.path.join(run_dir, file)
         fresh = not os.path.exists(path) or os.path.getsize(path) == 0
         self.f = open(path, "a", newline="")
         self.writer = csv.DictWriter(self.f, fieldnames=["step", *METRICS], extrasaction="ignore")

@@ -26,23 +26,26 @@ def flatten(d: dict, prefix: str = "") -> dict:
 
 
 class MlflowMonitor:
-    def __init__(self, mcfg: DictConfig, run_dir: str, cfg: DictConfig):
+    requires = "mlflow"
+
+    def __init__(self, run_dir: str, config: DictConfig, tracking_uri: str | None = None,
+                 experiment: str = "shardyard", run_name: str | None = None, log_export: bool = True):
         from mlflow import MlflowClient  # lazy: heavy, and only when selected
         from mlflow.entities import Param
 
-        self.mcfg = mcfg
+        self.log_export = log_export
         local = os.path.join(run_dir, "mlflow")
-        if mcfg.tracking_uri:
-            uri, artifacts = mcfg.tracking_uri, None
+        if tracking_uri:
+            uri, artifacts = tracking_uri, None
         else:
             os.makedirs(local, exist_ok=True)
             uri, artifacts = f"sqlite:///{os.path.abspath(local)}/mlflow.db", Path(local, "artifacts").resolve().as_uri()
         self.client = MlflowClient(tracking_uri=uri)
-        exp = self.client.get_experiment_by_name(mcfg.experiment)
-        exp_id = exp.experiment_id if exp else self.client.create_experiment(mcfg.experiment, artifact_location=artifacts)
-        self.run_id = self.client.create_run(exp_id, run_name=mcfg.run_name or os.path.basename(run_dir),
-                                             tags={"engine": cfg.backend.name, "model": cfg.model.name}).info.run_id
-        params = [Param(k, str(v)[:6000]) for k, v in flatten(OmegaConf.to_container(cfg, resolve=True)).items()]
+        exp = self.client.get_experiment_by_name(experiment)
+        exp_id = exp.experiment_id if exp else self.client.create_experiment(experiment, artifact_location=artifacts)
+        self.run_id = self.client.create_run(exp_id, run_name=run_name or os.path.basename(run_dir),
+                                             tags={"engine": config.backend.name, "model": config.model.name}).info.run_id
+        params = [Param(k, str(v)[:6000]) for k, v in flatten(OmegaConf.to_container(config, resolve=True)).items()]
         for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
             self.client.log_batch(self.run_id, params=params[i:i + 100])
         print(f"shardyard | mlflow: run {self.run_id} in {uri}", flush=True)
@@ -55,7 +58,7 @@ class MlflowMonitor:
                                                     if isinstance(v, (int, float)) and not isinstance(v, bool)])
 
     def close(self, summary: dict) -> None:
-        if self.mcfg.log_export and summary.get("export"):
+        if self.log_export and summary.get("export"):
             self.client.log_artifacts(self.run_id, summary["export"], artifact_path="hf")
         self.client.set_terminated(self.run_id, "FINISHED")
 

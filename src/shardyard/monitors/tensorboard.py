@@ -8,10 +8,12 @@ from omegaconf import DictConfig
 
 
 class TensorBoardMonitor:
-    def __init__(self, mcfg: DictConfig, run_dir: str, cfg: DictConfig):
+    requires = "tensorboard"
+
+    def __init__(self, run_dir: str, config: DictConfig, subdir: str = "tensorboard"):
         from torch.utils.tensorboard import SummaryWriter  # lazy: pulls in tensorboard
 
-        self.writer = SummaryWriter(os.path.join(run_dir, mcfg.subdir))
+        self.writer = SummaryWriter(os.path.join(run_dir, subdir))
 
     def log(self, step: int, metrics: dict) -> None:
         for k, v in metrics.items():

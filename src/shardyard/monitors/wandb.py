@@ -19,16 +19,19 @@ def _has_credentials() -> bool:
 
 
 class WandbMonitor:
-    def __init__(self, mcfg: DictConfig, run_dir: str, cfg: DictConfig):
+    requires = "wandb"
+
+    def __init__(self, run_dir: str, config: DictConfig, project: str = "shardyard", entity: str | None = None,
+                 name: str | None = None, mode: str = "auto", tags: list[str] | tuple = ()):
         import wandb  # lazy: heavy, and only when selected
 
-        mode = mcfg.mode if mcfg.mode != "auto" else ("online" if _has_credentials() else "offline")
+        mode = mode if mode != "auto" else ("online" if _has_credentials() else "offline")
         if mode == "offline":
             print(f"shardyard | wandb: no API key, running offline (sync later: wandb sync {run_dir}/wandb/offline-run-*)",
                   flush=True)
-        self.run = wandb.init(project=mcfg.project, entity=mcfg.entity, name=mcfg.name or os.path.basename(run_dir),
-                              dir=run_dir, mode=mode, tags=list(mcfg.tags),
-                              config=OmegaConf.to_container(cfg, resolve=True),
+        self.run = wandb.init(project=project, entity=entity, name=name or os.path.basename(run_dir),
+                              dir=run_dir, mode=mode, tags=list(tags),
+                              config=OmegaConf.to_container(config, resolve=True),
                               settings=wandb.Settings(console="off", silent=True))
 
     def log(self, step: int, metrics: dict) -> None:

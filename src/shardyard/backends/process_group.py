@@ -1,0 +1,53 @@
+"""Process groups for the torch-native engines (and DeepSpeed, which adopts ours): create, average, tear down."""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import os
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+
+
+def init_process_group(cfg: DictConfig, device: torch.device, dist_backend: str = "auto") -> None:
+    """env:// rendezvous (set by the elastic agent, torchrun, srun mapping, ...) with the recipe's timeout."""
+    if dist_backend == "auto":
+        dist_backend = "nccl" if device.type == "cuda" else "gloo"
+    if dist.is_initialized():
+        return
+    timeout = datetime.timedelta(seconds=cfg.launch.timeout_s)
+    store = {}
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        # The elastic agent's store lives for the whole job, and workers use it without a per-attempt
+        # prefix: after a restart, gloo would read the dead workers' addresses and fail to connect.
+        # Each attempt therefore gets its own namespace.
+        agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=timeout)
+        store = dict(store=dist.PrefixStore(f"shardyard/attempt-{attempt}", agent),
+                     rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    dist.init_process_group(dist_backend, timeout=timeout, device_id=device if device.type == "cuda" else None,
+                            **store)
+
+
+def teardown(backend, *attrs: str, destroy=None) -> None:
+    """Free an engine's wrapped model/optimizer while the process group is alive, then destroy the group.
+
+    DDP's Reducer (and FSDP's mesh, DeepSpeed's engine) hold the last reference to the gloo group. Freed
+    after ``destroy_process_group``, its destructor joins gloo's worker thread while holding the GIL, and
+    that thread is waiting for the GIL to drop a tensor: a deadlock at exit or between two in-process runs.
+    """
+    for name in attrs:
+        backend.__dict__.pop(name, None)
+    gc.collect()
+    if dist.is_initialized():
+        dist.barrier()  # queued collectives are finished (and their work objects gone) before teardown
+        (destroy or dist.destroy_process_group)()
+
+
+def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().clone()
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)  # gloo has no AVG
+    return t / dist.get_world_size()

@@ -1,0 +1,45 @@
+"""Fault drills for shardyard's own tests, switched on by environment variables; inert otherwise.
+
+* ``SHARDYARD_TEST_CRASH_AT_STEP=STEP[:RANK]``: that rank dies (exit 13) after that step, on the first
+  attempt only (a restarted worker has ``TORCHELASTIC_RESTART_COUNT`` > 0).
+* ``SHARDYARD_TEST_POISON_GRAD=STEP:RANK:PARAM``: the gradient of parameter PARAM turns NaN on that rank
+  during that step.
+* ``SHARDYARD_TEST_PAUSE_IN_SAVE=SECONDS[@STEP]``: every rank sleeps inside the checkpoint save (of STEP).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Callable
+
+
+def crash_after(step: int, rank: int) -> None:
+    spec = os.environ.get("SHARDYARD_TEST_CRASH_AT_STEP")
+    if not spec or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        return
+    at, _, who = spec.partition(":")
+    if step == int(at) and rank == int(who or 0):
+        print(f"shardyard | SHARDYARD_TEST_CRASH_AT_STEP: rank {rank} dies after step {step}", file=sys.stderr, flush=True)
+        os._exit(13)
+
+
+def poison_gradient(model, rank: int, current_step: Callable[[], int]) -> None:
+    """The tensor hook is registered on the bare model, before the engine wraps it, so it runs first:
+    before any engine hook and any reduction."""
+    spec = os.environ.get("SHARDYARD_TEST_POISON_GRAD")
+    if not spec:
+        return
+    at, who, name = spec.split(":", 2)
+    if int(who) != rank:
+        return
+    param = dict(model.named_parameters())[name]
+    param.register_hook(lambda g: g * float("nan") if current_step() == int(at) else g)
+
+
+def pause_in_save(step: int) -> None:
+    seconds, _, at = os.environ.get("SHARDYARD_TEST_PAUSE_IN_SAVE", "").partition("@")
+    if float(seconds or 0) and (not at or int(at) == step):
+        print(f"shardyard | SHARDYARD_TEST_PAUSE_IN_SAVE: pausing {seconds}s inside the save", flush=True, file=sys.stderr)
+        time.sleep(float(seconds))

@@ -1,0 +1,61 @@
+"""The run directory: created once by the parent (or rank 0 of an external launch), read by the workers.
+
+``config.yaml`` is the resolved config and ``plan.json`` the validated plan (world size, batch arithmetic,
+model facts): a worker started by our launcher reads both and neither re-composes nor re-validates.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from omegaconf import DictConfig, OmegaConf
+
+from shardyard.errors import UserError
+
+
+def resolved(cfg: DictConfig) -> DictConfig:
+    """Interpolations resolved and closed choices as plain strings: what workers and files hold."""
+    return OmegaConf.create(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
+
+
+def prepare(cfg: DictConfig, plan=None) -> str:
+    """Create the run dir and write ``config.yaml`` (and ``plan.json``) atomically, without clobbering a run."""
+    run_dir = cfg.run_dir
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        probe = os.path.join(run_dir, ".write-test")
+        open(probe, "w").close()
+        os.remove(probe)
+    except OSError as e:
+        raise UserError("hydra.run.dir", run_dir, f"The run directory cannot be created or written ({e.strerror}).",
+                        "Choose a writable place, e.g. hydra.run.dir=outputs/my-run.") from None
+    path = os.path.join(run_dir, "config.yaml")
+    ckpt_dir = cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints")
+    if os.path.exists(path) and cfg.checkpoint.resume is None and os.path.isdir(ckpt_dir) and os.listdir(ckpt_dir):
+        raise UserError("hydra.run.dir", run_dir, "That run directory already holds a run with checkpoints.",
+                        "Continue it with checkpoint.resume=auto, or choose a new hydra.run.dir.")
+    if os.path.exists(path):  # keep the config the run started with beside the new one
+        os.replace(path, os.path.join(run_dir, "config.previous.yaml"))
+    _write(path, OmegaConf.to_yaml(resolved(cfg)))
+    if plan is not None:
+        from shardyard.config.validate import to_json
+
+        _write(os.path.join(run_dir, "plan.json"), json.dumps(to_json(plan), indent=1))
+    return run_dir
+
+
+def _write(path: str, text: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def load(run_dir: str):
+    """``(config, plan)`` as the parent wrote them."""
+    from shardyard.config.validate import from_json
+
+    with open(os.path.join(run_dir, "plan.json")) as f:
+        plan = from_json(json.load(f))
+    return OmegaConf.load(os.path.join(run_dir, "config.yaml")), plan
