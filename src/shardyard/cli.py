@@ -36,5 +36,38 @@ def main(argv: list[str] | None = None) -> None:
     sys.exit(0)
 
 
+def hydra_entry(hydra_main) -> None:
+    """``train.py``'s ``__main__``: take what launchers add to the command line, check a given run dir, run
+    Hydra, and turn Hydra's exit code 1 for composition errors (unknown option, misspelt key, wrong type)
+    into 2, like every other user error."""
+    from shardyard import run
+    from shardyard.rundir import check_command_line_dirs
+
+    _take_local_rank_arg()
+    try:
+        check_command_line_dirs(sys.argv[1:])
+    except UserError as err:
+        report_and_exit(err)
+    try:
+        hydra_main()
+    except SystemExit as e:
+        if e.code == 1 and not run.STARTED:
+            print("shardyard: the command line names a config group option, key or value that the schemas do "
+                  "not accept (see above). `python train.py --help` lists groups and options; "
+                  "`python train.py --cfg job` prints every key.", file=sys.stderr)
+            sys.exit(2)
+        raise
+
+
+def _take_local_rank_arg() -> None:
+    """`deepspeed train.py ...` appends --local_rank=N; Hydra would reject it, and LOCAL_RANK says the same."""
+    for i, arg in enumerate(sys.argv[1:], start=1):
+        if arg.startswith("--local_rank") or arg.startswith("--local-rank"):
+            value = arg.split("=", 1)[1] if "=" in arg else sys.argv.pop(i + 1)
+            os.environ.setdefault("LOCAL_RANK", value)
+            del sys.argv[i]
+            return
+
+
 if __name__ == "__main__":
     main()

@@ -16,7 +16,13 @@ from shardyard.config.validate import Plan, apply_fast_dev_run, validate
 from shardyard.errors import UserError, report_and_exit
 
 
+STARTED = False
+"""Set once Hydra has composed a config and handed it over (so a later exit is not a composition error)."""
+
+
 def run(cfg: DictConfig) -> None:
+    global STARTED
+    STARTED = True
     env = dist_env.detect()
     try:
         apply_fast_dev_run(cfg)  # before the config is written: the workers read the shortened run

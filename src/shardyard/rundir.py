@@ -59,3 +59,19 @@ def load(run_dir: str):
     with open(os.path.join(run_dir, "plan.json")) as f:
         plan = from_json(json.load(f))
     return OmegaConf.load(os.path.join(run_dir, "config.yaml")), plan
+
+
+def check_command_line_dirs(argv: list[str]) -> None:
+    """Hydra creates the run (or sweep) directory before shardyard runs; an unwritable one would end in
+    Hydra's tracebacks. A literal ``hydra.run.dir=`` / ``hydra.sweep.dir=`` is checked here first."""
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        if key not in ("hydra.run.dir", "hydra.sweep.dir") or not value or "${" in value:
+            continue
+        try:
+            os.makedirs(value, exist_ok=True)
+            if not os.access(value, os.W_OK):
+                raise PermissionError(13, "Permission denied")
+        except OSError as e:
+            raise UserError(key, value, f"That directory cannot be created or written ({e.strerror}).",
+                            f"Choose a writable place, e.g. {key}=outputs/my-run.") from None

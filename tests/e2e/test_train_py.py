@@ -120,3 +120,22 @@ def test_help_and_cfg_do_not_import_torch():
             "assert 'torch' not in sys.modules, 'torch imported'\nprint('clean')")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert "clean" in proc.stdout, proc.stderr
+
+
+def test_rerunning_a_finished_run_says_complete_then_trains_on(tmp_path):
+    """checkpoint.resume=auto on a finished run exits 0 saying so; with train.steps raised it trains on, and its
+    summary's eval baseline is the run's own step-0 evaluation (from metrics.jsonl), as if uninterrupted."""
+    run = [*TINY, "backend=single", "train.eval_every_n_steps=2", "checkpoint.every_n_steps=2",
+           "checkpoint.resume=auto"]
+    first = train_py(*run, "train.steps=4", run_dir=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    baseline = json.load(open(tmp_path / "summary.json"))["eval_losses"][0]
+    again = train_py(*run, "train.steps=4", run_dir=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "already complete" in again.stdout and "Traceback" not in again.stderr
+    more = train_py(*run, "train.steps=6", run_dir=tmp_path)
+    assert more.returncode == 0, more.stderr[-3000:]
+    summary = json.load(open(tmp_path / "summary.json"))
+    assert summary["eval_losses"][0] == baseline and baseline[0] == 0
+    assert [s for s, _ in summary["eval_losses"]] == [0, 2, 4, 6]
+    assert f"eval loss {baseline[1]:.4f} (step 0)" in more.stdout

@@ -139,6 +139,7 @@ def test_fast_dev_run_shortens_the_run_and_saves_nothing():
     apply_fast_dev_run(cfg)
     assert cfg.train.steps == 2 and cfg.train.eval_every_n_steps == 0 and cfg.train.sample_tokens == 0
     assert cfg.checkpoint.every_n_steps == 0 and not cfg.checkpoint.save_final and not cfg.checkpoint.export_hf
+    assert list(cfg.monitor) == ["console"] and cfg.train.eval_batches == 1
 
 
 def test_plugins_import_nothing_heavy_until_built():

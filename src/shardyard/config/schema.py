@@ -503,10 +503,15 @@ class TrainConfig:
     run_dir: str = MISSING
     """Where this run writes everything; Hydra's run dir unless overridden."""
     train: TrainLoopConfig = field(default_factory=TrainLoopConfig)
+    """Steps, batch arithmetic, clipping, evaluation and logging cadence."""
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    """How many workers this node starts, restarts and collective timeouts."""
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    """Settings of the reported metrics (MFU peak)."""
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    """torch.profiler traces of chosen steps."""
     debug: DebugConfig = field(default_factory=DebugConfig)
+    """Non-finite losses and gradients, anomaly detection, fast_dev_run."""
 
 
 SCHEMAS = {
@@ -536,10 +541,21 @@ SCHEMAS = {
 }
 
 
+PLUGIN_BASES = {"schema_model_plugin": ModelConfig, "schema_data_plugin": DataConfig}
+"""Bases for a user's own ``model``/``data`` option: shardyard's keys typed, and open to the arguments of the
+option's ``_target_`` (validation checks those against its signature). Use as
+``defaults: [/schema_model_plugin@_here_, _self_]``."""
+
+
 def register_configs() -> None:
     """Put every schema into Hydra's ConfigStore (idempotent)."""
     from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
 
     cs = ConfigStore.instance()
     for name, node in SCHEMAS.items():
         cs.store(name=name, node=node)
+    for name, base in PLUGIN_BASES.items():
+        open_node = OmegaConf.structured(base)
+        OmegaConf.set_struct(open_node, False)
+        cs.store(name=name, node=open_node)

@@ -201,9 +201,10 @@ def _schema_fields(node: DictConfig) -> set[str] | None:
 
 def _unknown_in_schemas(node: DictConfig, prefix: str) -> None:
     fields = _schema_fields(node)
+    open_plugin = OmegaConf.is_struct(node) is False  # schema_*_plugin: its extra keys go to its _target_
     for key in node:
         full = f"{prefix}{key}"
-        if fields is not None and key not in fields:
+        if fields is not None and key not in fields and not open_plugin:
             raise UserError(full, node[key], "No schema or plug-in reads this key, so it would be ignored.",
                             f"Remove it, or spell one of: {', '.join(sorted(fields))}. "
                             "`python train.py --cfg job` prints every key.")
@@ -278,15 +279,19 @@ def _check_target(key: str, node: DictConfig) -> None:
 
 
 def apply_fast_dev_run(cfg: DictConfig) -> None:
-    """``debug.fast_dev_run=true``: 2 steps and one evaluation (at the end); nothing saved but metrics."""
+    """``debug.fast_dev_run=true``: a smoke test of the whole path (build, 2 steps, one evaluation batch) that
+    does nothing else: no checkpoints, exports, samples, profiles, and no monitors but the console (and
+    metrics.jsonl), as Lightning's fast_dev_run. It costs what a sweep or a test pays per job."""
     if not cfg.debug.fast_dev_run:
         return
-    from omegaconf import open_dict
-
     with open_dict(cfg):
         cfg.train.steps = min(cfg.train.steps, 2)
         cfg.train.eval_every_n_steps = 0
+        cfg.train.eval_batches = 1
+        cfg.train.log_every_n_steps = 1
         cfg.train.sample_tokens = 0
+        for name in [m for m in cfg.monitor or {} if m != "console"]:
+            del cfg.monitor[name]
         cfg.checkpoint.every_n_steps = 0
         cfg.checkpoint.save_final = False
         cfg.checkpoint.export_hf = False

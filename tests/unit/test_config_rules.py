@@ -1,0 +1,184 @@
+"""The config tree's own rules: one source of truth per default, variants hold only their differences, closed
+choices are Enums, every key is read by a schema or a plug-in, every schema field is documented."""
+
+import ast
+import dataclasses
+from pathlib import Path
+
+import pytest
+import yaml
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+from shardyard.config import schema
+from shardyard.config.validate import validate
+from shardyard.errors import UserError
+from shardyard.testing import CONF_DIR, compose
+
+ROOT = Path(CONF_DIR).parent
+
+
+def _raw(path: Path) -> dict:
+    return yaml.safe_load(path.read_text()) or {}
+
+
+def _inherited(path: Path) -> dict:
+    """What an option file inherits through its defaults list: schema defaults, then parent option files."""
+    merged = OmegaConf.create({})
+    for entry in _raw(path).get("defaults", []):
+        if entry == "_self_" or not isinstance(entry, str):
+            continue
+        name = entry.split("@")[0].lstrip("/")
+        if name in schema.SCHEMAS:
+            merged = OmegaConf.merge(merged, OmegaConf.structured(schema.SCHEMAS[name]))
+        else:  # a sibling option of the same group
+            parent = path.parent / f"{name}.yaml"
+            merged = OmegaConf.merge(merged, _inherited(parent), _body(parent))
+    return OmegaConf.to_container(merged, resolve=False, enum_to_str=True)
+
+
+def _body(path: Path) -> dict:
+    return {k: v for k, v in _raw(path).items() if k != "defaults"}
+
+
+def _restated(body: dict, inherited: dict, prefix: str = "") -> list[str]:
+    out = []
+    for key, value in body.items():
+        if key not in inherited:
+            continue
+        if isinstance(value, dict) and isinstance(inherited[key], dict):
+            out += _restated(value, inherited[key], f"{prefix}{key}.")
+        elif value == inherited[key] or (isinstance(value, float) and isinstance(inherited[key], (int, float))
+                                         and value == float(inherited[key])):
+            out.append(f"{prefix}{key}={value!r}")
+    return out
+
+
+OPTION_FILES = sorted(p for p in Path(CONF_DIR).glob("*/*.yaml"))
+
+
+@pytest.mark.parametrize("path", OPTION_FILES, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_no_option_restates_a_value_it_inherits(path):
+    assert not _restated(_body(path), _inherited(path)), f"{path} restates inherited values"
+
+
+def test_the_restated_value_check_can_fail(tmp_path):
+    (tmp_path / "fsdp.yaml").write_text((Path(CONF_DIR) / "backend" / "fsdp.yaml").read_text())
+    child = tmp_path / "child.yaml"
+    child.write_text("defaults:\n  - fsdp\n  - _self_\nname: child\nreshard_after_forward: true\ndevice: auto\n")
+    assert sorted(_restated(_body(child), _inherited(child))) == ["device='auto'", "reshard_after_forward=True"]
+
+
+def test_the_primary_config_only_chooses_options():
+    """train.yaml holds no value of its own that a schema defines: the schema is the one source."""
+    body = _body(Path(CONF_DIR) / "train.yaml")
+    assert set(body) <= {"run_dir", "hydra"}, sorted(body)
+
+
+def test_every_schema_field_has_a_docstring():
+    tree = ast.parse(Path(schema.__file__).read_text())
+    missing = []
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+        body = cls.body
+        for i, stmt in enumerate(body):
+            if isinstance(stmt, ast.AnnAssign):
+                nxt = body[i + 1] if i + 1 < len(body) else None
+                if not (isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+                    missing.append(f"{cls.name}.{stmt.target.id}")
+    assert not missing, missing
+
+
+@pytest.mark.parametrize("override,allowed", [
+    ("precision.name=fp8", "fp32, bf16, fp16"),
+    ("debug.nan_policy=ignore", "stop, skip, off"),
+    ("model.attn_implementation=flash", "sdpa, eager, flash_attention_2"),
+    ("model.init_device=gpu", "auto, cpu, meta"),
+    ("backend=zero3 backend.offload_param=gpu", "none, cpu, nvme"),
+    ("monitor.console.style=fancy", "auto, rich, plain"),
+])
+def test_closed_choices_fail_at_composition_naming_the_allowed_ones(override, allowed):
+    with pytest.raises(ConfigCompositionException) as e:
+        compose(override.split())
+    text = f"{e.value} {e.value.__cause__}"
+    assert allowed in text and override.split()[-1].split("=")[0] in text, text
+
+
+def test_precision_cannot_contradict_itself():
+    """The compute dtype follows from precision.name; there is no second key to disagree with it."""
+    with pytest.raises(ConfigCompositionException):
+        compose(["precision=bf16", "precision.compute_dtype=float16"])
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (["+some.key=value"], "some"),
+    (["+train.stepz=3"], "train.stepz"),
+    (["+model.hiden_size=3"], "model.hiden_size"),
+    (["+optim.momentum=0.9"], "optim.momentum"),  # AdamW takes no momentum
+    (["+monitor.console.colour=red"], "monitor.console.colour"),
+    (["optim._target_=torch.optim.SGD"], "optim.betas"),  # adamw's keys handed to SGD
+    (["model._target_=shardyard.model.no_such_builder"], "model._target_"),
+    (["data._target_=nowhere.Corpus"], "data._target_"),
+])
+def test_keys_no_schema_or_plugin_reads_are_refused(overrides, key):
+    cfg = compose(overrides)
+    with pytest.raises(UserError) as e:
+        validate(cfg, None)
+    assert e.value.key == key, e.value.paragraph()
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (["model.num_heads=7"], "model.num_heads"),
+    (["model.num_kv_heads=3"], "model.num_kv_heads"),
+    (["model=deepseek_moe_tiny", "model.num_experts_per_tok=9"], "model.num_experts_per_tok"),
+    (["checkpoint.every_n_steps=-1"], "checkpoint.every_n_steps"),
+    (["checkpoint.keep_last=-2"], "checkpoint.keep_last"),
+    (["train.eval_every_n_steps=-5"], "train.eval_every_n_steps"),
+    (["train.max_grad_norm=-1"], "train.max_grad_norm"),
+    (["model=hf"], "model.path"),  # a required value left as ???
+])
+def test_bad_values_name_the_key(overrides, key):
+    cfg = compose(overrides)
+    with pytest.raises(UserError) as e:
+        validate(cfg, None)
+    assert e.value.key == key, e.value.paragraph()
+
+
+def test_a_new_optimizer_is_one_yaml_file():
+    """Adafactor is conf/optim/adafactor.yaml and nothing else; it builds and steps."""
+    import torch
+
+    from shardyard.optim import build_optimizer
+
+    cfg = compose(["optim=adafactor"])
+    validate(cfg, None)
+    model = torch.nn.Linear(4, 4)
+    opt = build_optimizer(model, cfg.optim)
+    assert isinstance(opt, torch.optim.Adafactor) and opt.param_groups[0]["weight_decay"] == cfg.optim.weight_decay
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+
+
+def test_deepspeed_expresses_torch_optimizers_and_refuses_a_factory_under_offload():
+    from shardyard.backends.deepspeed import ds_config
+
+    plan = validate(compose(["backend=zero2", "optim=adafactor"]), None)
+    section = ds_config(compose(["backend=zero2", "optim=adafactor"]), plan)["optimizer"]
+    assert section == {"type": "Adafactor", "params": {"lr": 1e-2, "weight_decay": 0.0, "beta2_decay": -0.8, "d": 1.0}}
+    adamw = ds_config(compose(["backend=zero2"]), plan)["optimizer"]
+    assert adamw == {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1, "betas": [0.9, 0.95], "eps": 1e-8}}
+    factory = [f"optim=sgd", f"optim._target_={__name__}.sgd_factory"]  # a factory, not a torch.optim class
+    validate(compose(["backend=zero2", *factory]), None)  # handed to DeepSpeed as a client optimizer
+    with pytest.raises(UserError) as e:
+        validate(compose(["backend=zero2_offload", *factory]), None)
+    assert e.value.key == "optim._target_" and "ZeRO-Offload" in e.value.paragraph()
+
+
+def sgd_factory(params, lr, weight_decay, momentum, nesterov):
+    import torch
+
+    return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov)
+
+
+def test_plugin_bases_are_open_only_for_the_target_arguments():
+    fields = {f.name for f in dataclasses.fields(schema.DataConfig)}
+    assert {"seq_len", "tokenizer", "val_fraction", "cache_dir", "_target_"} <= fields
