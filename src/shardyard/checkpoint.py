@@ -190,12 +190,17 @@ class Checkpointer:
 
     def _check_compatible(self, path: str, meta: dict) -> None:
         have, want = meta["model"], self.signature
-        diff = sorted(k for k in have.keys() | want.keys() if have.get(k) != want.get(k))
-        if diff:
-            shown = ", ".join(f"{k}: checkpoint {have.get(k)} vs config {want.get(k)}" for k in diff[:4])
-            more = f" and {len(diff) - 4} more" if len(diff) > 4 else ""
+        problems = [(f"{len(names)} parameter(s) of this model are not in it", names) for names in
+                    [sorted(want.keys() - have.keys())] if names]
+        problems += [(f"{len(names)} of its parameters are not in this model", names) for names in
+                     [sorted(have.keys() - want.keys())] if names]
+        problems += [(f"{len(names)} parameter(s) differ in shape", [f"{k} {have[k]} vs {want[k]}" for k in names])
+                     for names in [sorted(k for k in have.keys() & want.keys() if have[k] != want[k])] if names]
+        if problems:
+            shown = "; ".join(f"{what} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
+                              for what, names in problems)
             raise UserError("checkpoint.resume", path, f"The checkpoint holds a different model "
-                            f"({meta.get('model_name', '?')}: {shown}{more}).",
+                            f"({meta.get('model_name', '?')}): {shown}.",
                             "Resume with the model config it was saved with, or start a new run.")
         if meta["format"] != self.backend.checkpoint_format:
             raise UserError("checkpoint.resume", path, f"It was saved by backend={meta['engine']} "

@@ -49,19 +49,27 @@ class StdlibCode:
 
     def __init__(self, exclude_dirs: list[str]):
         self.exclude_dirs = list(exclude_dirs)
+        self._files: list[Path] | None = None
+        self._fingerprint: str | None = None
 
     def files(self) -> list[Path]:
-        root = Path(sysconfig.get_paths()["stdlib"])
-        excluded = set(self.exclude_dirs)
-        files = [p for p in root.rglob("*.py") if not excluded.intersection(p.relative_to(root).parts[:-1])]
-        return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+        if self._files is None:
+            root = sysconfig.get_paths()["stdlib"]
+            excluded, found = set(self.exclude_dirs), []
+            for here, dirs, names in os.walk(root):
+                dirs[:] = [d for d in dirs if d not in excluded]  # pruned: site-packages alone is ~50k entries
+                found += [Path(here, n) for n in names if n.endswith(".py")]
+            self._files = sorted(found, key=lambda p: p.relative_to(root).as_posix())
+        return self._files
 
     def documents(self) -> Iterator[tuple[str, str]]:
         for p in self.files():
             yield p.name + ":" + str(p.stat().st_size), p.read_text(encoding="utf-8", errors="replace")
 
     def fingerprint(self) -> str:
-        return _files_fingerprint(self.files(), f"stdlib|{sys.version_info[:2]}")
+        if self._fingerprint is None:
+            self._fingerprint = _files_fingerprint(self.files(), f"stdlib|{sys.version_info[:2]}")
+        return self._fingerprint
 
 
 SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
@@ -81,6 +89,7 @@ class TextFiles:
                                 "Give existing .txt/.jsonl/.parquet files, directories or glob patterns.")
         # The file list is taken once: caches written under a listed directory later are not documents.
         self._files: list[Path] = []
+        self._fingerprint: str | None = None
         for pattern in self.paths:
             for hit in sorted(glob.glob(os.path.expanduser(pattern), recursive=True)):
                 p = Path(hit)
@@ -113,7 +122,9 @@ class TextFiles:
                 yield f"{p}:{i}", text or ""
 
     def fingerprint(self) -> str:
-        return _files_fingerprint(self.files(), f"text|{self.text_field}")
+        if self._fingerprint is None:
+            self._fingerprint = _files_fingerprint(self.files(), f"text|{self.text_field}")
+        return self._fingerprint
 
 
 class _Iterable:

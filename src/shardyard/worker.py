@@ -171,10 +171,15 @@ def sample_text(model: torch.nn.Module, tokenizer_dir: str, cfg: DictConfig, dev
     return tok.decode(ids[0], skip_special_tokens=True)
 
 
-if __name__ == "__main__":
+def from_run_dir(run_dir: str) -> None:
+    """A worker started by our launcher: the config and plan the parent wrote; a user error exits 2."""
     from shardyard import rundir
 
     try:
-        main(*rundir.load(sys.argv[1]))
+        main(*rundir.load(run_dir))
     except UserError as err:
         report_and_exit(err)
+
+
+if __name__ == "__main__":
+    from_run_dir(sys.argv[1])

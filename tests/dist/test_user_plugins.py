@@ -138,7 +138,7 @@ def test_user_plugins_train_identically_on_every_engine(project, model, tmp_path
 def test_user_project_through_train_py_with_hf_export(project, tmp_path):
     """The user's command line, exactly: their config dir on the search path, their package on PYTHONPATH."""
     proc = subprocess.run([sys.executable, "train.py", f"hydra.run.dir={tmp_path}", "launch.nproc_per_node=2",
-                           "checkpoint.save_final=true", *user_overrides(project, "user_gpt2")],
+                           *user_overrides(project, "user_gpt2"), "checkpoint.save_final=true"],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     from transformers import AutoModelForCausalLM
@@ -166,7 +166,7 @@ def test_a_misspelt_plugin_argument_is_refused(project):
     cfg = compose([*user_overrides(project, "user_tiny"), "+model.widht=32"])
     with pytest.raises(UserError) as e:
         validate(cfg, None)
-    assert e.value.key == "model.widht" and "userproj.tiny_lm takes" in e.value.paragraph()
+    assert e.value.key == "model.widht" and "userproj.tiny_lm takes" in e.value.problem
     cfg = compose([*user_overrides(project, "user_tiny"), "~model.heads"])
     with pytest.raises(UserError) as e:
         validate(cfg, None)
