@@ -30,7 +30,7 @@ from omegaconf import DictConfig
 from shardyard.backends import Backend
 from shardyard.config.validate import Plan
 
-from shardyard import drills
+from shardyard import drills, monitors
 from shardyard.errors import UserError
 from shardyard.model import signature
 
@@ -96,6 +96,9 @@ class Checkpointer:
         self.dir = self.c.dir or os.path.join(cfg.run_dir, "checkpoints")
         self.rank0 = backend.rank == 0
         self.signature = signature(backend.hf_model())  # parameter names and full shapes
+        self.start = 0
+        self.history: dict[str, list] = {"eval_losses": [], "train_losses": [], "grad_norms": []}
+        """The run's curves up to the step it resumed from (from the checkpoint), for its summary."""
 
     # ----------------------------------------------------------------------------------------- saving
     def maybe_save(self, step: int, stream) -> None:
@@ -135,6 +138,7 @@ class Checkpointer:
             "rng": rngs, "training_state": self.backend.training_state(), "engine": self.cfg.backend.name,
             "format": self.backend.checkpoint_format, "world_size": self.backend.world_size,
             "global_batch_size": self.plan.global_batch_size, "model_name": self.cfg.model.name,
+            "history": self._history_until(step),
             "model": self.signature,
             "model_hash": hashlib.sha256(json.dumps(self.signature, sort_keys=True).encode()).hexdigest()[:16],
             "manifest": _manifest(tmp),
@@ -146,6 +150,13 @@ class Checkpointer:
         _write_atomic(os.path.join(self.dir, "latest"), os.path.basename(final) + "\n")
         for old in self.complete()[:-self.c.keep_last] if self.c.keep_last > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
+
+    def _history_until(self, step: int) -> dict[str, list]:
+        """The curve up to ``step``: what the run resumed with, then what this run logged since (its
+        metrics.jsonl, whose older lines from crashed attempts are left out by step)."""
+        own = monitors.history(self.cfg.run_dir, step)
+        return {k: [p for p in v if p[0] <= self.start] + [p for p in own[k] if p[0] > self.start]
+                for k, v in self.history.items()}
 
     def complete(self) -> list[str]:
         """Renamed (complete-looking) checkpoints, oldest first."""
@@ -180,6 +191,8 @@ class Checkpointer:
             meta = json.load(f)
         self._check_compatible(path, meta)
         self.backend.load_checkpoint(path, meta)
+        self.start = meta["step"]
+        self.history = meta.get("history") or monitors.history(self.cfg.run_dir, self.start)
         self.backend.load_training_state(meta["training_state"])
         if meta["world_size"] == self.backend.world_size:
             set_rng_state(meta["rng"][self.backend.rank])

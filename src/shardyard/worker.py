@@ -91,7 +91,7 @@ def train(cfg: DictConfig, plan: Plan, backend: Backend) -> dict:
             drills.crash_after(done, backend.rank)
 
         result = loop.train(cfg, plan, backend, stream, val, mon, start_step=start, after_step=after_step)
-        summary = _finish(cfg, plan, backend, prepared, result, history=monitors.history(cfg.run_dir, start))
+        summary = _finish(cfg, plan, backend, prepared, result, history=ckpt.history)
     except BaseException as e:  # mark wandb/mlflow runs failed, flush the event files, then re-raise
         mon.fail(e.paragraph() if isinstance(e, UserError) else f"{type(e).__name__}: {e}")
         raise

@@ -16,19 +16,37 @@ def losses(r):
     return [loss for _, loss in r["summary"]["train_losses"]]
 
 
-@pytest.mark.parametrize("engine,world", [("single", 1), ("ddp", 2), ("fsdp", 2), ("zero1", 2), ("zero2", 2), ("zero3", 2)])
-def test_resume_is_bitwise_exact(engine, world, tmp_path):
-    a, b = tmp_path / "a", tmp_path / "b"
-    full, resumed = run_many(world, [
-        ([*STEPS, f"backend={engine}", "checkpoint.every_n_steps=3"], str(a)),
-        ([*STEPS, f"backend={engine}", f"checkpoint.resume={a}/checkpoints/step-00000003"], str(b)),
-    ])
+RESUME = [("single", 1), ("ddp", 2), ("fsdp", 2), ("zero1", 2), ("zero2", 2), ("zero3", 2)]
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    """Per engine: a 6-step run saving at step 3, then a run resumed from that checkpoint. Every world-2 engine
+    runs in one set of 2 processes (each run with its own process group and run dir)."""
+    d = tmp_path_factory.mktemp("resume")
+    out = {}
+    for world in (1, 2):
+        engines = [e for e, w in RESUME if w == world]
+        jobs = []
+        for e in engines:
+            jobs += [([*STEPS, f"backend={e}", "checkpoint.every_n_steps=3"], str(d / e / "a")),
+                     ([*STEPS, f"backend={e}", f"checkpoint.resume={d / e}/a/checkpoints/step-00000003"], str(d / e / "b"))]
+        results = run_many(world, jobs)
+        for i, e in enumerate(engines):
+            out[e] = (results[2 * i], results[2 * i + 1], d / e / "a")
+    return out
+
+
+@pytest.mark.parametrize("engine,world", RESUME)
+def test_resume_is_bitwise_exact(engine, world, resumed):
+    full, again, a = resumed[engine]
     assert sorted(os.listdir(a / "checkpoints")) == ["latest", "step-00000003", "step-00000006"]
     meta = json.load(open(a / "checkpoints/step-00000003/meta.json"))
     assert meta["step"] == 3 and meta["world_size"] == world and len(meta["rng"]) == world
     assert meta["data"] == {"epoch": 0, "step_in_epoch": 3, "samples_seen": 24}
-    assert losses(resumed[0])[:1] and [s for s, _ in resumed[0]["summary"]["train_losses"]] == [4, 5, 6]
-    assert losses(resumed[0]) == losses(full[0])[3:]  # bit for bit
+    # The resumed run trains steps 4-6 only, and reports the run's own history before them.
+    assert [s for s, _ in again[0]["summary"]["train_losses"]] == [1, 2, 3, 4, 5, 6]
+    assert losses(again[0]) == losses(full[0])  # bit for bit (steps 1-3 read back, 4-6 recomputed)
 
 
 def test_horovod_resume_is_bitwise_exact(tmp_path):
@@ -38,41 +56,43 @@ def test_horovod_resume_is_bitwise_exact(tmp_path):
     assert pa.returncode == 0, pa.stderr[-2000:]
     pb = train_py(*hv, f"checkpoint.resume={tmp_path}/a/checkpoints/step-00000003", run_dir=tmp_path / "b")
     assert pb.returncode == 0, pb.stderr[-2000:]
-    la = [x for _, x in json.load(open(tmp_path / "a/summary.json"))["train_losses"]]
-    lb = [x for _, x in json.load(open(tmp_path / "b/summary.json"))["train_losses"]]
-    assert lb == la[3:]
+    la = json.load(open(tmp_path / "a/summary.json"))["train_losses"]
+    lb = json.load(open(tmp_path / "b/summary.json"))["train_losses"]
+    assert lb == la and [s for s, _ in lb] == [1, 2, 3, 4, 5, 6]  # steps 1-3 from the checkpoint, 4-6 bit for bit
 
 
-@pytest.mark.parametrize("engine", ["ddp", "fsdp"])
-def test_world_size_2_to_4_to_1(engine, tmp_path):
-    # Every segment has the same recipe (train.steps=6, global batch 8); only the world size changes.
-    ref = run_many(2, [([*STEPS, f"backend={engine}", "checkpoint.every_n_steps=2"], str(tmp_path / "w2"))])[0]
-    w4 = run_many(4, [([*STEPS, f"backend={engine}", "train.micro_batch_size=2", "checkpoint.every_n_steps=2",
-                        f"checkpoint.resume={tmp_path}/w2/checkpoints/step-00000002"], str(tmp_path / "w4"))])[0]
-    w1 = run_many(1, [([*STEPS, f"backend={engine}",  # 1 rank: micro 4 x accumulation 2
-                        f"checkpoint.resume={tmp_path}/w4/checkpoints/step-00000004"], str(tmp_path / "w1"))])[0]
-    got = losses(w4[0])[:2] + losses(w1[0])  # steps 3-4 at world 4, steps 5-6 at world 1
-    want = losses(ref[0])[2:]
-    assert len(got) == 4
-    assert max(abs(a - b) / b for a, b in zip(got, want)) <= 1e-4, (got, want)
+def _two_to_four_to_one(tmp_path, runs: dict[str, tuple[str, str, str]]) -> dict[str, tuple[list, list]]:
+    """Per name, (backend at world 2, at 4, at 1): the same recipe (6 steps, global batch 8) saved at step 2 by
+    world 2, resumed and saved at step 4 by world 4, finished by world 1. One process set per world size."""
+    seg = {}
+    for world, (i, extra) in {2: (0, ["checkpoint.every_n_steps=2"]),
+                              4: (1, ["train.micro_batch_size=2", "checkpoint.every_n_steps=2"]), 1: (2, [])}.items():
+        jobs = []
+        for name, engines in runs.items():
+            resume = {2: [], 4: [f"checkpoint.resume={tmp_path}/{name}-w2/checkpoints/step-00000002"],
+                      1: [f"checkpoint.resume={tmp_path}/{name}-w4/checkpoints/step-00000004"]}[world]
+            jobs.append(([*STEPS, f"backend={engines[i]}", *extra, *resume], str(tmp_path / f"{name}-w{world}")))
+        for name, result in zip(runs, run_many(world, jobs)):
+            seg[(name, world)] = result
+    # Steps 3-4 at world 4, steps 5-6 at world 1, against the uninterrupted world-2 run.
+    # Each resumed run's summary starts with the curve it resumed with (carried in the checkpoints).
+    for name in runs:
+        assert [s for s, _ in seg[(name, 1)][0]["summary"]["train_losses"]] == [1, 2, 3, 4, 5, 6]
+        assert losses(seg[(name, 1)][0])[:2] == losses(seg[(name, 2)][0])[:2]
+    return {name: (losses(seg[(name, 1)][0])[2:], losses(seg[(name, 2)][0])[2:]) for name in runs}
 
 
-@pytest.mark.parametrize("stages", [("zero1", "zero2", "zero1"), ("zero3", "zero3", "zero3")])
-def test_deepspeed_world_size_2_to_4_to_1_through_universal_checkpoints(stages, tmp_path):
-    # ZeRO partitions are per rank: each resume at another world size converts the checkpoint with
-    # DeepSpeed's ds_to_universal (by itself) and loads that. Stages 1 and 2 read each other's checkpoints.
-    s2, s4, s1 = stages
-    ref = run_many(2, [([*STEPS, f"backend={s2}", "checkpoint.every_n_steps=2"], str(tmp_path / "w2"))])[0]
-    w4 = run_many(4, [([*STEPS, f"backend={s4}", "train.micro_batch_size=2", "checkpoint.every_n_steps=2",
-                        f"checkpoint.resume={tmp_path}/w2/checkpoints/step-00000002"], str(tmp_path / "w4"))])[0]
-    w1 = run_many(1, [([*STEPS, f"backend={s1}", f"checkpoint.resume={tmp_path}/w4/checkpoints/step-00000004"],
-                       str(tmp_path / "w1"))])[0]
-    assert os.listdir(tmp_path / "w4/universal") == []  # converted there, and removed once loaded
-    assert json.load(open(tmp_path / "w4/checkpoints/step-00000004/meta.json"))["training_state"]["zero_stage"] == int(s4[-1])
-    got = losses(w4[0])[:2] + losses(w1[0])  # steps 3-4 at world 4, steps 5-6 at world 1
-    want = losses(ref[0])[2:]
-    assert len(got) == 4
-    assert max(abs(a - b) / b for a, b in zip(got, want)) <= 1e-4, (got, want)
+def test_world_size_2_to_4_to_1(tmp_path):
+    """DDP and FSDP (DCP reshards); ZeRO-1 -> 2 -> 1 and ZeRO-3 through DeepSpeed's universal checkpoint
+    (converted by shardyard, once, and removed once loaded; stages 1 and 2 read each other's)."""
+    runs = {"ddp": ("ddp",) * 3, "fsdp": ("fsdp",) * 3, "zero12": ("zero1", "zero2", "zero1"), "zero3": ("zero3",) * 3}
+    curves = _two_to_four_to_one(tmp_path, runs)
+    for name, (got, want) in curves.items():
+        assert len(got) == 4 and max(abs(a - b) / b for a, b in zip(got, want)) <= 1e-4, (name, got, want)
+    for name in ("zero12", "zero3"):
+        assert os.listdir(tmp_path / f"{name}-w4/universal") == []
+    stage = json.load(open(tmp_path / "zero12-w4/checkpoints/step-00000004/meta.json"))["training_state"]["zero_stage"]
+    assert stage == 2
 
 
 def test_deepspeed_stage_3_to_2_is_refused_with_the_supported_pairs(tmp_path):

@@ -1,11 +1,16 @@
 """Every engine computes the same training run: losses and global pre-clip grad norms at each of the first
-5 optimizer steps equal the single-process run with the same global batch (fp32, fixed seed, CPU/gloo)."""
+5 optimizer steps equal the single-process run with the same global batch (fp32, fixed seed, CPU/gloo); its HF
+export scores the eval set exactly as the engine did."""
+
+import json
 
 import pytest
+import torch
 
-from shardyard.testing import TINY, run_many
+from shardyard.testing import TINY, compose, hf_eval_loss, run_many
 
 STEPS = [*TINY, "train.steps=5", "train.eval_every_n_steps=0", "train.global_batch_size=8"]
+EXPORT = "checkpoint.save_final=true"
 ENGINES = ["ddp", "fsdp", "zero1", "zero2", "zero3"]
 
 
@@ -22,25 +27,26 @@ def assert_close(got, ref, rel, what):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     d = tmp_path_factory.mktemp("ref")
-    fp32, bf16 = run_many(1, [([*STEPS, "backend=single"], str(d / "fp32")),
+    fp32, bf16 = run_many(1, [([*STEPS, "backend=single", EXPORT], str(d / "fp32")),
                               ([*STEPS, "backend=single", "precision=bf16"], str(d / "bf16"))])
-    return {"fp32": fp32[0], "bf16": bf16[0]}
+    return {"fp32": fp32[0], "bf16": bf16[0], "dir": d}
 
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
-    """All world-size-2 runs, in one set of 2 processes: engines x accumulation {1, 2}, bf16, offload."""
+    """All world-size-2 runs, in one set of 2 processes: engines x accumulation {1, 2}, bf16, offload, DDP fp16."""
     d = tmp_path_factory.mktemp("w2")
     jobs = {}
     for e in ENGINES:
-        jobs[(e, 1)] = [*STEPS, f"backend={e}"]
+        jobs[(e, 1)] = [*STEPS, f"backend={e}", EXPORT]
         jobs[(e, 2)] = [*STEPS, f"backend={e}", "train.micro_batch_size=2"]  # 2 x accumulation 2 x world 2
         jobs[(e, "bf16")] = [*STEPS, f"backend={e}", "precision=bf16"]
     for e in ["fsdp_offload", "zero2_offload", "zero3_offload"]:
         jobs[(e, 1)] = [*STEPS, f"backend={e}"]
+    jobs[("ddp", "fp16")] = [*STEPS, "backend=ddp", "precision=fp16"]
     keys = list(jobs)
     results = run_many(2, [(jobs[k], str(d / f"{k[0]}-{k[1]}")) for k in keys])
-    return dict(zip(keys, results))
+    return {**dict(zip(keys, results)), "dir": d}
 
 
 @pytest.mark.parametrize("accum", [1, 2])
@@ -72,13 +78,37 @@ def test_world_size_4(engine, reference, tmp_path):
     assert_close(curve(ranks[0], "grad_norms"), curve(reference["fp32"], "grad_norms"), 1e-4, f"{engine} x4 grad norm")
 
 
+def test_replicas_stay_bit_identical(world2):
+    """DDP and Horovod-style replicas: after training, every rank holds exactly the same parameters."""
+    p0, p1 = world2[("ddp", 1)][0]["local"], world2[("ddp", 1)][1]["local"]
+    assert p0.keys() == p1.keys() and all(torch.equal(p0[k], p1[k]) for k in p0)
+
+
+def test_fp16_ddp_scales_the_loss_and_tracks_fp32(world2, reference):
+    got = curve(world2[("ddp", "fp16")][0])
+    assert_close(got, curve(reference["fp32"]), 2e-2, "ddp fp16 vs fp32")
+    metrics = [json.loads(line) for line in open(world2["dir"] / "ddp-fp16" / "metrics.jsonl")]
+    scales = [m["loss_scale"] for m in metrics if "loss_scale" in m]
+    assert len(scales) == 5 and all(s > 1 for s in scales)  # dynamic loss scaling is active and reported
+    assert not any("loss_scale" in json.loads(line) for line in open(world2["dir"] / "ddp-1" / "metrics.jsonl"))
+
+
+@pytest.mark.parametrize("engine", ["single", *ENGINES])
+def test_export_gives_the_engines_eval_loss(engine, reference, world2):
+    """The HF export (gathered from the shards on sharded engines) loads with AutoModelForCausalLM and scores the
+    eval set exactly as the engine did at its last step."""
+    res, run_dir, world = ((reference["fp32"], reference["dir"] / "fp32", 1) if engine == "single"
+                           else (world2[(engine, 1)][0], world2["dir"] / f"{engine}-1", 2))
+    engine_loss = res["summary"]["eval_losses"][-1][1]
+    got = hf_eval_loss(str(run_dir / "hf"), compose([*STEPS, f"backend={engine}"]), world)
+    assert abs(got - engine_loss) <= 1e-4 * engine_loss, (got, engine_loss)
+
+
 def test_sharded_engines_really_shard(world2, reference):
     full = reference["fp32"]["full"]["model.embed_tokens.weight"].numel()
     fsdp_local = world2[("fsdp", 1)][0]["local"]["model.embed_tokens.weight"].numel()
     assert fsdp_local == full // 2
     # The gathered export of a sharded engine equals the single-process weights after the same 5 steps.
-    import torch
-
     for e in ("fsdp", "zero3"):
         got = world2[(e, 1)][0]["full"]
         for k, v in reference["fp32"]["full"].items():

@@ -95,6 +95,10 @@ def test_multirun_sweep_runs_each_job_in_its_own_dir(tmp_path):
     (["data=text_files", "data.paths=[/no/such/file.txt]"], "data.paths"),
     (["data.tokenizer.path=/no/such/tokenizer"], "data.tokenizer.path"),
     (["launch.nproc_per_node=4", "backend.device=cuda"], "backend.device"),
+    (["model.num_heads=7"], "`model.num_heads` (value: 7)"),  # before any process starts, not transformers'
+    (["hydra.run.dir=/proc/forbidden"], "`hydra.run.dir` (value: '/proc/forbidden')"),  # before Hydra makes it
+    (["checkpoint.every_n_steps=-1"], "`checkpoint.every_n_steps` (value: -1)"),
+    (["+some.key=value"], "`some`"),
 ])
 def test_bad_input_exits_2_with_one_paragraph(overrides, expect, tmp_path):
     proc = train_py(*overrides, run_dir=tmp_path, timeout=120)

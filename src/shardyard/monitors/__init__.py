@@ -83,8 +83,9 @@ def build(cfg: DictConfig, is_rank0: bool) -> Monitors:
 
 
 def history(run_dir: str, upto_step: int) -> dict:
-    """A resumed run's own past, read back from ``metrics.jsonl``: evaluations, train losses and grad norms
-    logged at steps <= ``upto_step`` (the checkpoint it resumed from), each step once (the latest line)."""
+    """A run's curves read back from its ``metrics.jsonl``: evaluations, train losses and grad norms logged
+    at steps <= ``upto_step``, each step once (its latest line). Checkpoints store them (``meta.json``) so a
+    resumed run's summary starts from the run's own step 0."""
     import json
     import os
 
@@ -95,7 +96,10 @@ def history(run_dir: str, upto_step: int) -> dict:
     keys = {"eval/loss": "eval_losses", "train/loss": "train_losses", "grad_norm": "grad_norms"}
     with open(path) as f:
         for line in f:
-            row = json.loads(line)
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:  # the last line of a process killed mid-write
+                continue
             step = row.get("step")
             if step is None or step > upto_step:
                 continue
