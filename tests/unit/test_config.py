@@ -99,6 +99,10 @@ def test_contradicting_accumulation_is_refused():
     (["profile.enabled=true", "profile.steps=[1,9999]"], "profile.steps"),
     (["debug.max_skipped=0"], "debug.max_skipped"),
     (["metrics.peak_tflops=-1"], "metrics.peak_tflops"),
+    (["backend=zero1", "backend.offload_param=cpu"], "backend.offload_param"),
+    (["backend=zero_infinity"], "backend.nvme_path"),
+    (["backend=fsdp", "precision=fp16"], "precision"),
+    (["backend=ddp", "+backend.cpu_offload=true"], "backend.cpu_offload"),  # an offload knob DDP does not have
 ])
 def test_user_errors_name_the_key(overrides, key):
     cfg = compose(overrides)
