@@ -1,5 +1,5 @@
 # make train   -- set up (idempotent) and run the default recipe
-# make test    -- set up (idempotent) and run the whole test suite (unit, dist, e2e; gpu tests skip without CUDA)
+# make test    -- set up (idempotent), type-check src/ (mypy), run the whole test suite (unit, dist, e2e; gpu tests skip without CUDA)
 PY := .venv/bin/python
 
 .PHONY: setup train test bench clean
@@ -10,6 +10,7 @@ train: setup
 	$(PY) train.py $(ARGS)
 
 test: setup
+	$(PY) -m mypy
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
 bench: setup

@@ -22,6 +22,7 @@ import os
 import random
 import shutil
 import warnings
+from typing import Any
 
 import numpy as np
 import torch
@@ -43,8 +44,8 @@ def _unb64(s: str) -> torch.Tensor:
 
 
 def rng_state() -> dict:
-    np_state = np.random.get_state()
-    state = {"python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+    np_state: Any = np.random.get_state()
+    state: dict[str, Any] = {"python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
              "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
              "torch": _b64(torch.get_rng_state())}
     if torch.cuda.is_available():
@@ -81,11 +82,11 @@ def verify(path: str) -> str | None:
     except (OSError, json.JSONDecodeError) as e:
         return f"its meta.json is unreadable ({e})"
     for rel, size in meta.get("manifest", {}).items():
-        f = os.path.join(path, rel)
-        if not os.path.isfile(f):
+        file = os.path.join(path, rel)
+        if not os.path.isfile(file):
             return f"{rel} is missing"
-        if os.path.getsize(f) != size:
-            return f"{rel} is truncated or corrupt ({os.path.getsize(f)} bytes, {size} written)"
+        if os.path.getsize(file) != size:
+            return f"{rel} is truncated or corrupt ({os.path.getsize(file)} bytes, {size} written)"
     return None
 
 

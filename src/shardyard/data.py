@@ -251,7 +251,7 @@ def _tokenize(d: DictConfig, src: DocumentSource, tok_dir: str, out: str) -> Non
     tok = load_tokenizer(tok_dir)
     eot = tok.eos_token_id
     dtype = np.uint16 if len(tok) <= 1 << 16 else np.uint32
-    streams = {"train": [], "val": []}
+    streams: dict[str, list[np.ndarray]] = {"train": [], "val": []}
     counts = {"train": 0, "val": 0}
     batch: list[tuple[str, str]] = []
 
@@ -335,8 +335,8 @@ class PackedSequences:
         import torch
 
         L = self.seq_len
-        rows = np.stack([np.asarray(self.tokens[i * L: i * L + L + 1], dtype=np.int64) for i in indices])
-        rows = torch.from_numpy(rows)
+        rows = torch.from_numpy(np.stack([np.asarray(self.tokens[i * L: i * L + L + 1], dtype=np.int64)
+                                          for i in indices]))
         return rows[:, :-1], rows[:, 1:]
 
 
@@ -350,7 +350,7 @@ class TrainStream:
                             "Use a smaller batch or data.seq_len, or more data.")
         self.seqs, self.seed, self.gb, self.mb, self.rank, self.world = seqs, seed, global_batch, micro_batch, rank, world
         self.steps_per_epoch = len(seqs) // global_batch
-        self._perm_epoch, self._perm = -1, None
+        self._perm_epoch, self._perm = -1, np.arange(0)
 
     def position(self, step: int) -> dict:
         return {"epoch": step // self.steps_per_epoch, "step_in_epoch": step % self.steps_per_epoch,

@@ -69,7 +69,7 @@ class NonFiniteGuard:
         table = (b.all_reduce_mean(row) * world).round().cpu().tolist()
         loss_ranks = [r for r, (lb, _) in enumerate(table) if lb > 0]
         grad_ranks = [r for r, (_, p) in enumerate(table) if p >= 0]
-        rank = (loss_ranks or grad_ranks or [None])[0]
+        rank = (loss_ranks or grad_ranks or [-1])[0]  # -1: no rank could tell
         parts = []
         if loss_ranks:
             parts.append(f"the loss is non-finite on rank(s) {loss_ranks}")

@@ -26,9 +26,9 @@ class DistEnv:
         return self.rank == 0
 
 
-def _int(name: str, default: int | None = None) -> int | None:
+def _int(name: str, default: int = 0) -> int:
     v = os.environ.get(name)
-    return int(v) if v not in (None, "") else default
+    return int(v) if v else default
 
 
 def detect() -> DistEnv | None:

@@ -4,6 +4,7 @@ that is not an HF model exports ``model.safetensors`` and the tokenizer)."""
 from __future__ import annotations
 
 import os
+from typing import Any
 import shutil
 import tempfile
 
@@ -22,7 +23,8 @@ def save_hf(backend: Backend, tokenizer_dir: str, out_dir: str) -> str | None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    model = backend.hf_model()
+    assert state is not None  # rank 0 holds the gathered state
+    model: Any = backend.hf_model()
     if is_hf(model):
         model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
     else:  # a plain nn.Module (shardyard.model.CausalLM): its weights, for its own builder to load

@@ -10,7 +10,7 @@ import os
 import socket
 import sys
 import uuid
-from typing import Callable
+from typing import Any, Callable
 
 import hydra.utils
 from omegaconf import DictConfig
@@ -94,4 +94,5 @@ LAUNCHERS: dict[str, Callable[[str, Plan, DictConfig], None]] = {"elastic": elas
 
 
 def for_backend(backend_cfg: DictConfig) -> Callable[[str, Plan, DictConfig], None]:
-    return LAUNCHERS[hydra.utils.get_class(backend_cfg._target_).launcher]
+    backend: Any = hydra.utils.get_object(backend_cfg._target_)  # a Backend class
+    return LAUNCHERS[backend.launcher]

@@ -82,7 +82,7 @@ def llama(vocab_size: int, hidden_size: int, intermediate_size: int, num_layers:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     _check_heads(hidden_size, num_heads, num_kv_heads)
-    config = LlamaConfig(
+    config = LlamaConfig(  # type: ignore[call-arg]  # rope_theta, attn_implementation: PretrainedConfig kwargs
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads or num_heads,
         max_position_embeddings=max_position_embeddings, rope_theta=rope_theta, rms_norm_eps=rms_norm_eps,
@@ -110,7 +110,7 @@ def deepseek_v3(vocab_size: int, hidden_size: int, intermediate_size: int, num_l
         raise UserError("model.n_group", n_group, f"Routing groups must split model.n_routed_experts={n_routed_experts} "
                         f"evenly, and model.topk_group={topk_group} must lie in 1..n_group.",
                         "Use model.n_group=1 model.topk_group=1 (no group-limited routing) or matching values.")
-    config = DeepseekV3Config(
+    config = DeepseekV3Config(  # type: ignore[call-arg]  # rope_theta, attn_implementation: PretrainedConfig kwargs
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads or num_heads,
         max_position_embeddings=max_position_embeddings, rope_theta=rope_theta, rms_norm_eps=rms_norm_eps,
@@ -184,11 +184,15 @@ def inspect_model(m: DictConfig, seq_len: int) -> ModelFacts:
     if not isinstance(model, torch.nn.Module):
         raise UserError("model._target_", m._target_, f"It returned a {type(model).__name__}, not a torch.nn.Module.",
                         "Return a transformers PreTrainedModel or an nn.Module meeting shardyard.model.CausalLM.")
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    emb = _input_embeddings(model)
     config = getattr(model, "config", None)
     return ModelFacts(params=param_count(model), flops_per_token=flops_per_token(model, seq_len),
                       embedding_rows=getattr(emb, "num_embeddings", None),
                       max_positions=getattr(config, "max_position_embeddings", None))
+
+
+def _input_embeddings(model: Any) -> torch.nn.Module | None:
+    return model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
 
 
 def flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
@@ -202,8 +206,8 @@ def flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
     """
     import re
 
-    c = getattr(model, "config", None)
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    c: Any = getattr(model, "config", None)
+    emb = _input_embeddings(model)
     skip = {id(p) for p in emb.parameters()} if emb is not None else set()
     routed = getattr(c, "num_experts_per_tok", None), getattr(c, "n_routed_experts", None)
     n = 0.0
@@ -240,7 +244,7 @@ def wants_meta(m: DictConfig, facts: ModelFacts) -> bool:
     return m.init_device == "meta" or (m.init_device == "auto" and facts.big)
 
 
-def materialize(model: torch.nn.Module, device: torch.device, seed: int) -> None:
+def materialize(model: Any, device: torch.device, seed: int) -> None:
     """Give meta (or sharded-meta) parameters real storage on ``device`` and initialise them."""
     if not any(p.is_meta for p in model.parameters()):
         return
@@ -251,8 +255,9 @@ def materialize(model: torch.nn.Module, device: torch.device, seed: int) -> None
             model.init_weights()  # HF's own init (rotary buffers included), on whatever shards this rank holds
         else:
             for module in model.modules():
-                if hasattr(module, "reset_parameters"):
-                    module.reset_parameters()
+                reset: Any = getattr(module, "reset_parameters", None)
+                if reset is not None:
+                    reset()
 
 
 def is_hf(model: torch.nn.Module) -> bool:
@@ -265,11 +270,11 @@ def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     blocks = [mod for mod in model.modules() if type(mod).__name__ in names]
     if blocks:
         return blocks
-    lists = [mod for mod in model.modules() if isinstance(mod, torch.nn.ModuleList)]
-    return list(max(lists, key=len)) if lists else []
+    lists = [list(mod) for mod in model.modules() if isinstance(mod, torch.nn.ModuleList)]
+    return max(lists, key=len) if lists else []
 
 
-def apply_activation_checkpointing(model: torch.nn.Module, m: DictConfig) -> None:
+def apply_activation_checkpointing(model: Any, m: DictConfig) -> None:
     if not m.activation_checkpointing:
         return
     if is_hf(model) and getattr(model, "supports_gradient_checkpointing", False):
@@ -286,7 +291,7 @@ def apply_activation_checkpointing(model: torch.nn.Module, m: DictConfig) -> Non
     wrap(model, checkpoint_wrapper_fn=checkpoint_wrapper, check_fn=lambda mod: id(mod) in block_ids)
 
 
-def apply_compile(model: torch.nn.Module, m: DictConfig) -> None:
+def apply_compile(model: Any, m: DictConfig) -> None:
     # Per block, not the whole model: blocks are identical, so one compiled graph serves them all, and
     # sharding/DDP hooks stay outside the compiled regions.
     if m.compile:

@@ -20,7 +20,8 @@ Schedule = Callable[[int, int], float]
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """Decay matrices only; norms, biases (1-D tensors) are left undecayed, as in GPT/LLaMA training."""
-    decay, no_decay = [], []
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
     for p in model.parameters():
         if p.requires_grad:
             (decay if p.ndim >= 2 else no_decay).append(p)

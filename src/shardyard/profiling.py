@@ -12,9 +12,10 @@ class StepProfiler:
     def __init__(self, cfg: DictConfig, rank: int, device: torch.device):
         p = cfg.profile
         self.enabled = p.enabled
-        self.first, self.last = (p.steps[0], p.steps[1]) if p.enabled else (0, -1)
+        self.first: int = p.steps[0] if p.enabled else 0
+        self.last: int = p.steps[1] if p.enabled else -1
         self.path = os.path.join(p.dir or os.path.join(cfg.run_dir, "profile"), f"rank{rank}.trace.json")
-        self.prof = None
+        self.prof: torch.profiler.profile | None = None
         if self.enabled:
             acts = [torch.profiler.ProfilerActivity.CPU]
             if device.type == "cuda":
@@ -24,11 +25,11 @@ class StepProfiler:
 
     def before_step(self, step: int) -> None:
         """``step`` is 1-based, as in the logs."""
-        if self.enabled and step == self.first:
+        if self.prof is not None and self.enabled and step == self.first:
             self.prof.start()
 
     def after_step(self, step: int) -> None:
-        if self.enabled and step == self.last:
+        if self.prof is not None and self.enabled and step == self.last:
             self.prof.stop()
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
             self.prof.export_chrome_trace(self.path)

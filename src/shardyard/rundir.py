@@ -16,7 +16,9 @@ from shardyard.errors import UserError
 
 def resolved(cfg: DictConfig) -> DictConfig:
     """Interpolations resolved and closed choices as plain strings: what workers and files hold."""
-    return OmegaConf.create(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
+    out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
+    assert isinstance(out, DictConfig)
+    return out
 
 
 def prepare(cfg: DictConfig, plan=None) -> str:

@@ -167,7 +167,7 @@ class DeepSpeedBackend:
         self.engine, _, _, _ = deepspeed.initialize(
             model=model, model_parameters=param_groups(model, self.cfg.optim.weight_decay), config=self.config,
             optimizer=client, lr_scheduler=lambda opt: build_scheduler(opt, self.cfg.sched, total_steps))
-        self._nonfinite = None
+        self._nonfinite: torch.Tensor | None = None
         if self.cfg.debug.nan_policy != "off":
             self._watch_gradients()
 
@@ -211,11 +211,11 @@ class DeepSpeedBackend:
         first non-finite gradient is recorded as it is produced: a flag per parameter, set by a tensor hook
         on this rank's own (pre-reduction) gradient, read only after a non-finite step."""
         params = list(self.engine.module.parameters())
-        self._nonfinite = torch.zeros(len(params), dtype=torch.bool, device=self.device)
+        flags = self._nonfinite = torch.zeros(len(params), dtype=torch.bool, device=self.device)
 
         def hook(i):
             def flag(grad):
-                self._nonfinite[i] |= ~torch.isfinite(grad).all()
+                flags[i] |= ~torch.isfinite(grad).all()
             return flag
 
         for i, p in enumerate(params):

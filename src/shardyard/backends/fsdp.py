@@ -77,7 +77,7 @@ class FSDPBackend:
 
     def forward_backward(self, inputs, targets, is_last_micro: bool) -> torch.Tensor:
         # Non-final micro-steps keep unsharded gradients locally and skip the reduce-scatter.
-        self.model.set_requires_gradient_sync(is_last_micro)
+        self.model.set_requires_gradient_sync(is_last_micro)  # type: ignore[operator]  # FSDPModule method, added at runtime
         return self.stepper.forward_backward(inputs, targets)
 
     def step(self, guard: bool = False) -> StepStats:

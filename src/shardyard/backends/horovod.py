@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 from omegaconf import DictConfig
@@ -66,11 +67,15 @@ class HorovodBackend:
                                             backward_passes_per_step=self.plan.grad_accum_steps)
 
         self.model = model
+
+        def hvd_optimizer() -> Any:  # hvd.DistributedOptimizer: a torch optimizer class made at runtime
+            return self.stepper.optimizer
+
         # Horovod's AMP pattern: synchronize() finishes the gradient all-reduces before unscale and clip; the
         # step then runs inside skip_synchronize() so the optimizer does not wait for them a second time.
         self.stepper = TorchStepper(model, self.cfg, self.device, self.plan.grad_accum_steps, total_steps,
-                                    wrap_optimizer=distributed, before_unscale=lambda: self.stepper.optimizer.synchronize(),
-                                    step_context=lambda: self.stepper.optimizer.skip_synchronize())
+                                    wrap_optimizer=distributed, before_unscale=lambda: hvd_optimizer().synchronize(),
+                                    step_context=lambda: hvd_optimizer().skip_synchronize())
 
     def forward_backward(self, inputs, targets, is_last_micro: bool) -> torch.Tensor:
         return self.stepper.forward_backward(inputs, targets)

@@ -18,7 +18,7 @@ def init_process_group(cfg: DictConfig, device: torch.device, dist_backend: str 
     if dist.is_initialized():
         return
     timeout = datetime.timedelta(seconds=cfg.launch.timeout_s)
-    store = {}
+    store: dict = {}
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
         # The elastic agent's store lives for the whole job, and workers use it without a per-attempt

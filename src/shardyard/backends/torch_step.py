@@ -80,7 +80,8 @@ class TorchStepper:
         with self.step_context():
             self.scaler.step(self.optimizer)  # skipped by the scaler when fp16 gradients overflowed
         self.scaler.update()
-        applied = not self.scaler.is_enabled() or self.scaler.get_scale() >= scale  # an overflow lowers it
+        # An overflow lowers the scale (only fp16 has one).
+        applied = scale is None or self.scaler.get_scale() >= scale
         self.scheduler.step()
         self.optimizer.zero_grad()  # set_to_none=True is the default (and Horovod takes no argument)
         return StepStats(grad_norm.detach(), lr, scale, applied=applied)
@@ -116,7 +117,7 @@ class TorchStepper:
         from shardyard.safe_load import check_dcp_metadata, weights_only_loads
 
         model_sd, optim_sd = get_state_dict(model, self.optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
+        state: dict = {"model": model_sd, "optim": optim_sd}
         check_dcp_metadata(path)  # a plain pickle: vetted before DCP unpickles it
         with weights_only_loads():  # DCP's planner reads non-tensor values with weights_only=False
             dcp.load(state, checkpoint_id=path)

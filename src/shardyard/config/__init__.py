@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from typing import Callable
 
 from omegaconf import OmegaConf
 
@@ -35,6 +36,7 @@ def _short(name: str, limit: int = 60) -> str:
 
 
 def register_resolvers() -> None:
-    for name, fn in {"sy_run_dir": _run_dir, "sy_short": _short}.items():
+    resolvers: dict[str, Callable[..., str]] = {"sy_run_dir": _run_dir, "sy_short": _short}
+    for name, fn in resolvers.items():
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)

@@ -25,16 +25,64 @@ class Choice(str, Enum):
         return self.value
 
 
-Device = Choice("Device", {n: n for n in ("auto", "cpu", "cuda")})
-DistBackend = Choice("DistBackend", {n: n for n in ("auto", "gloo", "nccl")})
-Offload = Choice("Offload", {n: n for n in ("none", "cpu", "nvme")})
-Compression = Choice("Compression", {n: n for n in ("none", "fp16")})
-AttnImplementation = Choice("AttnImplementation", {n: n for n in ("sdpa", "eager", "flash_attention_2")})
-InitDevice = Choice("InitDevice", {n: n for n in ("auto", "cpu", "meta")})
-Precision = Choice("Precision", {n: n for n in ("fp32", "bf16", "fp16")})
-NanPolicy = Choice("NanPolicy", {n: n for n in ("stop", "skip", "off")})
-ConsoleStyle = Choice("ConsoleStyle", {n: n for n in ("auto", "rich", "plain")})
-WandbMode = Choice("WandbMode", {n: n for n in ("auto", "online", "offline", "disabled")})
+class Device(Choice):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class DistBackend(Choice):
+    auto = "auto"
+    gloo = "gloo"
+    nccl = "nccl"
+
+
+class Offload(Choice):
+    none = "none"
+    cpu = "cpu"
+    nvme = "nvme"
+
+
+class Compression(Choice):
+    none = "none"
+    fp16 = "fp16"
+
+
+class AttnImplementation(Choice):
+    sdpa = "sdpa"
+    eager = "eager"
+    flash_attention_2 = "flash_attention_2"
+
+
+class InitDevice(Choice):
+    auto = "auto"
+    cpu = "cpu"
+    meta = "meta"
+
+
+class Precision(Choice):
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class NanPolicy(Choice):
+    stop = "stop"
+    skip = "skip"
+    off = "off"
+
+
+class ConsoleStyle(Choice):
+    auto = "auto"
+    rich = "rich"
+    plain = "plain"
+
+
+class WandbMode(Choice):
+    auto = "auto"
+    online = "online"
+    offline = "offline"
+    disabled = "disabled"
 
 
 # --------------------------------------------------------------------------------------------- backend

@@ -203,7 +203,7 @@ def _unknown_in_schemas(node: DictConfig, prefix: str) -> None:
     fields = _schema_fields(node)
     open_plugin = OmegaConf.is_struct(node) is False  # schema_*_plugin: its extra keys go to its _target_
     for key in node:
-        full = f"{prefix}{key}"
+        full = f"{prefix}{key!s}"
         if fields is not None and key not in fields and not open_plugin:
             raise UserError(full, node[key], "No schema or plug-in reads this key, so it would be ignored.",
                             f"Remove it, or spell one of: {', '.join(sorted(fields))}. "
@@ -217,14 +217,14 @@ def _complete_plugin_options(cfg: DictConfig) -> None:
     from shardyard.config import schema
 
     for group, schema_name in GROUP_SCHEMAS.items():
-        node = cfg[group]
+        node: DictConfig = cfg[group]
         if _schema_fields(node) is not None:
             continue
         base = getattr(schema, schema_name)
         fields = {f.name for f in dataclasses.fields(base)}
         own = {k: node[k] for k in node if k in fields}
         try:
-            typed = OmegaConf.merge(OmegaConf.structured(base), own)
+            typed: Any = OmegaConf.merge(OmegaConf.structured(base), own)
         except Exception as e:  # omegaconf.ValidationError: a wrong type for one of our keys
             raise UserError(group, own, f"One of shardyard's own {group} keys has a wrong value: {e}",
                             f"See {schema_name} in src/shardyard/config/schema.py.") from None
@@ -255,7 +255,7 @@ def _check_target(key: str, node: DictConfig) -> None:
     if group == "backend":
         return  # engines take the whole run config
     own = {f.name for f in dataclasses.fields(getattr(schema, GROUP_SCHEMAS[group]))} if group in GROUP_SCHEMAS else {"_target_"}
-    given = [k for k in node if k not in own]
+    given = [str(k) for k in node if k not in own]
     try:
         params = list(inspect.signature(obj).parameters.values())
     except (TypeError, ValueError):  # a builtin without a signature: let the call itself judge

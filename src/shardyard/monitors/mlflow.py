@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -45,7 +46,8 @@ class MlflowMonitor:
         exp_id = exp.experiment_id if exp else self.client.create_experiment(experiment, artifact_location=artifacts)
         self.run_id = self.client.create_run(exp_id, run_name=run_name or os.path.basename(run_dir),
                                              tags={"engine": config.backend.name, "model": config.model.name}).info.run_id
-        params = [Param(k, str(v)[:6000]) for k, v in flatten(OmegaConf.to_container(config, resolve=True)).items()]
+        values: Any = OmegaConf.to_container(config, resolve=True)
+        params = [Param(k, str(v)[:6000]) for k, v in flatten(values).items()]
         for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
             self.client.log_batch(self.run_id, params=params[i:i + 100])
         print(f"shardyard | mlflow: run {self.run_id} in {uri}", flush=True)

@@ -7,6 +7,7 @@ go to ``<run_dir>/wandb/offline-run-*`` and ``wandb sync <that dir>`` uploads th
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -26,12 +27,13 @@ class WandbMonitor:
         import wandb  # lazy: heavy, and only when selected
 
         mode = mode if mode != "auto" else ("online" if _has_credentials() else "offline")
+        run_config: Any = OmegaConf.to_container(config, resolve=True)
         if mode == "offline":
             print(f"shardyard | wandb: no API key, running offline (sync later: wandb sync {run_dir}/wandb/offline-run-*)",
                   flush=True)
         self.run = wandb.init(project=project, entity=entity, name=name or os.path.basename(run_dir),
-                              dir=run_dir, mode=mode, tags=list(tags),
-                              config=OmegaConf.to_container(config, resolve=True),
+                              dir=run_dir, mode=mode, tags=list(tags),  # type: ignore[arg-type]  # validated Enum
+                              config=run_config,
                               settings=wandb.Settings(console="off", silent=True))
 
     def log(self, step: int, metrics: dict) -> None:
