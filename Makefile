@@ -10,7 +10,7 @@ train: setup
 	$(PY) train.py $(ARGS)
 
 test: setup
-	$(PY) -m mypy
+	MYPY_CACHE_DIR=$${SHARDYARD_CACHE:-$$HOME/.cache/shardyard}/mypy $(PY) -m mypy
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
 bench: setup

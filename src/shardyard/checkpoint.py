@@ -97,7 +97,7 @@ class Checkpointer:
         self.dir = self.c.dir or os.path.join(cfg.run_dir, "checkpoints")
         self.rank0 = backend.rank == 0
         self.signature = signature(backend.hf_model())  # parameter names and full shapes
-        self.start = 0
+        self.start = -1  # the step resumed from; -1: a fresh run, whose own log holds its whole curve
         self.history: dict[str, list] = {"eval_losses": [], "train_losses": [], "grad_norms": []}
         """The run's curves up to the step it resumed from (from the checkpoint), for its summary."""
 

@@ -6,6 +6,7 @@ of the functions here, so run.py never branches on the engine.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import sys
@@ -51,6 +52,9 @@ def elastic(run_dir: str, plan: Plan, launch_cfg: DictConfig) -> None:
     if plan.device_type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # N workers on a CPU box share its cores; oversubscribed intra-op threads make every step slower.
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // plan.nproc_per_node))
+    # A failed worker has printed its own error (a user error's paragraph, or its traceback), and we name the
+    # rank and exit code below; the agent's own report of it (with a traceback of its process join) is noise.
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_without_child_failure_reports)
     env_keep = {k: v for k, v in os.environ.items() if k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     assert not env_keep, f"parent must not look like a worker: {env_keep}"
     try:
@@ -69,6 +73,10 @@ def elastic(run_dir: str, plan: Plan, launch_cfg: DictConfig) -> None:
         print(f"shardyard: worker rank {first} failed with exit code {real[first]} "
               f"(failed ranks and codes: {codes}); its output is above. Run dir: {run_dir}", file=sys.stderr, flush=True)
         sys.exit(2 if set(real.values()) == {2} else 1)
+
+
+def _without_child_failure_reports(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("failed (exitcode")
 
 
 def horovod(run_dir: str, plan: Plan, launch_cfg: DictConfig) -> None:

@@ -71,9 +71,17 @@ def test_offload_matches_no_offload(engine, base, world2):
     assert_close(curve(world2[(engine, 1)][0]), curve(world2[(base, 1)][0]), 1e-4, f"{engine} vs {base}")
 
 
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory):
+    d = tmp_path_factory.mktemp("w4")
+    engines = ["fsdp", "zero3"]
+    return dict(zip(engines, run_many(4, [([*STEPS, f"backend={e}", "train.micro_batch_size=2"], str(d / e))
+                                          for e in engines])))
+
+
 @pytest.mark.parametrize("engine", ["fsdp", "zero3"])
-def test_world_size_4(engine, reference, tmp_path):
-    ranks = run_many(4, [([*STEPS, f"backend={engine}", "train.micro_batch_size=2"], str(tmp_path))])[0]
+def test_world_size_4(engine, reference, world4):
+    ranks = world4[engine]
     assert_close(curve(ranks[0]), curve(reference["fp32"]), 1e-4, f"{engine} x4 loss")
     assert_close(curve(ranks[0], "grad_norms"), curve(reference["fp32"], "grad_norms"), 1e-4, f"{engine} x4 grad norm")
 

@@ -119,20 +119,31 @@ def losses(result):
     return [v for _, v in result["summary"]["train_losses"]]
 
 
-@pytest.mark.parametrize("model", ["user_tiny", "user_gpt2"])
-def test_user_plugins_train_identically_on_every_engine(project, model, tmp_path):
-    base = user_overrides(project, model)
-    ref = run_many(1, [([*base, "backend=single"], str(tmp_path / "single"))])[0][0]
-    engines = ["ddp", "fsdp", "zero2"]
-    results = run_many(2, [([*base, f"backend={e}"], str(tmp_path / e)) for e in engines])
-    want = losses(ref)
+MODELS, ENGINES = ["user_tiny", "user_gpt2"], ["ddp", "fsdp", "zero2"]
+
+
+@pytest.fixture(scope="module")
+def trained(project, tmp_path_factory):
+    """Both user models: single (with the final export) in one process, then every engine on 2 ranks."""
+    d = tmp_path_factory.mktemp("user-runs")
+    singles = run_many(1, [([*user_overrides(project, m), "backend=single", "checkpoint.save_final=true"],
+                            str(d / m / "single")) for m in MODELS])
+    jobs = [(m, e) for m in MODELS for e in ENGINES]
+    results = run_many(2, [([*user_overrides(project, m), f"backend={e}"], str(d / m / e)) for m, e in jobs])
+    return d, {**{(m, "single"): r for m, r in zip(MODELS, singles)}, **dict(zip(jobs, results))}
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_user_plugins_train_identically_on_every_engine(trained, model):
+    d, runs = trained
+    want = losses(runs[(model, "single")][0])
     assert len(want) == 4 and want[-1] < want[0], want  # it learns from the user's corpus
-    for engine, ranks in zip(engines, results):
-        got = losses(ranks[0])
+    for engine in ENGINES:
+        got = losses(runs[(model, engine)][0])
         worst = max(abs(a - b) / abs(b) for a, b in zip(got, want))
         assert len(got) == 4 and worst <= 1e-4, (engine, got, want)
     # zero2 was handed the user's optimizer object: its JSON has no optimizer section.
-    assert "optimizer" not in json.load(open(tmp_path / "zero2" / "deepspeed_config.json"))
+    assert "optimizer" not in json.load(open(d / model / "zero2" / "deepspeed_config.json"))
 
 
 def test_user_project_through_train_py_with_hf_export(project, tmp_path):
@@ -148,13 +159,12 @@ def test_user_project_through_train_py_with_hf_export(project, tmp_path):
     assert sum(p.numel() for p in model.parameters()) == json.load(open(tmp_path / "summary.json"))["params"]
 
 
-def test_plain_module_exports_its_weights(project, tmp_path):
-    ranks = run_many(1, [([*user_overrides(project, "user_tiny"), "backend=single", "checkpoint.save_final=true"],
-                          str(tmp_path))])[0]
+def test_plain_module_exports_its_weights(trained):
     from safetensors.torch import load_file
 
-    saved = load_file(tmp_path / "hf" / "model.safetensors")
-    for k, v in ranks[0]["full"].items():
+    d, runs = trained
+    saved = load_file(d / "user_tiny" / "single" / "hf" / "model.safetensors")
+    for k, v in runs[("user_tiny", "single")][0]["full"].items():
         assert torch.equal(saved[k], v), k
 
 
