@@ -34,7 +34,11 @@ def test_deepspeed_launcher_starts_train_py(tmp_path):
     if shutil.which("deepspeed") is None and not os.path.exists(os.path.join(os.path.dirname(sys.executable), "deepspeed")):
         pytest.skip("deepspeed launcher not installed")
     launcher = shutil.which("deepspeed") or os.path.join(os.path.dirname(sys.executable), "deepspeed")
-    cmd = [launcher, "--num_nodes=1", "--num_gpus=2", "--no_ssh_check", "train.py", "backend=zero2",
+    from shardyard.launch import free_port
+
+    # A free rendezvous port: the launcher's default 29500 may still be held by an earlier job's sockets.
+    cmd = [launcher, "--num_nodes=1", "--num_gpus=2", "--no_ssh_check", f"--master_port={free_port()}", "train.py",
+           "backend=zero2",
            f"hydra.run.dir={tmp_path}", *FAST]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": os.path.dirname(sys.executable) + ":" + os.environ["PATH"]}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
