@@ -45,6 +45,7 @@ def test_resume_is_bitwise_exact(engine, world, resumed):
     assert meta["step"] == 3 and meta["world_size"] == world and len(meta["rng"]) == world
     assert meta["data"] == {"epoch": 0, "step_in_epoch": 3, "samples_seen": 24}
     # The resumed run trains steps 4-6 only, and reports the run's own history before them.
+    assert len(again[0]["summary"]["step_wall_s"]) == 3 and again[0]["summary"]["tokens"] == 3 * 8 * 64
     assert [s for s, _ in again[0]["summary"]["train_losses"]] == [1, 2, 3, 4, 5, 6]
     assert losses(again[0]) == losses(full[0])  # bit for bit (steps 1-3 read back, 4-6 recomputed)
 
@@ -59,6 +60,7 @@ def test_horovod_resume_is_bitwise_exact(tmp_path):
     la = json.load(open(tmp_path / "a/summary.json"))["train_losses"]
     lb = json.load(open(tmp_path / "b/summary.json"))["train_losses"]
     assert lb == la and [s for s, _ in lb] == [1, 2, 3, 4, 5, 6]  # steps 1-3 from the checkpoint, 4-6 bit for bit
+    assert "resumed from" in pb.stdout and len(json.load(open(tmp_path / "b/summary.json"))["step_wall_s"]) == 3
 
 
 def _two_to_four_to_one(tmp_path, runs: dict[str, tuple[str, str, str]]) -> dict[str, tuple[list, list]]:
@@ -77,6 +79,7 @@ def _two_to_four_to_one(tmp_path, runs: dict[str, tuple[str, str, str]]) -> dict
     # Steps 3-4 at world 4, steps 5-6 at world 1, against the uninterrupted world-2 run.
     # Each resumed run's summary starts with the curve it resumed with (carried in the checkpoints).
     for name in runs:
+        assert [len(seg[(name, w)][0]["summary"]["step_wall_s"]) for w in (2, 4, 1)] == [6, 4, 2]  # really resumed
         assert [s for s, _ in seg[(name, 1)][0]["summary"]["train_losses"]] == [1, 2, 3, 4, 5, 6]
         assert losses(seg[(name, 1)][0])[:2] == losses(seg[(name, 2)][0])[:2]
     return {name: (losses(seg[(name, 1)][0])[2:], losses(seg[(name, 2)][0])[2:]) for name in runs}

@@ -135,6 +135,7 @@ def test_rerunning_a_finished_run_says_complete_then_trains_on(tmp_path):
     more = train_py(*run, "train.steps=6", run_dir=tmp_path)
     assert more.returncode == 0, more.stderr[-3000:]
     summary = json.load(open(tmp_path / "summary.json"))
+    assert "resumed from" in more.stdout and len(summary["step_wall_s"]) == 2  # trained steps 5-6 only
     assert summary["eval_losses"][0] == baseline and baseline[0] == 0
     assert [s for s, _ in summary["eval_losses"]] == [0, 2, 4, 6]
     assert f"eval loss {baseline[1]:.4f} (step 0)" in more.stdout
