@@ -175,6 +175,10 @@ def from_run_dir(run_dir: str) -> None:
     """A worker started by our launcher: the config and plan the parent wrote; a user error exits 2."""
     from shardyard import rundir
 
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        # A worker forked from the parent inherits its intra-op thread pool (all cores), which the launcher's
+        # OMP_NUM_THREADS no longer resizes: N ranks x all cores threads made every CPU step ~3x slower.
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     try:
         main(*rundir.load(run_dir))
     except UserError as err:
@@ -182,4 +186,7 @@ def from_run_dir(run_dir: str) -> None:
 
 
 if __name__ == "__main__":
+    from shardyard.cli import leave
+
     from_run_dir(sys.argv[1])
+    leave(0)  # a spawned worker (GPU, horovodrun) skips the interpreter's teardown too
