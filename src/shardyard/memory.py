@@ -64,3 +64,70 @@ def held_by(model: torch.nn.Module, optimizer) -> dict[str, int]:
             grads += v if isinstance(v, list) else [v]
     inner = getattr(optimizer, "optimizer", optimizer)  # DeepSpeed wraps the torch optimizer
     return breakdown({"params": params, "grads": grads, "optimizer": masters + list(optimizer_state_tensors(inner))})
+
+
+def measure_engines(rank: int, world: int, ports: list[int], jobs: list[list[str]], out: str) -> None:
+    """In a spawned rank of ``world``: for each job (overrides), build the engine, train one step and run the
+    backward of the next (gradients and optimizer state both alive), and record what this rank holds
+    (``held_by``) beside the parameter count. Rank 0 writes ``[{"overrides", "P", "params", ...}]`` to ``out``."""
+    import json
+    import os
+    import tempfile
+
+    import hydra.utils
+
+    from shardyard import data
+    from shardyard.config.validate import validate
+    from shardyard.dist_env import detect
+    from shardyard.model import build_model, param_count
+    from shardyard.testing import compose
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1")
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    results = []
+    for port, overrides in zip(ports, jobs):
+        os.environ["MASTER_PORT"] = str(port)
+        cfg = compose([*overrides, "train.steps=2"], run_dir=tempfile.mkdtemp(prefix="shardyard-mem-"))
+        plan = validate(cfg, detect())
+        backend = hydra.utils.get_object(cfg.backend._target_)(cfg, plan)
+        backend.init()
+        built: dict = {}
+
+        def build(allow_meta: bool) -> torch.nn.Module:
+            built["m"] = build_model(cfg.model, cfg.seed)
+            built["P"] = param_count(built["m"])
+            return built["m"]
+
+        backend.prepare(build, 2)
+        prep = data.prepare(cfg)
+        stream = data.TrainStream(data.PackedSequences(f"{prep.token_dir}/train.npy", cfg.data.seq_len), 0,
+                                  plan.global_batch_size, plan.micro_batch_size, rank, world)
+        x, y = stream.micro_batch(0, 0)
+        backend.forward_backward(x, y, True)
+        backend.step()
+        x, y = stream.micro_batch(1, 0)
+        backend.forward_backward(x, y, True)  # gradients of step 2 alive, optimizer state from step 1
+        engine = getattr(backend, "engine", None)  # DeepSpeed's ZeRO optimizer, or the torch one of the stepper
+        optimizer = engine.optimizer if engine is not None else getattr(backend, "stepper").optimizer
+        results.append({"overrides": overrides, "P": built["P"], **held_by(backend.hf_model(), optimizer)})
+        backend.close()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+
+
+def run_measurements(world: int, jobs: list[list[str]]) -> list[dict]:
+    """``measure_engines`` on ``world`` spawned gloo ranks; one result per job."""
+    import json
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    from shardyard.launch import free_port
+
+    out = tempfile.mktemp(suffix=".json", prefix=f"shardyard-memory-w{world}-")
+    mp.start_processes(measure_engines, args=(world, [free_port() for _ in jobs], jobs, out), nprocs=world,
+                       start_method="spawn")
+    with open(out) as f:
+        return json.load(f)

@@ -35,8 +35,25 @@ def memory_metrics(device: torch.device) -> dict:
     if device.type == "cuda":
         out = {"memory/max_allocated_gib": torch.cuda.max_memory_allocated(device) / gib,
                "memory/max_reserved_gib": torch.cuda.max_memory_reserved(device) / gib}
+        _RUN_PEAK["cuda"] = max(_RUN_PEAK["cuda"], torch.cuda.max_memory_allocated(device))
         torch.cuda.reset_peak_memory_stats(device)
         return out
     import psutil
 
     return {"memory/rss_gib": psutil.Process().memory_info().rss / gib}
+
+
+_RUN_PEAK = {"cuda": 0}
+
+
+def run_peak_memory(device: torch.device) -> float:
+    """This process's peak over the whole run, in bytes: CUDA's ``max_memory_allocated`` (across the
+    per-interval resets above), or on CPU the resident high-water mark (``VmHWM``)."""
+    if device.type == "cuda":
+        return float(max(_RUN_PEAK["cuda"], torch.cuda.max_memory_allocated(device)))
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return float(line.split()[1]) * 1024
+    return float("nan")
+

@@ -158,6 +158,8 @@ class ModelFacts:
     """Rows of the input embedding (the largest token id + 1 the model takes), if it has one."""
     max_positions: int | None
     """Longest sequence the model is set up for, if its config says."""
+    shape: dict | None = None
+    """What the memory plan reads of the model (``shardyard.plan.model_shape``)."""
 
     @property
     def big(self) -> bool:
@@ -184,11 +186,13 @@ def inspect_model(m: DictConfig, seq_len: int) -> ModelFacts:
     if not isinstance(model, torch.nn.Module):
         raise UserError("model._target_", m._target_, f"It returned a {type(model).__name__}, not a torch.nn.Module.",
                         "Return a transformers PreTrainedModel or an nn.Module meeting shardyard.model.CausalLM.")
+    from shardyard.plan import model_shape
+
     emb = _input_embeddings(model)
     config = getattr(model, "config", None)
     return ModelFacts(params=param_count(model), flops_per_token=flops_per_token(model, seq_len),
                       embedding_rows=getattr(emb, "num_embeddings", None),
-                      max_positions=getattr(config, "max_position_embeddings", None))
+                      max_positions=getattr(config, "max_position_embeddings", None), shape=model_shape(model))
 
 
 def _input_embeddings(model: Any) -> torch.nn.Module | None:

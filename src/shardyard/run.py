@@ -26,7 +26,10 @@ def run(cfg: DictConfig) -> None:
     env = dist_env.detect()
     try:
         apply_fast_dev_run(cfg)  # before the config is written: the workers read the shortened run
-        plan = validate(cfg, env)
+        planned = _memory_plan(cfg, validate(cfg, env), env)
+        if planned is None:
+            return  # plan.only: the plan is printed, nothing runs
+        plan = planned
         if env is None:
             _run_parent(cfg, plan)
         else:
@@ -35,12 +38,26 @@ def run(cfg: DictConfig) -> None:
         report_and_exit(err)
 
 
+def _memory_plan(cfg: DictConfig, plan: Plan, env: dist_env.DistEnv | None) -> Plan | None:
+    """Print the plan's line and refuse, before anything is written or started, a run that does not fit."""
+    import dataclasses
+
+    from shardyard import plan as memory_plan
+
+    planned = memory_plan.before_launch(cfg, plan, rank0=env is None or env.is_rank0)
+    if planned is None:
+        return None
+    e, line = planned
+    return dataclasses.replace(plan, memory={"device": e.device, "peak": e.device_peak, "line": line,
+                                             "where": "cpu" if plan.device_type == "cpu" else "cuda"})
+
+
 def _run_parent(cfg: DictConfig, plan: Plan) -> None:
     from shardyard import data, launch, worker
 
     run_dir = rundir.prepare(cfg, plan)
     data.prepare(cfg, plan.model.embedding_rows)  # tokenizer + token cache, built once here, not raced by N workers
-    print(f"shardyard | run dir {run_dir}\nshardyard | {plan.describe()}", flush=True)
+    print(f"shardyard | run dir {run_dir}\nshardyard | {plan.describe()}\nshardyard | {plan.memory['line']}", flush=True)
     if plan.world_size == 1:
         launch.single_process_env()
         worker.main(rundir.resolved(cfg), plan)
@@ -54,5 +71,6 @@ def _run_external_worker(cfg: DictConfig, env: dist_env.DistEnv, plan: Plan) -> 
     dist_env.export_torch_env(env)
     if env.is_rank0:
         rundir.prepare(cfg, plan)
+        print(f"shardyard | {plan.memory['line']}", flush=True)
     # Every rank trains from the config it composed; rank 0 alone wrote it to the run dir.
     worker.main(rundir.resolved(cfg), plan)

@@ -23,6 +23,7 @@ from shardyard.checkpoint import Checkpointer
 from shardyard.config.validate import Plan
 from shardyard.errors import UserError, report_and_exit
 from shardyard.export import save_hf
+from shardyard.metrics import run_peak_memory
 from shardyard.model import build_model, logits, wants_meta
 
 
@@ -125,6 +126,13 @@ def _finish(cfg: DictConfig, plan: Plan, backend: Backend, prepared: data.Prepar
         if rank0:
             print(f"sample ({cfg.train.sample_tokens} tokens after {cfg.train.sample_prompt!r}):\n"
                   f"{summary['sample']}\n", flush=True)
+    if plan.memory:  # the measured peak beside the plan's, every rank's in its summary, rank 0's printed
+        peak = run_peak_memory(backend.device)
+        summary.update(memory_peak_bytes=peak, memory_plan_bytes=plan.memory["peak"])
+        if rank0:
+            what = "max_memory_allocated" if backend.device.type == "cuda" else "peak RSS"
+            print(f"shardyard | memory, rank 0: measured {what} {peak / 2**30:.2f} GiB beside the plan's "
+                  f"{plan.memory['peak'] / 2**30:.2f} GiB ({100 * (peak / plan.memory['peak'] - 1):+.0f}%)", flush=True)
     if rank0:
         with open(os.path.join(cfg.run_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=1)

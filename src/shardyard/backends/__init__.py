@@ -6,7 +6,7 @@ its name. Engines share code by composition (``torch_step.TorchStepper``), never
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Optional, Protocol
 
 import torch
@@ -27,6 +27,33 @@ class StepStats:
     whose gradient on *this* rank is non-finite, if the engine can tell; else None."""
 
 
+@dataclass
+class ModelStates:
+    """What an engine holds per rank, for the plan (``shardyard.plan``): bytes by category and place, and the
+    bytes its collectives move. Each engine states it in its own module, next to the code that allocates it."""
+
+    regime: str
+    """How activations are stored: ``fp32``, ``autocast`` (fp32 parameters, half matmuls) or ``half``."""
+    device: dict[str, float]
+    """On the training device: ``params``, ``grads``, ``optimizer``, ``master``, ``buffers``."""
+    host: dict[str, float] = field(default_factory=dict)
+    """Moved to host RAM by offload (same categories)."""
+    nvme: float = 0.0
+    """Swapped to ``backend.nvme_path``."""
+    comm_per_step: float = 0.0
+    """Bytes of the collectives run once per optimizer step, before the ring's (N-1)/N factor."""
+    comm_per_micro: float = 0.0
+    """Bytes of the collectives run on every micro-batch (ZeRO-2/3 reduce and gather while accumulating)."""
+    notes: list[str] = field(default_factory=list)
+
+    def comm_bytes(self, accum: int) -> float:
+        return self.comm_per_step + accum * self.comm_per_micro
+
+
+HALF = 2
+FP32 = 4
+
+
 class Backend(Protocol):
     """Every method the worker, the loop, the checkpointer and the export call. Built as
     ``Backend(cfg, plan)`` from ``backend._target_``; engines share code by composition only."""
@@ -45,6 +72,11 @@ class Backend(Protocol):
     @staticmethod
     def validate(cfg: DictConfig, plan: Any) -> None:
         """Engine-specific checks of the composed config; raise ``UserError``."""
+
+    @staticmethod
+    def model_states(cfg: DictConfig, n_params: int, world: int, shape: dict, optim_bytes: float) -> ModelStates:
+        """Bytes per rank this engine holds for ``n_params`` parameters over ``world`` ranks (``shape``: the
+        plan's model shape; ``optim_bytes``: optimizer state bytes per fp32 parameter)."""
 
     def init(self) -> None:
         """Process group, device, seeds of the communication layer."""

@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from shardyard.backends import StepStats
 from shardyard.backends.process_group import all_reduce_mean, init_process_group, teardown
-from shardyard.backends.torch_step import TorchStepper, pick_device
+from shardyard.backends.torch_step import TorchStepper, pick_device, replica_states
 from shardyard.errors import UserError
 from shardyard.model import prepare_replica
 
@@ -41,6 +41,15 @@ class DDPBackend:
                             "Use backend.dist_backend=auto (gloo on CPU).")
         if b.bucket_cap_mb <= 0:
             raise UserError("backend.bucket_cap_mb", b.bucket_cap_mb, "It must be positive.", "Use e.g. 25.")
+
+    @staticmethod
+    def model_states(cfg: DictConfig, n_params: int, world: int, shape: dict, optim_bytes: float):
+        # A full replica per rank (torch_step.replica_states). Gradients are views into DDP's buckets with
+        # gradient_as_bucket_view; without it the buckets are a second fp32 copy of every gradient. One
+        # all-reduce of the fp32 gradients per optimizer step (no_sync while accumulating): 2 x 4 bytes x P.
+        P = float(n_params)
+        return replica_states(cfg, n_params, optim_bytes, buffers=0.0 if cfg.backend.gradient_as_bucket_view else 4 * P,
+                              comm_per_step=2 * 4 * P)
 
     def init(self) -> None:
         self.device = pick_device(self.plan, int(os.environ.get("LOCAL_RANK", 0)))

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from shardyard.backends import StepStats
+from shardyard.backends import FP32, HALF, ModelStates, StepStats
 from shardyard.backends.process_group import all_reduce_mean, init_process_group, teardown
 from shardyard.backends.torch_step import pick_device
 from shardyard.errors import UserError
@@ -138,6 +138,62 @@ class DeepSpeedBackend:
             if plan.device_type == "cpu" or not get_accelerator().is_fp16_supported():
                 raise UserError("precision", "fp16", f"DeepSpeed's {plan.device_type} accelerator has no fp16 support.",
                                 "Use precision=bf16 (or fp32), or run on GPUs.")
+
+    @staticmethod
+    def model_states(cfg: DictConfig, n_params: int, world: int, shape: dict, optim_bytes: float) -> ModelStates:
+        """What DeepSpeed 0.19's ZeRO optimizers hold per rank for this recipe (read from its
+        runtime/zero/stage_1_and_2.py, stage3.py and bf16_optimizer.py; measured by bench/memory.py and
+        tests/dist/test_plan.py):
+
+        1. Parameters in the precision's dtype (bf16/fp16: 2 bytes, fp32: 4); ZeRO-3 partitions them.
+        2. An fp32 master copy of this rank's partition (4 P/N, made even when the parameters are fp32) and
+           the optimizer state on it (opt x P/N).
+        3. Gradients. ZeRO-1 under bf16 runs BF16_Optimizer: full bf16 gradients (2P) plus a full fp32
+           accumulation buffer (4P) on every rank. Otherwise every stage reduces the gradients bucket by
+           bucket during backward straight into an fp32 partition (4 P/N; grad_accum_dtype fp32 under
+           bf16) and frees the full ones.
+        4. Buffers: ZeRO-2/3's reduce bucket (reduce_bucket_size elements of the parameter dtype, two with
+           overlap_comm, never more than the model), and ZeRO-3's gathered parameters: it fetches module by
+           module, so the largest module's own parameters, computing and prefetched.
+        5. offload_optimizer=cpu moves (2)'s master and state and the fp32 gradient partition to host RAM
+           (nvme: master and state to backend.nvme_path); offload_param moves ZeRO-3's parameter partition.
+        Communication, the ZeRO paper's volumes in the communication dtype (DeepSpeed's default: the
+        parameters'): ZeRO-1 2P per step; ZeRO-2 a reduce-scatter per micro-batch and one all-gather per
+        step; ZeRO-3 gather (forward, backward) and reduce-scatter on every micro-batch, 3P.
+        """
+        b, P, N = cfg.backend, float(n_params), max(world, 1)
+        c = FP32 if cfg.precision.name == "fp32" else HALF
+        stage = b.stage
+        params = c * P / N if stage == 3 else c * P
+        master, optimizer = FP32 * P / N, optim_bytes * P / N
+        if stage == 1 and cfg.precision.name == "bf16":
+            grads_device, grads_partition = c * P + FP32 * P, 0.0
+        else:
+            grads_device, grads_partition = 0.0, FP32 * P / N
+        buffers = 0.0
+        if stage >= 2:
+            buffers += c * min(float(b.reduce_bucket_size), P) * (2 if b.overlap_comm else 1)
+        if stage == 3:
+            buffers += c * 2 * shape["max_module_params"]
+        device = {"params": params, "grads": grads_device + grads_partition, "optimizer": optimizer, "master": master,
+                  "buffers": buffers}
+        host: dict[str, float] = {}
+        nvme = 0.0
+        if b.offload_optimizer != "none":
+            device["grads"] = grads_device
+            host = {"grads": grads_partition, "master": master, "optimizer": optimizer}
+            device["optimizer"] = device["master"] = 0.0
+            if b.offload_optimizer == "nvme":  # swapped out; pinned swap buffers stay in host RAM
+                nvme += master + optimizer
+                host.update(master=0.0, optimizer=0.0, buffers=2 * FP32 * shape["max_block_params"])
+        if stage == 3 and b.offload_param != "none":
+            device["params"] = 0.0
+            if b.offload_param == "nvme":
+                nvme += params
+            else:
+                host["params"] = params
+        comm = {1: (2 * c * P, 0.0), 2: (c * P, c * P), 3: (0.0, 3 * c * P)}[stage]
+        return ModelStates("fp32" if c == FP32 else "half", device, host, nvme, comm[0], comm[1])
 
     def init(self) -> None:
         import deepspeed

@@ -10,7 +10,7 @@ from omegaconf import DictConfig
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from shardyard.backends import StepStats
+from shardyard.backends import FP32, HALF, ModelStates, StepStats
 from shardyard.backends.process_group import all_reduce_mean, init_process_group, teardown
 from shardyard.backends.torch_step import COMPUTE_DTYPES, TorchStepper, pick_device
 from shardyard.errors import UserError
@@ -59,6 +59,29 @@ class FSDPBackend:
         if cfg.precision.name == "fp16" and plan.device_type == "cpu":
             raise UserError("precision", "fp16", "FSDP2 keeps fp16 parameters for compute, and fp16 matmuls on CPU "
                             "are emulated and unstable.", "Use precision=bf16 (or fp32) on CPU; fp16 works on CUDA.")
+
+    @staticmethod
+    def model_states(cfg: DictConfig, n_params: int, world: int, shape: dict, optim_bytes: float) -> ModelStates:
+        """What ``parallelize_fsdp`` leaves each rank holding:
+
+        1. Sharded fp32 parameters (they are the master weights: MixedPrecisionPolicy casts on all-gather),
+           sharded fp32 gradients (reduce_dtype fp32) and optimizer state on the shards: (8 + opt) x P / N.
+        2. Unsharded parameters in the compute dtype while in use: the root (embeddings, final norm, LM
+           head: reshard_after_forward=False keeps it), the block computing and the one prefetched; with
+           reshard_after_forward=False every block stays gathered from its forward to its backward.
+        3. One block's unsharded fp32 gradients before its reduce-scatter.
+        4. cpu_offload: the shards, their gradients and the optimizer live in host RAM; only (2)-(3) stay.
+        Communication per optimizer step: all-gather in forward and again in backward (the compute dtype)
+        on every micro-batch, one fp32 reduce-scatter at the last: 2 x c x P x accumulation + 4 x P.
+        """
+        b, P, N = cfg.backend, float(n_params), max(world, 1)
+        c = FP32 if cfg.precision.name == "fp32" else HALF
+        blocks = shape["block_params"] if not b.reshard_after_forward else 2 * shape["max_block_params"]
+        buffers = c * (shape["root_params"] + blocks) + FP32 * shape["max_block_params"]
+        shards = {"params": FP32 * P / N, "grads": FP32 * P / N, "optimizer": optim_bytes * P / N}
+        device, host = ({"buffers": buffers}, shards) if b.cpu_offload else ({**shards, "buffers": buffers}, {})
+        return ModelStates("fp32" if c == FP32 else "half", device, host, comm_per_step=FP32 * P,
+                           comm_per_micro=2 * c * P)
 
     def init(self) -> None:
         self.device = pick_device(self.plan, int(os.environ.get("LOCAL_RANK", 0)))

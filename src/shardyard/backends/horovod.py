@@ -9,7 +9,7 @@ import torch
 from omegaconf import DictConfig
 
 from shardyard.backends import StepStats
-from shardyard.backends.torch_step import TorchStepper, pick_device
+from shardyard.backends.torch_step import TorchStepper, pick_device, replica_states
 from shardyard.errors import UserError
 from shardyard.model import prepare_replica
 
@@ -38,6 +38,16 @@ class HorovodBackend:
             raise UserError("backend", "horovod", "Horovod workers must be started by Horovod's runner, not by "
                             "torchrun/deepspeed.", "Use `python train.py backend=horovod launch.nproc_per_node=N` "
                             "or `horovodrun -np N python train.py backend=horovod`.")
+
+    @staticmethod
+    def model_states(cfg: DictConfig, n_params: int, world: int, shape: dict, optim_bytes: float):
+        # A full replica per rank (torch_step.replica_states) plus Horovod's fusion buffer, which packs small
+        # gradients for one all-reduce (HOROVOD_FUSION_THRESHOLD, 128 MiB unless set). Gradients are
+        # all-reduced once per optimizer step, as fp16 with compression=fp16, else fp32.
+        P = float(n_params)
+        fusion = min(float(os.environ.get("HOROVOD_FUSION_THRESHOLD", 128 * 2 ** 20)), 4 * P)
+        reduce_bytes = 2 if cfg.backend.compression == "fp16" else 4
+        return replica_states(cfg, n_params, optim_bytes, buffers=fusion, comm_per_step=2 * reduce_bytes * P)
 
     def init(self) -> None:
         import horovod.torch as hvd

@@ -6,7 +6,7 @@ import torch
 from omegaconf import DictConfig
 
 from shardyard.backends import StepStats
-from shardyard.backends.torch_step import TorchStepper, pick_device
+from shardyard.backends.torch_step import TorchStepper, pick_device, replica_states
 from shardyard.errors import UserError
 from shardyard.model import prepare_replica
 
@@ -23,6 +23,10 @@ class SingleBackend:
         if plan.world_size != 1:
             raise UserError("backend", "single", f"It trains in one process, but the launch asks for {plan.world_size}.",
                             "Use backend=ddp (or another distributed engine), or launch.nproc_per_node=1.")
+
+    @staticmethod
+    def model_states(cfg: DictConfig, n_params: int, world: int, shape: dict, optim_bytes: float):
+        return replica_states(cfg, n_params, optim_bytes)
 
     def init(self) -> None:
         self.device = pick_device(self.plan, 0)

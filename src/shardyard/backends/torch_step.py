@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 from omegaconf import DictConfig
 
-from shardyard.backends import StepStats
+from shardyard.backends import FP32, ModelStates, StepStats
 from shardyard.memory import local
 from shardyard.model import causal_lm_loss
 from shardyard.optim import build_optimizer, build_scheduler
@@ -129,3 +129,18 @@ def pick_device(plan, local_rank: int) -> torch.device:
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
+
+
+def replica_states(cfg: DictConfig, n_params: int, optim_bytes: float, buffers: float = 0.0,
+                   comm_per_step: float = 0.0) -> ModelStates:
+    """What a full-replica engine (single, DDP, Horovod) holds per rank, whatever the world size.
+
+    1. Autocast trains fp32 parameters in every precision: they are the master weights (no separate copy),
+       and bf16/fp16 matmuls cast them on the fly (those copies are activations: ``plan._activations``).
+    2. Gradients are fp32 like their parameters; the optimizer keeps ``optim_bytes`` per parameter.
+    """
+    regime = "fp32" if cfg.precision.name == "fp32" else "autocast"
+    P = float(n_params)
+    return ModelStates(regime, {"params": FP32 * P, "grads": FP32 * P, "optimizer": optim_bytes * P, "buffers": buffers},
+                       comm_per_step=comm_per_step)
+

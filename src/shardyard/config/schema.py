@@ -529,6 +529,25 @@ class LaunchConfig:
 
 
 @dataclass
+class PlanConfig:
+    check: bool = True
+    """Refuse, before any worker starts, a run whose planned memory per rank does not fit (exit 2, with the
+    alternatives that would); false launches anyway."""
+    only: bool = False
+    """Print the plan of every engine for this recipe and hardware, then exit 0 without training."""
+    headroom: float = 0.9
+    """Fraction of each memory (GPU, host RAM, NVMe) the plan may fill; the rest is left for fragmentation
+    and what the plan does not count."""
+    hardware: Optional[str] = None
+    """Hardware to plan for: ``8xH100-80GB`` (GPUs per node x a GPU of ``shardyard.plan.GPUS``), or ``cpu``;
+    ``null`` plans for this machine as it is now."""
+    nodes: int = 1
+    """Nodes of that hardware (``plan.hardware``); this machine's plan uses ``launch.nnodes``."""
+    mfu: float = 0.4
+    """Model FLOPs utilisation assumed when turning FLOPs into the planned compute time of a step."""
+
+
+@dataclass
 class TrainConfig:
     backend: Any = MISSING
     """The engine (``backend`` group; ``_target_`` is a ``shardyard.backends.Backend`` class)."""
@@ -560,6 +579,8 @@ class TrainConfig:
     """torch.profiler traces of chosen steps."""
     debug: DebugConfig = field(default_factory=DebugConfig)
     """Non-finite losses and gradients, anomaly detection, fast_dev_run."""
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    """The memory and launch plan: checked before launch, printed at start (``shardyard.plan``)."""
 
 
 SCHEMAS = {

@@ -28,6 +28,10 @@ class Plan:
     seq_len: int
     model: Any = None
     """``shardyard.model.ModelFacts`` from one meta-device build (parameters, FLOPs/token, ...)."""
+    memory: Any = None
+    """The memory plan's figures for one rank of this run (``{"device": {category: bytes}, "peak": bytes,
+    "where": "cuda"|"cpu"}``), set by ``shardyard.plan.before_launch``; the worker reports its measured peak
+    beside it."""
 
     @property
     def tokens_per_step(self) -> int:
@@ -163,6 +167,7 @@ def validate(cfg: DictConfig, env: DistEnv | None) -> Plan:
                         "Use checkpoint.resume=auto (newest complete checkpoint of this run) or an existing path.")
     _validate_monitors(cfg)
     _validate_profile_debug(cfg)
+    _validate_plan(cfg.plan)
     p = dataclasses.replace(p, model=facts)
     get_object(cfg.backend._target_).validate(cfg, p)
     return p
@@ -309,6 +314,14 @@ def _validate_monitors(cfg: DictConfig) -> None:
                             "installed in this environment.",
                             f"Install it (pip install {package}, or pip install -e '.[monitors]'), or drop it "
                             f"from the list, e.g. 'monitor=[console,tensorboard]'.")
+
+
+def _validate_plan(pl: DictConfig) -> None:
+    for key in ("headroom", "mfu"):
+        if not 0 < pl[key] <= 1:
+            raise UserError(f"plan.{key}", pl[key], "It is a fraction of the hardware, in (0, 1].",
+                            f"Use e.g. plan.{key}={0.9 if key == 'headroom' else 0.4}.")
+    _at_least("plan.nodes", pl.nodes, 1)
 
 
 def _validate_profile_debug(cfg: DictConfig) -> None:

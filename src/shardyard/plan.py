@@ -1,0 +1,581 @@
+"""The memory and launch plan: will this recipe fit, and if not, what will?
+
+``estimate(cfg, batch, hardware)`` is a pure function of the composed config, the batch plan and a hardware
+description: per rank, the bytes of parameters, gradients, optimizer state, master weights, the engine's own
+buffers and activations, what offload moves to host RAM or NVMe, the bytes each rank sends per step and the
+step time those bytes and the FLOPs imply. Nothing is allocated: the model's shape comes from the one
+meta-device build validation already does (``model_shape``), the optimizer's bytes per parameter from one
+step on a 64 x 64 probe tensor.
+
+Each engine states what it holds in its own module (``Backend.model_states``), next to the code that
+allocates it; this module only adds activations, the runtime and the hardware. Where the figures come from
+(measured, not guessed) is in docs/architecture.md, "The plan".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from omegaconf import DictConfig
+
+from shardyard.errors import UserError
+
+GiB = float(2 ** 30)
+
+CPU_RUNTIME_BYTES = 0.45 * GiB
+"""One CPU worker's own footprint before any tensor: Python, torch, transformers, numpy, the tokenizer and
+gloo (VmRSS of a fresh worker measured at 0.38-0.45 GiB with torch 2.13 on x86-64 Linux)."""
+CUDA_RUNTIME_BYTES = 1.0 * GiB
+"""Per GPU outside ``max_memory_allocated``: the CUDA context, cuBLAS/NCCL workspaces and the caching
+allocator's slack. Counted when checking the fit, not in the allocated peak the gpu tier compares."""
+
+
+# ------------------------------------------------------------------------------------------- the model
+def model_shape(model: Any) -> dict:
+    """What the plan needs of a model built on the meta device: sizes, the largest block, the parameters
+    outside the blocks, and activation bytes per token (summed over blocks, of the largest block, and what
+    activation checkpointing keeps) for each numeric regime.
+
+    Regimes: ``fp32``; ``autocast`` (fp32 parameters, bf16/fp16 matmuls: single, DDP, Horovod);
+    ``half`` (bf16/fp16 parameters: FSDP's MixedPrecisionPolicy, DeepSpeed). Per-block bytes per token
+    were measured with ``torch.autograd.graph.saved_tensors_hooks`` on transformers 5's LLaMA and
+    DeepSeek-V3 blocks (SDPA attention), and fitted exactly (LLaMA) or within 1% (DeepSeek-V3):
+    ``tests/unit/test_plan.py`` re-measures them.
+    """
+    from shardyard.model import transformer_blocks
+
+    c = getattr(model, "config", None)
+    blocks = transformer_blocks(model)
+    block_params = [sum(p.numel() for p in b.parameters()) for b in blocks]
+    total = sum(p.numel() for p in model.parameters())
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    h = getattr(c, "hidden_size", None) or (emb.embedding_dim if emb is not None else 1024)
+    vocab = getattr(c, "vocab_size", None) or (emb.num_embeddings if emb is not None else 32000)
+    per_block = [_block_bytes_per_token(block, c, h) for block in blocks] or [_llama_bytes(h, 4 * h, h, max(1, h // 64))]
+    act = {}
+    for regime in ("fp32", "autocast", "half"):
+        layer = [b[regime] for b in per_block]
+        resid = 2 if regime == "half" else 4  # the residual stream: fp32 but under half parameters
+        act[regime] = {"blocks": sum(layer), "max_block": max(layer), "ckpt_per_block": resid * h,
+                       "loss": (12 if regime == "fp32" else 10) * vocab + 2 * resid * h}
+    module_params = [sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()]
+    return {"hidden": h, "vocab": vocab, "blocks": len(blocks), "block_params": sum(block_params),
+            "max_block_params": max(block_params, default=total), "root_params": total - sum(block_params),
+            "max_module_params": max(module_params, default=total),
+            "activation_bytes_per_token": act}
+
+
+def _llama_bytes(h: int, i: int, hkv: int, heads: int) -> dict:
+    # Saved tensors of one LLaMA block per token: 2 RMSNorms (input and output each), q/k/v, SDPA's output
+    # and log-sum-exp, o_proj's input, and the SwiGLU MLP's gate, up, silu(gate) and product (4 x i).
+    return {"fp32": 32 * h + 16 * i + 8 * hkv + 4 * heads + 8,
+            "autocast": 30 * h + 8 * i + 4 * hkv + 4 * heads,  # + the bf16 weight copies (``autocast_copies``)
+            "half": 20 * h + 8 * i + 4 * hkv + 4 * heads + 8}
+
+
+# DeepSeek-V3 under autocast / half parameters, relative to fp32 (measured on transformers' implementation:
+# its experts run a grouped matmul outside autocast's cast list, so they stay fp32 under autocast).
+_V3_AUTOCAST, _V3_HALF = 1.09, 0.70
+
+
+def _block_bytes_per_token(block: Any, c: Any, h: int) -> dict:
+    if c is None:  # a plain nn.Module model: a LLaMA-like block of its width
+        return _llama_bytes(h, 4 * h, h, max(1, h // 64))
+    heads = getattr(c, "num_attention_heads", max(1, h // 64))
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    head_dim = getattr(c, "head_dim", None) or h // heads
+    mlp = getattr(block, "mlp", None)
+    moe = mlp is not None and hasattr(mlp, "experts")
+    if getattr(c, "kv_lora_rank", None):  # MLA attention (DeepSeek-V2/V3)
+        dq, dv, rq, rkv = c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim, c.q_lora_rank, c.kv_lora_rank
+        attn = (2 * h + (2 * rq if rq else 0) + heads * dq  # input norm; q (through its low-rank norm)
+                + heads * dq + (rkv + c.qk_rope_head_dim) + rkv + heads * (c.qk_nope_head_dim + dv)  # query; kv latent
+                + heads * dq + 2 * heads * dv + heads + 2 * h)  # key, SDPA out, o_proj in, lse; output norm
+        if moe:  # router scores; per routed token its input, gate|up, silu, product, output; shared experts
+            k, mi = c.num_experts_per_tok, c.moe_intermediate_size
+            ffn = c.n_routed_experts + k * (2 * h + 4 * mi) + 4 * c.n_shared_experts * mi + 1.5 * h
+        else:
+            ffn = 4 * c.intermediate_size
+        fp32 = 4 * (attn + ffn)
+        return {"fp32": fp32, "autocast": _V3_AUTOCAST * fp32, "half": _V3_HALF * fp32}
+    i = getattr(c, "intermediate_size", None) or 4 * h
+    if moe and getattr(c, "num_experts_per_tok", None):  # LLaMA-style attention with routed experts
+        i = c.num_experts_per_tok * (getattr(c, "moe_intermediate_size", None) or i)
+    return _llama_bytes(h, i, kv_heads * head_dim, heads)
+
+
+# ---------------------------------------------------------------------------------------- the optimizer
+def optimizer_bytes_per_param(o: DictConfig) -> float:
+    """Optimizer state bytes per fp32 parameter: one real step of the recipe's optimizer on a 64 x 64 tensor
+    (AdamW 8, SGD with momentum 4, Adafactor's factored rows and columns about 0.1)."""
+    import torch
+
+    key = repr(sorted((k, str(v)) for k, v in o.items()))
+    if key not in _OPT_CACHE:
+        p = torch.nn.Parameter(torch.zeros(64, 64))
+        opt = _probe_optimizer(o, p)
+        p.grad = torch.ones_like(p)
+        opt.step()
+        held = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
+                   if isinstance(v, torch.Tensor) and v.numel() > 1)
+        _OPT_CACHE[key] = held / p.numel()
+    return _OPT_CACHE[key]
+
+
+_OPT_CACHE: dict[str, float] = {}
+
+
+def _probe_optimizer(o: DictConfig, p: Any) -> Any:
+    from hydra.utils import get_object
+
+    from shardyard.optim import optimizer_kwargs
+
+    return get_object(o._target_)([{"params": [p], "weight_decay": 0.0}], **optimizer_kwargs(o))
+
+
+# ---------------------------------------------------------------------------------------- the hardware
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    memory_gib: float
+    """Device memory as torch reports it (``total_memory``), GiB."""
+    bf16_tflops: float
+    """Dense bf16 tensor-core peak, TFLOP/s (vendor data sheet, no sparsity)."""
+    fp32_tflops: float
+    """Dense fp32 (non-tensor-core) peak, TFLOP/s."""
+    intra_gbs: float
+    """Bus bandwidth of a collective between the GPUs of one node, GB/s per GPU per direction (NVLink)."""
+    inter_gbs: float
+    """Between nodes, GB/s per GPU (the usual one NIC per GPU: 400 Gb/s InfiniBand NDR = 50 GB/s)."""
+    host_gib_per_gpu: float = 256.0
+    """Host RAM per GPU of the usual server (a DGX H100: 2 TiB for 8 GPUs)."""
+
+
+GPUS = [
+    GPU("H100-80GB", 79.1, 989.4, 66.9, 450.0, 50.0),
+    GPU("H100-PCIe-80GB", 79.1, 756.0, 51.2, 64.0, 25.0, 128.0),
+    GPU("H200-141GB", 139.8, 989.4, 66.9, 450.0, 50.0),
+    GPU("B200-192GB", 178.4, 2250.0, 80.0, 900.0, 50.0, 512.0),
+    GPU("A100-80GB", 79.2, 312.0, 19.5, 300.0, 25.0, 256.0),
+    GPU("A100-40GB", 39.4, 312.0, 19.5, 300.0, 25.0, 128.0),
+    GPU("L40S-48GB", 44.4, 362.0, 91.6, 32.0, 12.5, 96.0),
+    GPU("MI300X-192GB", 191.5, 1307.4, 163.4, 448.0, 50.0, 256.0),
+]
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What each rank of a job has. On CPU the ranks of a node share its RAM (``device_bytes`` is None)."""
+
+    name: str
+    device: str
+    ranks_per_node: int
+    nodes: int
+    device_bytes: float | None
+    host_bytes: float
+    """Host RAM of one node the job may use (available now on this machine; the table's figure for a named GPU)."""
+    nvme_bytes: float | None
+    peak_flops: float | None
+    """Per rank, in the recipe's compute dtype; None when unknown (CPU)."""
+    intra_bw: float
+    inter_bw: float
+    this_machine: bool
+
+    @property
+    def world(self) -> int:
+        return self.ranks_per_node * self.nodes
+
+
+def hardware(cfg: DictConfig, batch: Any) -> Hardware:
+    """``plan.hardware`` (``8xH100-80GB``, ``H100-80GB``, ``cpu``) with ``plan.nodes``, or this machine."""
+    spec = cfg.plan.hardware
+    if spec is None:
+        return this_machine(cfg, batch)
+    return named(spec, cfg.plan.nodes, cfg.precision.name, cfg.backend.get("nvme_path"))
+
+
+def named(spec: str, nodes: int, precision: str = "bf16", nvme_path: str | None = None) -> Hardware:
+    m = re.fullmatch(r"(?:(\d+)\s*x\s*)?(.+)", spec.strip(), re.IGNORECASE)
+    count, name = (int(m.group(1)) if m and m.group(1) else 1), (m.group(2) if m else spec)
+    if name.lower() == "cpu":
+        import psutil
+
+        mem = psutil.virtual_memory().total
+        return Hardware(f"{count}x cpu", "cpu", count, nodes, None, mem, _nvme_free(nvme_path), None, 10e9, 10e9, False)
+    gpu = next((g for g in GPUS if g.name.lower() == name.lower()), None) or \
+        next((g for g in GPUS if g.name.lower().startswith(name.lower() + "-")), None)
+    if gpu is None or count < 1 or nodes < 1:
+        known = ", ".join(g.name for g in GPUS)
+        raise UserError("plan.hardware", spec, f"It names no GPU the plan knows ({known}), or a count below 1.",
+                        "Use e.g. plan.hardware=8xH100-80GB (GPUs per node x GPU) with plan.nodes=N, or leave it "
+                        "unset to plan for this machine.")
+    flops = (gpu.fp32_tflops if precision == "fp32" else gpu.bf16_tflops) * 1e12
+    return Hardware(f"{count}x{gpu.name}", "cuda", count, nodes, gpu.memory_gib * GiB, gpu.host_gib_per_gpu * count * GiB,
+                    _nvme_free(nvme_path), flops, gpu.intra_gbs * 1e9, gpu.inter_gbs * 1e9, False)
+
+
+def this_machine(cfg: DictConfig, batch: Any) -> Hardware:
+    """The devices this process sees, without creating a CUDA context (a forked worker must not inherit one)."""
+    import psutil
+
+    nodes = cfg.launch.nnodes
+    nvme = _nvme_free(cfg.backend.get("nvme_path"))
+    host = psutil.virtual_memory().available
+    if batch.device_type == "cuda":
+        name, total = _gpu_name_and_memory()
+        gpu = next((g for g in GPUS if name and g.name.split("-")[0] in name), None)
+        flops = None if gpu is None else (gpu.fp32_tflops if cfg.precision.name == "fp32" else gpu.bf16_tflops) * 1e12
+        intra, inter = (gpu.intra_gbs, gpu.inter_gbs) if gpu else (64.0, 12.5)
+        return Hardware(f"{batch.nproc_per_node}x {name or 'GPU'} (this machine)", "cuda", batch.nproc_per_node, nodes,
+                        total, host, nvme, flops, intra * 1e9, inter * 1e9, True)
+    return Hardware(f"this machine ({os.cpu_count()} cores, {host / GiB:.1f} GiB RAM available)", "cpu",
+                    batch.nproc_per_node, nodes, None, host, nvme, None, 10e9, 10e9, True)
+
+
+def _gpu_name_and_memory() -> tuple[str | None, float | None]:
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20).stdout.strip().splitlines()
+        rows = [line.rsplit(",", 1) for line in out if "," in line]
+        return rows[0][0].strip(), min(float(r[1]) for r in rows) * 2 ** 20
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        import torch  # no nvidia-smi: ask torch (this creates a CUDA context in the parent)
+
+        props = torch.cuda.get_device_properties(0)
+        return props.name, float(props.total_memory)
+
+
+def _nvme_free(path: str | None) -> float | None:
+    if not path or not os.path.isdir(path):
+        return None
+    return float(shutil.disk_usage(path).free)
+
+
+# -------------------------------------------------------------------------------------------- the plan
+@dataclass
+class Estimate:
+    """One rank's plan for one engine on one piece of hardware (bytes, seconds)."""
+
+    engine: str
+    world: int
+    micro_batch: int
+    grad_accum: int
+    activation_checkpointing: bool
+    device: dict[str, float]
+    """On the device (CUDA memory; host RAM on CPU): params, grads, optimizer, master, buffers, activations,
+    and on CPU the worker's own runtime."""
+    host: dict[str, float]
+    """Host RAM per rank besides the device (offloaded state; empty on CPU, where everything is host RAM)."""
+    nvme: float
+    comm_bytes: float
+    """Bytes each rank sends per optimizer step (ring collectives)."""
+    compute_s: float | None
+    comm_s: float
+    notes: list[str] = field(default_factory=list)
+    fits: bool = True
+    shortfall: str = ""
+
+    @property
+    def device_peak(self) -> float:
+        return sum(self.device.values())
+
+    @property
+    def host_peak(self) -> float:
+        return sum(self.host.values())
+
+    @property
+    def model_states(self) -> dict[str, float]:
+        """Parameters, gradients and optimizer state (master weights included) wherever they live."""
+        both = {k: self.device.get(k, 0.0) + self.host.get(k, 0.0) for k in ("params", "grads", "optimizer", "master")}
+        return {"params": both["params"], "grads": both["grads"], "optimizer": both["optimizer"] + both["master"]}
+
+    @property
+    def step_s(self) -> float | None:
+        # Ring collectives overlap with compute at best; count the larger of the two plus a quarter of the other.
+        if self.compute_s is None:
+            return None
+        return max(self.compute_s, self.comm_s) + 0.25 * min(self.compute_s, self.comm_s)
+
+
+def estimate(cfg: DictConfig, batch: Any, hw: Hardware) -> Estimate:
+    """The plan of ``cfg`` (its engine, model, precision, batch) on ``hw``; ``batch.model.shape`` from the
+    meta build. World size, micro batch and accumulation are those the hardware implies."""
+    from hydra.utils import get_object
+
+    shape = batch.model.shape
+    P, N = batch.model.params, hw.world
+    accum = _accumulation(cfg, batch, N)
+    mbs = batch.micro_batch_size
+    engine = get_object(cfg.backend._target_)
+    states = engine.model_states(cfg, P, N, shape, optimizer_bytes_per_param(cfg.optim))
+    ckpt = bool(cfg.model.activation_checkpointing)
+    acts = _activations(shape, states.regime, mbs * batch.seq_len, ckpt)
+    device = dict(states.device)
+    device["activations"] = acts
+    if hw.device == "cpu":  # one pool: the device is host RAM, offloaded state included
+        for k, v in states.host.items():
+            device[k] = device.get(k, 0.0) + v
+        device["runtime"] = CPU_RUNTIME_BYTES
+        host: dict[str, float] = {}
+    else:
+        host = dict(states.host)
+    tokens = mbs * batch.seq_len * accum
+    compute = None if hw.peak_flops is None else batch.model.flops_per_token * tokens * (4 / 3 if ckpt else 1) / (
+        hw.peak_flops * cfg.plan.mfu)
+    comm_bytes = states.comm_bytes(accum) * (N - 1) / max(N, 1)
+    bw = hw.intra_bw if hw.nodes == 1 else hw.inter_bw
+    e = Estimate(cfg.backend.name, N, mbs, accum, ckpt, device, host, states.nvme, comm_bytes, compute,
+                 comm_bytes / bw if N > 1 else 0.0, list(states.notes))
+    _check_fit(e, hw, cfg.plan.headroom)
+    return e
+
+
+def _accumulation(cfg: DictConfig, batch: Any, world: int) -> int:
+    gbs = cfg.train.global_batch_size
+    if gbs is None:
+        return batch.grad_accum_steps
+    return max(1, gbs // (batch.micro_batch_size * world))
+
+
+def _activations(shape: dict, regime: str, tokens: int, ckpt: bool) -> float:
+    a = shape["activation_bytes_per_token"][regime]
+    if ckpt:  # each block keeps its input; one block at a time is recomputed in full during backward
+        per_token = shape["blocks"] * a["ckpt_per_block"] + a["max_block"] + a["loss"]
+        copies = 2 * (shape["max_block_params"] + shape["root_params"] / 2) if regime == "autocast" else 0.0
+    else:
+        per_token = a["blocks"] + a["loss"]
+        # autocast casts each weight to bf16 once per forward and keeps the copy for backward
+        copies = 2 * (shape["block_params"] + shape["root_params"] / 2) if regime == "autocast" else 0.0
+    return per_token * tokens + copies
+
+
+def _check_fit(e: Estimate, hw: Hardware, headroom: float) -> None:
+    short = []
+    if hw.device == "cpu":
+        need, have = e.device_peak * hw.ranks_per_node, hw.host_bytes * headroom
+        if need > have:
+            short.append(f"{hw.ranks_per_node} rank(s) x {e.device_peak / GiB:.1f} GiB = {need / GiB:.1f} GiB of host "
+                         f"RAM, and {headroom:.0%} of the {hw.host_bytes / GiB:.1f} GiB available is {have / GiB:.1f} GiB")
+    else:
+        assert hw.device_bytes is not None
+        need, have = e.device_peak + CUDA_RUNTIME_BYTES, hw.device_bytes * headroom
+        if need > have:
+            short.append(f"{need / GiB:.1f} GiB per GPU (with {CUDA_RUNTIME_BYTES / GiB:.0f} GiB of CUDA runtime), and "
+                         f"{headroom:.0%} of its {hw.device_bytes / GiB:.1f} GiB is {have / GiB:.1f} GiB")
+        host_need = e.host_peak * hw.ranks_per_node
+        if host_need > hw.host_bytes * headroom:
+            short.append(f"{host_need / GiB:.1f} GiB of host RAM per node for offloaded state, and {headroom:.0%} of "
+                         f"{hw.host_bytes / GiB:.1f} GiB is {hw.host_bytes * headroom / GiB:.1f} GiB")
+    if e.nvme:
+        if hw.nvme_bytes is None:
+            short.append("an NVMe directory (backend.nvme_path) that does not exist")
+        elif e.nvme * hw.ranks_per_node > hw.nvme_bytes * headroom:
+            short.append(f"{e.nvme * hw.ranks_per_node / GiB:.1f} GiB at backend.nvme_path, which has "
+                         f"{hw.nvme_bytes / GiB:.1f} GiB free")
+    e.fits, e.shortfall = not short, "; ".join(short)
+
+
+def nodes_needed(cfg: DictConfig, batch: Any, hw: Hardware, limit: int = 4096) -> int | None:
+    """The fewest nodes of this hardware on which the recipe fits (None: not even ``limit``)."""
+    lo = hw.nodes
+    if estimate(cfg, batch, hw).fits:
+        return lo
+    n = lo
+    while n < limit:  # double, then bisect: the per-rank figure only falls as the world grows
+        n *= 2
+        if estimate(cfg, batch, dataclasses.replace(hw, nodes=n)).fits:
+            break
+    else:
+        return None
+    a, b = n // 2, n
+    while b - a > 1:
+        mid = (a + b) // 2
+        a, b = (a, mid) if estimate(cfg, batch, dataclasses.replace(hw, nodes=mid)).fits else (mid, b)
+    return b
+
+
+# ------------------------------------------------------------------------------------------- printing
+CATEGORIES = ("params", "grads", "optimizer", "master", "buffers", "activations", "runtime")
+
+
+def table(rows: Iterable[tuple[Estimate, int | None]], hw: Hardware) -> str:
+    """One line per engine: per-rank memory by category, fits, bytes sent and step time."""
+    where = "host RAM" if hw.device == "cpu" else "GPU"
+    head = (f"{'engine':15} {'params':>7} {'grads':>7} {'optim':>7} {'master':>7} {'buffers':>7} {'activ':>7} "
+            f"{'runtime':>7} | {'peak/' + where:>12} {'host':>7} {'nvme':>7} | {'fits':10} | {'sent/step':>9} "
+            f"{'comm s':>7} {'compute s':>9}")
+    lines = [f"plan for {hw.name}, {hw.nodes} node(s), {hw.world} rank(s); GiB per rank", head, "-" * len(head)]
+    for e, nodes in rows:
+        cells = " ".join(f"{e.device.get(k, 0.0) / GiB:7.2f}" for k in CATEGORIES)
+        fits = "yes" if e.fits else (f"no: {nodes} nodes" if nodes else "no: nvme_path" if "NVMe" in e.shortfall else "no")
+        comp = f"{e.compute_s:9.3f}" if e.compute_s is not None else f"{'-':>9}"
+        lines.append(f"{e.engine:15} {cells} | {e.device_peak / GiB:12.2f} {e.host_peak / GiB:7.1f} "
+                     f"{e.nvme / GiB:7.1f} | {fits:10} | {e.comm_bytes / GiB:7.2f}Gi {e.comm_s:7.3f} {comp}")
+    return "\n".join(lines)
+
+
+def describe(e: Estimate, hw: Hardware) -> str:
+    """The line printed at every start."""
+    parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in e.device.items() if v)
+    if hw.device == "cpu":
+        of = f"{hw.ranks_per_node} x {e.device_peak / GiB:.2f} GiB = {e.device_peak * hw.ranks_per_node / hw.host_bytes:.1%} " \
+             f"of {hw.host_bytes / GiB:.1f} GiB host RAM available"
+        return f"plan per rank: peak {e.device_peak / GiB:.2f} GiB ({parts}); {of}"
+    assert hw.device_bytes is not None
+    line = (f"plan per GPU rank: peak {e.device_peak / GiB:.2f} GiB allocated ({parts}) = "
+            f"{(e.device_peak + CUDA_RUNTIME_BYTES) / hw.device_bytes:.1%} of {hw.device_bytes / GiB:.1f} GiB with the CUDA runtime")
+    if e.host_peak:
+        line += f"\nshardyard | plan per rank in host RAM (offload): {e.host_peak / GiB:.2f} GiB"
+    return line
+
+# ------------------------------------------------------------------------------- before launch (run.py)
+def before_launch(cfg: DictConfig, batch: Any, rank0: bool = True) -> tuple[Estimate, str] | None:
+    """This run's plan and the line that describes it; a run that does not fit is refused (``UserError``).
+    With ``plan.only`` every engine's plan is printed and None returned (the caller exits 0)."""
+    hw = hardware(cfg, batch)
+    if cfg.plan.only:
+        if rank0:
+            print(plan_report(cfg, batch, hw), flush=True)
+        return None
+    e = estimate(cfg, batch, hw)
+    if not e.fits and cfg.plan.check:
+        raise refusal(cfg, batch, hw, e, rank0)
+    return e, describe(e, hw)
+
+
+def plan_report(cfg: DictConfig, batch: Any, hw: Hardware) -> str:
+    """``plan.only``: every engine for this recipe on ``hw``, the rules of thumb, and how to read it."""
+    rows = []
+    for name, variant in engine_variants(cfg, hw.world):
+        e = estimate(variant, batch, hw)
+        rows.append((e, None if e.fits else nodes_needed(variant, batch, hw)))
+    P = batch.model.params
+    mfu = f"at MFU {cfg.plan.mfu:.0%} of {hw.peak_flops / 1e12:.0f} TFLOP/s" if hw.peak_flops else "(no FLOP/s figure for this hardware)"
+    notes = [
+        f"model {cfg.model.name}: {P / 1e9:.2f}B parameters | precision {cfg.precision.name} | micro batch "
+        f"{batch.micro_batch_size} x seq {batch.seq_len} | activation checkpointing {bool(cfg.model.activation_checkpointing)} "
+        f"| optimizer {cfg.optim._target_} ({optimizer_bytes_per_param(cfg.optim):.0f} bytes/param)",
+        "rules of thumb (ZeRO paper, mixed-precision Adam: 16 bytes/param): DDP 16P = "
+        f"{16 * P / GiB:.1f} GiB; ZeRO-1 4P+12P/N = {(4 * P + 12 * P / hw.world) / GiB:.1f}; ZeRO-2 2P+14P/N = "
+        f"{(2 * P + 14 * P / hw.world) / GiB:.1f}; ZeRO-3/FSDP 16P/N = {16 * P / hw.world / GiB:.1f} GiB per rank (N={hw.world})",
+        f"sent/step: bytes each rank sends per optimizer step (DDP, ZeRO-1/2 ~2P, ZeRO-3/FSDP ~3P, in the "
+        f"communication dtype); comm s at {(hw.intra_bw if hw.nodes == 1 else hw.inter_bw) / 1e9:.0f} GB/s per rank; "
+        f"compute s {mfu}",
+    ]
+    ds = deepspeed_estimates(cfg, batch, hw)
+    if ds:
+        notes.append(ds)
+    return table(rows, hw) + "\n" + "\n".join(notes)
+
+
+def engine_variants(cfg: DictConfig, world: int) -> list[tuple[str, DictConfig]]:
+    """The recipe under every ``backend`` option (``single`` only for one rank), composed with the run's
+    own overrides; the run's engine first."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    options = GlobalHydra.instance().config_loader().get_group_options("backend")
+    out = [(cfg.backend.name, cfg)]
+    for name in options:
+        if name == cfg.backend.name or (name == "single" and world > 1):
+            continue
+        out.append((name, compose_variant([f"backend={name}"], drop=("backend",))))
+    return out
+
+
+def compose_variant(extra: list[str], drop: tuple[str, ...] = ()) -> DictConfig:
+    """The run's config again with ``extra`` overrides (overrides of the ``drop`` keys removed first;
+    ``backend.nvme_path`` is kept)."""
+    from hydra import compose
+    from hydra.core.hydra_config import HydraConfig
+
+    task = [o for o in HydraConfig.get().overrides.task
+            if not any(o.lstrip("+~").split("=")[0].split(".")[0] == d for d in drop) or "nvme_path" in o]
+    return compose(config_name="train", overrides=task + extra)
+
+
+def alternatives(cfg: DictConfig, batch: Any, hw: Hardware, limit: int = 6) -> list[tuple[str, Estimate, int]]:
+    """Changes that would fit, ranked: fewest nodes, then fewest changed settings, then step time (or bytes
+    sent). Each is an override string, its estimate and the nodes it needs."""
+    from omegaconf import open_dict
+
+    found = []
+    gbs = batch.global_batch_size
+    for name, variant in engine_variants(cfg, hw.world):
+        if name == "zero_infinity" and not variant.backend.get("nvme_path"):
+            continue
+        for ckpt in sorted({bool(cfg.model.activation_checkpointing), True}):
+            mbs = batch.micro_batch_size
+            while mbs >= 1:
+                v = variant.copy()
+                with open_dict(v):
+                    v.model.activation_checkpointing = ckpt
+                    v.train.micro_batch_size = mbs
+                    v.train.global_batch_size = gbs
+                    v.train.grad_accum_steps = None
+                b = dataclasses.replace(batch, micro_batch_size=mbs)
+                changes = []
+                if name != cfg.backend.name:
+                    changes.append(f"backend={name}")
+                if ckpt != bool(cfg.model.activation_checkpointing):
+                    changes.append("model.activation_checkpointing=true")
+                if mbs != batch.micro_batch_size:
+                    changes.append(f"train.micro_batch_size={mbs} train.global_batch_size={gbs}")
+                nodes = nodes_needed(v, b, hw)
+                if nodes is not None:
+                    e = estimate(v, b, dataclasses.replace(hw, nodes=nodes))
+                    if nodes > hw.nodes:
+                        like = "like this one" if hw.this_machine else f"of {hw.name}"
+                        changes.append(f"{nodes} nodes {like} ({'launch.nnodes' if hw.this_machine else 'plan.nodes'}={nodes})")
+                    speed = e.step_s if e.step_s is not None else e.comm_bytes / 1e12
+                    found.append(((nodes, len(changes), speed, e.device_peak), " ".join(changes) or "as it is", e, nodes))
+                    break  # a smaller micro batch fits too, but only costs throughput
+                mbs //= 2
+    found.sort(key=lambda f: f[0])
+    seen, out = set(), []
+    for _, text, e, nodes in found:
+        if text not in seen:
+            seen.add(text)
+            out.append((text, e, nodes))
+    return out[:limit]
+
+
+def refusal(cfg: DictConfig, batch: Any, hw: Hardware, e: Estimate, rank0: bool = True) -> UserError:
+    alts = alternatives(cfg, batch, hw)
+    if rank0:
+        print(table([(e, None)], hw), flush=True)
+    if alts:
+        listed = "; ".join(f"({i}) {text}: {a.device_peak / GiB:.1f} GiB per rank" for i, (text, a, _) in enumerate(alts, 1))
+        fix = f"Alternatives that fit, best first: {listed}. Or plan.check=false to launch anyway."
+    else:
+        fix = "Nothing within 4096 nodes of this hardware fits; use a smaller model, or plan.check=false to launch anyway."
+    where = "GPU" if hw.device == "cuda" else "rank"
+    return UserError("backend", cfg.backend.name,
+                     f"The plan for {cfg.model.name} on {e.world} rank(s) of {hw.name} needs {e.device_peak / GiB:.1f} GiB "
+                     f"per {where} and does not fit: {e.shortfall}.", fix).on_every_rank()
+
+
+def deepspeed_estimates(cfg: DictConfig, batch: Any, hw: Hardware) -> str:
+    """DeepSpeed's own model-state estimators (ZeRO-2, ZeRO-3) beside ours, when DeepSpeed is installed."""
+    import logging
+
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)  # its import warns that it found no GPU
+    try:
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+    except ImportError:
+        return ""
+    P, shape = batch.model.params, batch.model.shape
+    _, z2 = estimate_zero2_model_states_mem_needs(P, hw.ranks_per_node, hw.nodes, cpu_offload=False)
+    _, z3, _ = estimate_zero3_model_states_mem_needs(P, shape["max_module_params"], hw.ranks_per_node, hw.nodes,
+                                                      cpu_offload=False, cpu_offload_params=False)
+    return (f"DeepSpeed's estimators (model states per GPU, mixed precision): ZeRO-2 {z2 / GiB:.2f} GiB "
+            f"(2P + 18P/N: it adds a 16-bit gradient partition that bf16 with fp32 accumulation does not keep), "
+            f"ZeRO-3 {z3 / GiB:.2f} GiB (4 bytes x the largest module + 18P/N; ours counts two gathered modules in the "
+            f"compute dtype and the reduce bucket under buffers)")

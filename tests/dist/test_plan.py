@@ -1,0 +1,41 @@
+"""The plan's model-state figures against what each engine really holds (``shardyard.memory.held_by``:
+every tensor of parameters, gradients and optimizer state a rank holds, each storage once)."""
+
+import pytest
+
+from shardyard import plan as memory_plan
+from shardyard.config.validate import validate
+from shardyard.memory import run_measurements
+from shardyard.testing import compose
+
+ENGINES = ["ddp", "zero1", "zero2", "zero3", "fsdp"]
+MODEL = ["model.hidden_size=128", "model.intermediate_size=344", "model.num_layers=2", "model.num_heads=4",
+         "data.seq_len=32", "train.micro_batch_size=1", "optim=adamw", "monitor=[]", "checkpoint.save_final=false"]
+
+
+def planned(overrides, world):
+    cfg = compose(overrides)
+    batch = validate(cfg, None)
+    hw = memory_plan.named(f"{world}xH100-80GB", 1)
+    return memory_plan.estimate(cfg, batch, hw).model_states
+
+
+def jobs(precisions):
+    return [[*MODEL, f"backend={e}", f"precision={p}"] for p in precisions for e in ENGINES]
+
+
+@pytest.fixture(scope="module")
+def measured():
+    # N=2 in both precisions; N=4 in bf16 (sharding is the same arithmetic in either precision).
+    return {2: run_measurements(2, jobs(["bf16", "fp32"])), 4: run_measurements(4, jobs(["bf16"]))}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_plan_equals_what_engines_hold(measured, world):
+    rows = []
+    for got in measured[world]:
+        plan = planned(got["overrides"], world)
+        for k in ("params", "grads", "optimizer"):
+            rows.append((got["overrides"][-2:], k, plan[k], got[k]))
+    bad = [r for r in rows if abs(r[2] - r[3]) > 0.10 * r[3]]
+    assert not bad, "plan vs measured bytes (engine, category, plan, measured):\n" + "\n".join(map(str, bad))
