@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -23,6 +22,7 @@ ENGINES = ["ddp", "zero1", "zero2", "zero3", "fsdp"]
 MODEL = ["model.hidden_size=512", "model.intermediate_size=1376", "model.num_layers=8", "model.num_heads=8",
          "model.num_kv_heads=8", "data.seq_len=32", "train.micro_batch_size=1", "precision=bf16", "optim=adamw",
          "monitor=[]", "checkpoint.save_final=false"]
+# The plan's own figures for these runs are asserted in tests/dist/test_plan.py; this prints the paper's.
 
 
 def expected(engine: str, P: int, N: int) -> dict:
@@ -33,56 +33,8 @@ def expected(engine: str, P: int, N: int) -> dict:
             "fsdp": {"params": 2 * P / N, "grads": 2 * P / N, "optimizer": 12 * P / N}}[engine]
 
 
-def _rank(rank: int, world: int, ports: list[int], out: str) -> None:
-    import torch
-
-    from shardyard import data
-    from shardyard.config.validate import validate
-    from shardyard.dist_env import detect
-    from shardyard.memory import held_by
-    from shardyard.model import build_model, param_count
-    from shardyard.testing import compose
-
-    import hydra.utils
-
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1")
-    torch.set_num_threads(1)
-    results = {}
-    for port, engine in zip(ports, ENGINES):
-        os.environ["MASTER_PORT"] = str(port)
-        cfg = compose([*MODEL, f"backend={engine}", "train.steps=2"], run_dir=tempfile.mkdtemp(prefix="bench-mem-"))
-        plan = validate(cfg, detect())
-        backend = hydra.utils.get_object(cfg.backend._target_)(cfg, plan)
-        backend.init()
-        built = {}
-
-        def build(allow_meta):
-            built["m"] = build_model(cfg.model, cfg.seed)
-            built["P"] = param_count(built["m"])
-            return built["m"]
-
-        backend.prepare(build, 2)
-        prep = data.prepare(cfg)
-        stream = data.TrainStream(data.PackedSequences(f"{prep.token_dir}/train.npy", cfg.data.seq_len), 0,
-                                  plan.global_batch_size, plan.micro_batch_size, rank, world)
-        x, y = stream.micro_batch(0, 0)
-        backend.forward_backward(x, y, True)
-        backend.step()
-        x, y = stream.micro_batch(1, 0)
-        backend.forward_backward(x, y, True)  # gradients of step 2 alive, optimizer state from step 1
-        # What the engine's optimizer object is: DeepSpeed's ZeRO optimizer, or the torch one of the stepper.
-        optimizer = backend.engine.optimizer if hasattr(backend, "engine") else backend.stepper.optimizer
-        results[engine] = {"P": built["P"], **held_by(backend.hf_model(), optimizer)}
-        backend.close()
-    if rank == 0:
-        Path(out).write_text(json.dumps({"world": world, **results}))
-
-
 def main() -> None:
-    import torch.multiprocessing as mp
-
-    from shardyard.launch import free_port
+    from shardyard.memory import run_measurements
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
@@ -94,9 +46,10 @@ def main() -> None:
             res = json.loads(Path(path).read_text())
             table[res.pop("world")] = res
     for world in ([] if a.load else a.worlds):
-        out = tempfile.mktemp(suffix=".json", prefix=f"shardyard-memory-w{world}-")
-        mp.start_processes(_rank, args=(world, [free_port() for _ in ENGINES], out), nprocs=world, start_method="spawn")
-        table[world] = json.loads(Path(out).read_text())
+        got = run_measurements(world, [[*MODEL, f"backend={e}"] for e in ENGINES])
+        table[world] = {e: r for e, r in zip(ENGINES, got)}
+        out = Path(tempfile.mktemp(suffix=".json", prefix=f"shardyard-memory-w{world}-"))
+        out.write_text(json.dumps({"world": world, **table[world]}))
         print(f"raw results: {out}")
     P = table[a.worlds[0]]["ddp"]["P"]
     mib = 1 / 2 ** 20

@@ -19,7 +19,12 @@ def main(argv: list[str] | None = None) -> None:
     rep = sub.add_parser("report", help="draw RUN_DIR/report.png from metrics.jsonl (a sweep dir: all its jobs)")
     rep.add_argument("run_dir", help="a run directory, or a multirun sweep directory")
     rep.add_argument("--out", help="PNG path (default: RUN_DIR/report.png)")
+    pl = sub.add_parser("plan", help="the memory and launch plan of every engine for a recipe: the same "
+                        "overrides as python train.py (e.g. model=deepseek7b plan.hardware=8xH100-80GB)")
+    pl.add_argument("overrides", nargs=argparse.REMAINDER, help="train.py overrides")
     args = parser.parse_args(argv)
+    if args.command == "plan":
+        _plan(args.overrides)
     if args.command == "report":
         try:
             if not os.path.isdir(args.run_dir):
@@ -35,6 +40,21 @@ def main(argv: list[str] | None = None) -> None:
         except UserError as err:
             report_and_exit(err)
     sys.exit(0)
+
+
+def _plan(overrides: list[str]) -> None:
+    """``shardyard plan ...`` is ``python train.py plan.only=true ...``: same composition, same checks."""
+    import runpy
+    from pathlib import Path
+
+    train_py = Path(__file__).resolve().parents[2] / "train.py"
+    if not train_py.is_file():
+        report_and_exit(UserError("shardyard plan", str(train_py), "It needs the repository's train.py and conf/, "
+                                  "and this installation has no train.py beside src/.",
+                                  "Run it from a checkout of shardyard (pip install -e .), or use "
+                                  "`python train.py plan.only=true ...` there."))
+    sys.argv = [str(train_py), "plan.only=true", *overrides]
+    runpy.run_path(str(train_py), run_name="__main__")
 
 
 def hydra_entry(hydra_main) -> None:

@@ -409,7 +409,7 @@ def table(rows: Iterable[tuple[Estimate, int | None]], hw: Hardware) -> str:
     """One line per engine: per-rank memory by category, fits, bytes sent and step time."""
     where = "host RAM" if hw.device == "cpu" else "GPU"
     head = (f"{'engine':15} {'params':>7} {'grads':>7} {'optim':>7} {'master':>7} {'buffers':>7} {'activ':>7} "
-            f"{'runtime':>7} | {'peak/' + where:>12} {'host':>7} {'nvme':>7} | {'fits':10} | {'sent/step':>9} "
+            f"{'runtime':>7} | {'peak/' + where:>12} {'host':>7} {'nvme':>7} | {'fits':13} | {'sent/step':>9} "
             f"{'comm s':>7} {'compute s':>9}")
     lines = [f"plan for {hw.name}, {hw.nodes} node(s), {hw.world} rank(s); GiB per rank", head, "-" * len(head)]
     for e, nodes in rows:
@@ -417,7 +417,7 @@ def table(rows: Iterable[tuple[Estimate, int | None]], hw: Hardware) -> str:
         fits = "yes" if e.fits else (f"no: {nodes} nodes" if nodes else "no: nvme_path" if "NVMe" in e.shortfall else "no")
         comp = f"{e.compute_s:9.3f}" if e.compute_s is not None else f"{'-':>9}"
         lines.append(f"{e.engine:15} {cells} | {e.device_peak / GiB:12.2f} {e.host_peak / GiB:7.1f} "
-                     f"{e.nvme / GiB:7.1f} | {fits:10} | {e.comm_bytes / GiB:7.2f}Gi {e.comm_s:7.3f} {comp}")
+                     f"{e.nvme / GiB:7.1f} | {fits:13} | {e.comm_bytes / GiB:7.2f}Gi {e.comm_s:7.3f} {comp}")
     return "\n".join(lines)
 
 
@@ -459,7 +459,7 @@ def plan_report(cfg: DictConfig, batch: Any, hw: Hardware) -> str:
     P = batch.model.params
     mfu = f"at MFU {cfg.plan.mfu:.0%} of {hw.peak_flops / 1e12:.0f} TFLOP/s" if hw.peak_flops else "(no FLOP/s figure for this hardware)"
     notes = [
-        f"model {cfg.model.name}: {P / 1e9:.2f}B parameters | precision {cfg.precision.name} | micro batch "
+        f"model {cfg.model.name}: {f'{P / 1e9:.2f}B' if P >= 1e9 else f'{P / 1e6:.1f}M'} parameters | precision {cfg.precision.name} | micro batch "
         f"{batch.micro_batch_size} x seq {batch.seq_len} | activation checkpointing {bool(cfg.model.activation_checkpointing)} "
         f"| optimizer {cfg.optim._target_} ({optimizer_bytes_per_param(cfg.optim):.0f} bytes/param)",
         "rules of thumb (ZeRO paper, mixed-precision Adam: 16 bytes/param): DDP 16P = "
@@ -565,12 +565,14 @@ def deepspeed_estimates(cfg: DictConfig, batch: Any, hw: Hardware) -> str:
     """DeepSpeed's own model-state estimators (ZeRO-2, ZeRO-3) beside ours, when DeepSpeed is installed."""
     import logging
 
-    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)  # its import warns that it found no GPU
+    logging.disable(logging.WARNING)  # its import warns that it found no GPU: this plan may be for GPUs elsewhere
     try:
         from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
         from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
     except ImportError:
         return ""
+    finally:
+        logging.disable(logging.NOTSET)
     P, shape = batch.model.params, batch.model.shape
     _, z2 = estimate_zero2_model_states_mem_needs(P, hw.ranks_per_node, hw.nodes, cpu_offload=False)
     _, z3, _ = estimate_zero3_model_states_mem_needs(P, shape["max_module_params"], hw.ranks_per_node, hw.nodes,

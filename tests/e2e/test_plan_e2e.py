@@ -38,6 +38,19 @@ def test_plan_only_for_8xh100(tmp_path):
     assert not (tmp_path / "summary.json").exists()
 
 
+def test_shardyard_plan_is_train_py_plan_only(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    proc = subprocess.run([sys.executable, "-m", "shardyard", "plan", "launch.nproc_per_node=2"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "plan for this machine" in proc.stdout and "2 rank(s)" in proc.stdout
+    assert proc.stdout.splitlines()[3].split()[0] == "ddp" and "zero3" in proc.stdout and "WARNING" not in proc.stderr
+
+
 def test_671b_on_one_node_names_the_nodes_it_needs(tmp_path):
     proc = train_py("backend=zero3", "model=deepseek_v3", "precision=bf16", "plan.hardware=8xH100-80GB",
                     "data.seq_len=4096", "train.micro_batch_size=1", run_dir=tmp_path, timeout=120)

@@ -44,3 +44,22 @@ def test_mfu_and_cuda_memory_are_reported(tmp_path):
     assert last["memory/max_allocated_gib"] > 0 and last["memory/max_reserved_gib"] >= last["memory/max_allocated_gib"]
     trace = json.load(open(tmp_path / "profile/rank0.trace.json"))
     assert any(e.get("cat") == "kernel" for e in trace["traceEvents"])  # CUDA kernels are in the trace
+
+
+# A 1.03B-parameter LLaMA (DeepSeek-LLM architecture), bf16, 4 x 1024 tokens per micro-batch.
+BIG = ["model.hidden_size=2048", "model.intermediate_size=5504", "model.num_layers=20", "model.num_heads=16",
+       "data.seq_len=1024", "train.micro_batch_size=4", "train.steps=3", "train.eval_batches=1",
+       "train.sample_tokens=0", "checkpoint.save_final=false", "monitor=[console]", "precision=bf16",
+       "launch.nproc_per_node=1"]
+
+
+@pytest.mark.parametrize("engine", ["ddp", "fsdp", "zero1", "zero2", "zero3"])
+def test_plan_predicts_the_cuda_peak_of_a_1b_model(engine, tmp_path):
+    """The plan's allocated peak per GPU against ``max_memory_allocated`` over the whole run (15%)."""
+    proc = train_py(*BIG, f"backend={engine}", run_dir=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    s = json.load(open(tmp_path / "summary.json"))
+    assert 0.95e9 < s["params"] < 1.1e9
+    assert "plan per GPU rank" in proc.stdout and "measured max_memory_allocated" in proc.stdout
+    assert s["memory_peak_bytes"] == pytest.approx(s["memory_plan_bytes"], rel=0.15), \
+        (engine, s["memory_peak_bytes"] / 2**30, s["memory_plan_bytes"] / 2**30)
