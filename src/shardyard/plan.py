@@ -223,7 +223,7 @@ def this_machine(cfg: DictConfig, batch: Any) -> Hardware:
     """The devices this process sees, without creating a CUDA context (a forked worker must not inherit one)."""
     import psutil
 
-    nodes = cfg.launch.nnodes
+    nodes = max(1, batch.world_size // batch.nproc_per_node)  # under torchrun/srun: the launch's real nodes
     nvme = _nvme_free(cfg.backend.get("nvme_path"))
     host = psutil.virtual_memory().available
     if batch.device_type == "cuda":
