@@ -1,4 +1,4 @@
-"""``python -m shardyard report RUN_DIR``."""
+"""``python -m shardyard train ...`` (and every other ``shardyard`` command)."""
 
 from shardyard.cli import main
 

@@ -1,6 +1,8 @@
-"""``shardyard report RUN_DIR`` (also ``python -m shardyard report RUN_DIR``): re-draw a run's picture.
+"""The ``shardyard`` command (also ``python -m shardyard``): ``train``, ``plan``, ``recipes [show NAME]``,
+``new DIR --recipe NAME``, ``lock``, ``report RUN_DIR``.
 
-Training itself is ``python train.py ...`` (Hydra owns that command line).
+``python train.py ...`` (a checkout, or a project made by ``shardyard new``) and ``shardyard train ...`` are
+the same Hydra app; ``shardyard train`` uses the configs inside the installed package, from any directory.
 """
 
 from __future__ import annotations
@@ -14,47 +16,95 @@ from shardyard.errors import UserError, report_and_exit
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="shardyard", description="shardyard tools (training: python train.py)")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["train"], ["plan"]):  # Hydra owns these command lines (its own --help included)
+        from shardyard import app
+
+        extra = ["plan.only=true"] if argv[0] == "plan" else []
+        app.train([*extra, *argv[1:]], prog=f"shardyard {argv[0]}")
+    parser = argparse.ArgumentParser(
+        prog="shardyard", description="shardyard tools. Training: python train.py ... in a checkout or a project made "
+        "by `shardyard new`, or `shardyard train ...` from any directory.")
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("train", help="train: the same overrides as python train.py (e.g. shardyard train "
+                   "recipe=deepseek_tiny_ddp2), with shardyard's packaged configs, from any directory")
+    sub.add_parser("plan", help="the memory and launch plan of every engine for a recipe: the same "
+                   "overrides as python train.py (e.g. model=deepseek7b plan.hardware=8xH100-80GB)")
+    rec = sub.add_parser("recipes", help="the recipe book: list it (engine, model, hardware, planned memory, "
+                         "purpose), or `shardyard recipes show NAME` for one recipe's whole config")
+    rec.add_argument("action", nargs="?", choices=["list", "show"], default="list")
+    rec.add_argument("name", nargs="?", help="with show: a recipe name (recipes/NAME.yaml)")
+    new = sub.add_parser("new", help="a standalone project in DIR that runs copied recipes: train.py, conf/ "
+                         "(your options), pyproject.toml pinning this shardyard, shardyard.lock.yaml")
+    new.add_argument("dir", help="a new or empty directory")
+    new.add_argument("--recipe", action="append", help="a recipe to copy (repeatable; the first is the one "
+                     "`python train.py` runs; default: deepseek_tiny_ddp2)")
+    lk = sub.add_parser("lock", help="record the installed shardyard version in a project's shardyard.lock.yaml "
+                        "(after checking what changed)")
+    lk.add_argument("dir", nargs="?", default=".", help="the project (default: here)")
     rep = sub.add_parser("report", help="draw RUN_DIR/report.png from metrics.jsonl (a sweep dir: all its jobs)")
     rep.add_argument("run_dir", help="a run directory, or a multirun sweep directory")
     rep.add_argument("--out", help="PNG path (default: RUN_DIR/report.png)")
-    pl = sub.add_parser("plan", help="the memory and launch plan of every engine for a recipe: the same "
-                        "overrides as python train.py (e.g. model=deepseek7b plan.hardware=8xH100-80GB)")
-    pl.add_argument("overrides", nargs=argparse.REMAINDER, help="train.py overrides")
     args = parser.parse_args(argv)
-    if args.command == "plan":
-        _plan(args.overrides)
-    if args.command == "report":
-        try:
-            if not os.path.isdir(args.run_dir):
-                raise UserError("run_dir", args.run_dir, "There is no such directory.",
-                                "Give a run directory (outputs/...) or a sweep directory (outputs/multirun/...).")
-            from shardyard.report import draw
-
-            try:
-                print(draw(args.run_dir, args.out))
-            except FileNotFoundError as e:
-                raise UserError("run_dir", args.run_dir, f"Nothing to draw: {e}.",
-                                "Point it at a directory a training run wrote (it holds metrics.jsonl).") from None
-        except UserError as err:
-            report_and_exit(err)
+    try:
+        if args.command == "recipes":
+            _recipes(args.action, args.name)
+        if args.command == "new":
+            _new(args.dir, args.recipe or ["deepseek_tiny_ddp2"])
+        if args.command == "lock":
+            _lock(args.dir)
+        if args.command == "report":
+            _report(args.run_dir, args.out)
+    except UserError as err:
+        report_and_exit(err)
     sys.exit(0)
 
 
-def _plan(overrides: list[str]) -> None:
-    """``shardyard plan ...`` is ``python train.py plan.only=true ...``: same composition, same checks."""
-    import runpy
+def _recipes(action: str, name: str | None) -> None:
+    from shardyard import recipes
+
+    if action == "show":
+        if not name:
+            raise UserError("shardyard recipes show", "(none)", "It needs a recipe name.",
+                            "Use e.g. `shardyard recipes show deepseek7b_zero3`; `shardyard recipes` lists them.")
+        print(recipes.show(name))
+    else:
+        print(recipes.listing())
+
+
+def _new(directory: str, names: list[str]) -> None:
+    from shardyard import project
+
+    root = project.new(directory, names)
+    print(f"shardyard | a project in {root} running recipe {names[0]} (shardyard {project.__version__})\n"
+          f"  cd {directory}\n  python train.py                  # the recipe\n"
+          f"  python train.py backend=fsdp     # any shardyard option; your own in conf/<group>/")
+
+
+def _lock(directory: str) -> None:
     from pathlib import Path
 
-    train_py = Path(__file__).resolve().parents[2] / "train.py"
-    if not train_py.is_file():
-        report_and_exit(UserError("shardyard plan", str(train_py), "It needs the repository's train.py and conf/, "
-                                  "and this installation has no train.py beside src/.",
-                                  "Run it from a checkout of shardyard (pip install -e .), or use "
-                                  "`python train.py plan.only=true ...` there."))
-    sys.argv = [str(train_py), "plan.only=true", *overrides]
-    runpy.run_path(str(train_py), run_name="__main__")
+    from shardyard import project
+
+    root = Path(directory).resolve()
+    if not (root / "conf" / "project.yaml").is_file():
+        raise UserError("shardyard lock", directory, "It is not a project made by `shardyard new` (no conf/project.yaml).",
+                        "Run it in the project's directory, or give its path.")
+    project.lock(root)
+    print(f"shardyard | {root / project.LOCK}: shardyard {project.__version__}")
+
+
+def _report(run_dir: str, out: str | None) -> None:
+    if not os.path.isdir(run_dir):
+        raise UserError("run_dir", run_dir, "There is no such directory.",
+                        "Give a run directory (outputs/...) or a sweep directory (outputs/multirun/...).")
+    from shardyard.report import draw
+
+    try:
+        print(draw(run_dir, out))
+    except FileNotFoundError as e:
+        raise UserError("run_dir", run_dir, f"Nothing to draw: {e}.",
+                        "Point it at a directory a training run wrote (it holds metrics.jsonl).") from None
 
 
 def hydra_entry(hydra_main) -> None:

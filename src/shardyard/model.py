@@ -124,6 +124,16 @@ def deepseek_v3(vocab_size: int, hidden_size: int, intermediate_size: int, num_l
     return AutoModelForCausalLM.from_config(config)
 
 
+# ``+scale=smoke`` (shardyard.scale): the tiny shape of each builder's family. A user's builder may carry its
+# own as a ``smoke_shape`` attribute (a dict of its keyword arguments); without one its model is kept as is.
+llama.smoke_shape = dict(  # type: ignore[attr-defined]
+    hidden_size=64, intermediate_size=176, num_layers=2, num_heads=4, num_kv_heads=None)
+deepseek_v3.smoke_shape = dict(  # type: ignore[attr-defined]
+    hidden_size=64, intermediate_size=176, num_layers=2, num_heads=4, num_kv_heads=None, q_lora_rank=None,
+    kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4, n_shared_experts=1,
+    num_experts_per_tok=2, moe_intermediate_size=64, first_k_dense_replace=1, n_group=1, topk_group=1)
+
+
 def has_weights(path: str) -> bool:
     return bool(glob.glob(os.path.join(path, "*.safetensors")) or glob.glob(os.path.join(path, "*.bin")))
 

@@ -479,8 +479,10 @@ def engine_variants(cfg: DictConfig, world: int) -> list[tuple[str, DictConfig]]
     """The recipe under every ``backend`` option (``single`` only for one rank), composed with the run's
     own overrides; the run's engine first."""
     from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
 
-    options = GlobalHydra.instance().config_loader().get_group_options("backend")
+    # With the primary config's name its hydra.searchpath counts: a project's options and shardyard's packaged ones.
+    options = GlobalHydra.instance().config_loader().get_group_options("backend", config_name=HydraConfig.get().job.config_name)
     out = [(cfg.backend.name, cfg)]
     for name in options:
         if name == cfg.backend.name or (name == "single" and world > 1):
@@ -497,7 +499,7 @@ def compose_variant(extra: list[str], drop: tuple[str, ...] = ()) -> DictConfig:
 
     task = [o for o in HydraConfig.get().overrides.task
             if not any(o.lstrip("+~").split("=")[0].split(".")[0] == d for d in drop) or "nvme_path" in o]
-    return compose(config_name="train", overrides=task + extra)
+    return compose(config_name=HydraConfig.get().job.config_name, overrides=task + extra)  # train.py's, or a project's
 
 
 def alternatives(cfg: DictConfig, batch: Any, hw: Hardware, limit: int = 6) -> list[tuple[str, Estimate, int]]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from shardyard import dist_env, rundir
+from shardyard import dist_env, rundir, scale
 from shardyard.config.validate import Plan, apply_fast_dev_run, validate
 from shardyard.errors import UserError, report_and_exit
 
@@ -25,6 +25,9 @@ def run(cfg: DictConfig) -> None:
     STARTED = True
     env = dist_env.detect()
     try:
+        scaled = scale.apply(cfg)  # +scale=smoke: the recipe scaled down to run here
+        if scaled and (env is None or env.is_rank0):
+            print(f"shardyard | {scaled}", flush=True)
         apply_fast_dev_run(cfg)  # before the config is written: the workers read the shortened run
         planned = _memory_plan(cfg, validate(cfg, env), env)
         if planned is None:

@@ -548,6 +548,23 @@ class PlanConfig:
 
 
 @dataclass
+class ScaleConfig:
+    name: str = "full"
+    """``full``: the recipe as written. ``smoke`` (``+scale=smoke``): any recipe scaled down to run on a CPU
+    box in seconds, with everything that decides *how* it trains kept: the same engine and its options, a tiny
+    model of the same architecture family (the builder's ``smoke_shape``), activation checkpointing and
+    accumulation as the recipe has them (accumulation at most 2), at most ``world_size`` local ranks, fp16
+    mapped to bf16 (the CPU's reduced precision), ``steps`` steps with an evaluation before and after, and no
+    checkpoints, exports or monitors but the console (``shardyard.scale``)."""
+    world_size: int = 2
+    """``smoke``: local ranks at most (a recipe for 8 GPUs or 2 nodes runs on this many)."""
+    steps: int = 3
+    """``smoke``: optimizer steps."""
+    seq_len: int = 64
+    """``smoke``: sequence length at most."""
+
+
+@dataclass
 class TrainConfig:
     backend: Any = MISSING
     """The engine (``backend`` group; ``_target_`` is a ``shardyard.backends.Backend`` class)."""
@@ -581,6 +598,8 @@ class TrainConfig:
     """Non-finite losses and gradients, anomaly detection, fast_dev_run."""
     plan: PlanConfig = field(default_factory=PlanConfig)
     """The memory and launch plan: checked before launch, printed at start (``shardyard.plan``)."""
+    scale: ScaleConfig = field(default_factory=ScaleConfig)
+    """``full``, or ``smoke`` (``+scale=smoke``): any recipe scaled down to run here (``shardyard.scale``)."""
 
 
 SCHEMAS = {
@@ -602,6 +621,7 @@ SCHEMAS = {
     "schema_sched_decay": DecaySchedConfig,
     "schema_precision": PrecisionConfig,
     "schema_checkpoint": CheckpointConfig,
+    "schema_scale": ScaleConfig,
     "schema_monitor_console": ConsoleMonitorConfig,
     "schema_monitor_tensorboard": TensorBoardMonitorConfig,
     "schema_monitor_wandb": WandbMonitorConfig,
