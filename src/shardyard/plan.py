@@ -279,12 +279,14 @@ class Estimate:
     compute_s: float | None
     comm_s: float
     notes: list[str] = field(default_factory=list)
+    overlap: float = 0.0
+    """Bytes of ``device`` never alive together (gradients built while activations are freed)."""
     fits: bool = True
     shortfall: str = ""
 
     @property
     def device_peak(self) -> float:
-        return sum(self.device.values())
+        return sum(self.device.values()) - self.overlap
 
     @property
     def host_peak(self) -> float:
@@ -318,7 +320,11 @@ def estimate(cfg: DictConfig, batch: Any, hw: Hardware) -> Estimate:
     ckpt = bool(cfg.model.activation_checkpointing)
     acts = _activations(shape, states.regime, mbs * batch.seq_len, ckpt)
     device = dict(states.device)
+    if accum > 1 and states.accumulation_bytes:
+        device["grads"] = device.get("grads", 0.0) + states.accumulation_bytes
     device["activations"] = acts
+    # Without accumulation, gradients freed by each step grow in backward as the activations shrink.
+    overlap = min(device.get("grads", 0.0), acts) if states.grads_freed_each_step and accum == 1 else 0.0
     if hw.device == "cpu":  # one pool: the device is host RAM, offloaded state included
         for k, v in states.host.items():
             device[k] = device.get(k, 0.0) + v
@@ -332,7 +338,7 @@ def estimate(cfg: DictConfig, batch: Any, hw: Hardware) -> Estimate:
     comm_bytes = states.comm_bytes(accum) * (N - 1) / max(N, 1)
     bw = hw.intra_bw if hw.nodes == 1 else hw.inter_bw
     e = Estimate(cfg.backend.name, N, mbs, accum, ckpt, device, host, states.nvme, comm_bytes, compute,
-                 comm_bytes / bw if N > 1 else 0.0, list(states.notes))
+                 comm_bytes / bw if N > 1 else 0.0, list(states.notes), overlap)
     _check_fit(e, hw, cfg.plan.headroom)
     return e
 
@@ -424,6 +430,8 @@ def table(rows: Iterable[tuple[Estimate, int | None]], hw: Hardware) -> str:
 def describe(e: Estimate, hw: Hardware) -> str:
     """The line printed at every start."""
     parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in e.device.items() if v)
+    if e.overlap:
+        parts += f"; grads and activations never peak together: -{e.overlap / GiB:.2f}"
     if hw.device == "cpu":
         of = f"{hw.ranks_per_node} x {e.device_peak / GiB:.2f} GiB = {e.device_peak * hw.ranks_per_node / hw.host_bytes:.1%} " \
              f"of {hw.host_bytes / GiB:.1f} GiB host RAM available"

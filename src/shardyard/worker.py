@@ -97,7 +97,7 @@ def train(cfg: DictConfig, plan: Plan, backend: Backend) -> dict:
         mon.fail(e.paragraph() if isinstance(e, UserError) else f"{type(e).__name__}: {e}")
         raise
     mon.close(summary)
-    if rank0 and not cfg.debug.fast_dev_run:
+    if rank0 and not cfg.debug.fast_dev_run and cfg.scale.name == "full":  # no report.png for a check run
         _draw_report(cfg.run_dir)
     return summary
 

@@ -44,6 +44,9 @@ def world2(tmp_path_factory):
     for e in ["fsdp_offload", "zero2_offload", "zero3_offload"]:
         jobs[(e, 1)] = [*STEPS, f"backend={e}"]
     jobs[("ddp", "fp16")] = [*STEPS, "backend=ddp", "precision=fp16"]
+    # FSDP reducing once per step (unsharded gradients kept while accumulating) instead of every micro-batch
+    jobs[("fsdp", "reduce_once")] = [*STEPS, "backend=fsdp", "train.micro_batch_size=2",
+                                     "backend.reduce_every_micro_batch=false"]
     keys = list(jobs)
     results = run_many(2, [(jobs[k], str(d / f"{k[0]}-{k[1]}")) for k in keys])
     return {**dict(zip(keys, results)), "dir": d}
@@ -57,6 +60,12 @@ def test_engine_matches_single_process(engine, accum, reference, world2):
     for r in ranks:  # every rank reports the same (all-reduced) numbers
         assert_close(curve(r), curve(ref), 1e-4, f"{engine} loss")
         assert_close(curve(r, "grad_norms"), curve(ref, "grad_norms"), 1e-4, f"{engine} grad norm")
+
+
+def test_fsdp_reducing_once_per_step_matches_single_process(reference, world2):
+    for r in world2[("fsdp", "reduce_once")]:
+        assert_close(curve(r), curve(reference["fp32"]), 1e-4, "fsdp reduce once, loss")
+        assert_close(curve(r, "grad_norms"), curve(reference["fp32"], "grad_norms"), 1e-4, "fsdp reduce once, norm")
 
 
 @pytest.mark.parametrize("engine", ENGINES)

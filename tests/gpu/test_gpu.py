@@ -59,6 +59,7 @@ def test_plan_predicts_the_cuda_peak_of_a_1b_model(engine, tmp_path):
     proc = train_py(*BIG, f"backend={engine}", run_dir=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     s = json.load(open(tmp_path / "summary.json"))
+    print(f"\n{engine}: measured {s['memory_peak_bytes'] / 2**30:.2f} GiB, plan {s['memory_plan_bytes'] / 2**30:.2f} GiB")
     assert 0.95e9 < s["params"] < 1.1e9
     assert "plan per GPU rank" in proc.stdout and "measured max_memory_allocated" in proc.stdout
     assert s["memory_peak_bytes"] == pytest.approx(s["memory_plan_bytes"], rel=0.15), \

@@ -134,3 +134,24 @@ def test_every_engine_shards_as_its_paper_says():
                 assert b[k] < a[k], (backend, k)
             elif backend != "zero1" or k != "grads":
                 assert b[k] == a[k], (backend, k)
+
+
+def test_fsdp_gradients_overlap_activations_or_accumulate_unsharded():
+    """Without accumulation FSDP's gradients (freed by every step) grow as the activations shrink, so the
+    peak counts the larger; reducing once per step keeps the whole model's unsharded fp32 gradients while
+    accumulating, and reducing every micro-batch sends more instead."""
+    hw = memory_plan.named("8xH100-80GB", 1)
+
+    def plan(*extra):
+        cfg, batch = deepseek7b("backend=fsdp", "train.micro_batch_size=1", *extra)
+        return memory_plan.estimate(cfg, batch, hw), batch.model.params
+
+    one, P = plan("train.global_batch_size=8")
+    every, _ = plan("train.global_batch_size=32")
+    once, _ = plan("train.global_batch_size=32", "backend.reduce_every_micro_batch=false")
+    assert one.grad_accum == 1 and every.grad_accum == once.grad_accum == 4
+    assert one.overlap == min(one.device["grads"], one.device["activations"]) > 0
+    assert one.device_peak == sum(one.device.values()) - one.overlap
+    assert every.overlap == 0 and every.device["grads"] == one.device["grads"] == 4 * P / 8
+    assert once.device["grads"] - every.device["grads"] == 4 * P
+    assert once.comm_bytes < every.comm_bytes

@@ -44,6 +44,12 @@ class ModelStates:
     """Bytes of the collectives run once per optimizer step, before the ring's (N-1)/N factor."""
     comm_per_micro: float = 0.0
     """Bytes of the collectives run on every micro-batch (ZeRO-2/3 reduce and gather while accumulating)."""
+    grads_freed_each_step: bool = False
+    """The optimizer step frees the gradients (``zero_grad(set_to_none=True)``) and backward builds them
+    block by block as it frees that block's activations: without accumulation the two never peak together,
+    so the plan counts the larger, not both."""
+    accumulation_bytes: float = 0.0
+    """On the device only while gradients accumulate over micro-batches (grad_accum_steps > 1)."""
     notes: list[str] = field(default_factory=list)
 
     def comm_bytes(self, accum: int) -> float:

@@ -71,8 +71,13 @@ class FSDPBackend:
            reshard_after_forward=False every block stays gathered from its forward to its backward.
         3. One block's unsharded fp32 gradients before its reduce-scatter.
         4. cpu_offload: the shards, their gradients and the optimizer live in host RAM; only (2)-(3) stay.
+        5. The sharded gradients are freed by each step and rebuilt during backward as activations are freed
+           (measured on an H100: counting both overestimated a 1B model's peak by 18%).
+        6. reduce_every_micro_batch=false: the unsharded fp32 gradients of the whole model stay between
+           micro-batches (FSDP2 accumulates them in the reduce dtype), 4 x P more while accumulating.
         Communication per optimizer step: all-gather in forward and again in backward (the compute dtype)
-        on every micro-batch, one fp32 reduce-scatter at the last: 2 x c x P x accumulation + 4 x P.
+        on every micro-batch, and an fp32 reduce-scatter on every micro-batch (or only the last):
+        (2 x c + 4) x P x accumulation, or 2 x c x P x accumulation + 4 x P.
         """
         b, P, N = cfg.backend, float(n_params), max(world, 1)
         c = FP32 if cfg.precision.name == "fp32" else HALF
@@ -80,8 +85,12 @@ class FSDPBackend:
         buffers = c * (shape["root_params"] + blocks) + FP32 * shape["max_block_params"]
         shards = {"params": FP32 * P / N, "grads": FP32 * P / N, "optimizer": optim_bytes * P / N}
         device, host = ({"buffers": buffers}, shards) if b.cpu_offload else ({**shards, "buffers": buffers}, {})
-        return ModelStates("fp32" if c == FP32 else "half", device, host, comm_per_step=FP32 * P,
-                           comm_per_micro=2 * c * P)
+        every_micro = b.reduce_every_micro_batch
+        return ModelStates("fp32" if c == FP32 else "half", device, host,
+                           comm_per_step=0.0 if every_micro else FP32 * P,
+                           comm_per_micro=(2 * c + FP32) * P if every_micro else 2 * c * P,
+                           grads_freed_each_step=True,  # 5
+                           accumulation_bytes=0.0 if every_micro else FP32 * P)  # 6
 
     def init(self) -> None:
         self.device = pick_device(self.plan, int(os.environ.get("LOCAL_RANK", 0)))
@@ -99,8 +108,9 @@ class FSDPBackend:
                                     scaler=scaler, autocast=False)  # the MixedPrecisionPolicy casts instead
 
     def forward_backward(self, inputs, targets, is_last_micro: bool) -> torch.Tensor:
-        # Non-final micro-steps keep unsharded gradients locally and skip the reduce-scatter.
-        self.model.set_requires_gradient_sync(is_last_micro)  # type: ignore[operator]  # FSDPModule method, added at runtime
+        # reduce_every_micro_batch=false: non-final micro-steps keep unsharded gradients and skip the reduce-scatter.
+        sync = is_last_micro or self.bcfg.reduce_every_micro_batch
+        self.model.set_requires_gradient_sync(sync)  # type: ignore[operator]  # FSDPModule method, added at runtime
         return self.stepper.forward_backward(inputs, targets)
 
     def step(self, guard: bool = False) -> StepStats:

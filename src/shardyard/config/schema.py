@@ -119,6 +119,11 @@ class FSDPBackendConfig(BackendConfig):
     for backward (ZeRO-2-like: less communication, more memory)."""
     cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state in CPU memory (``CPUOffloadPolicy``)."""
+    reduce_every_micro_batch: bool = True
+    """With gradient accumulation, reduce-scatter the gradients after every micro-batch, so that a rank only
+    ever holds its gradient shard (4P/N bytes). ``false`` reduces once per step (micro-batches x fewer
+    reduce-scatters) but keeps the whole model's unsharded fp32 gradients on every rank while accumulating
+    (4P bytes: 26 GiB for a 7B model)."""
 
 
 @dataclass
