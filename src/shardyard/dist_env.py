@@ -65,6 +65,14 @@ def export_torch_env(env: DistEnv) -> None:
     os.environ.setdefault("MASTER_PORT", "29500")
 
 
+def network_env(socket_ifname: str | None) -> None:
+    """``launch.socket_ifname``: the interface gloo and NCCL open their connections on (a variable the user
+    set themselves wins)."""
+    if socket_ifname:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", socket_ifname)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", socket_ifname)
+
+
 def _first_slurm_host() -> str:
     nodelist = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST", "127.0.0.1")
     try:

@@ -6,6 +6,7 @@ of the functions here, so run.py never branches on the engine.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import socket
@@ -31,24 +32,55 @@ def single_process_env() -> None:
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
 
 
+def rendezvous(run_dir: str, launch_cfg: DictConfig) -> dict[str, Any]:
+    """How the elastic agents of a run meet: ``LaunchConfig`` arguments.
+
+    1. One node: a fixed membership, so the static rendezvous (rank 0 of 1 agent) skips the c10d backend's
+       join rounds (about half a second per start); restarts work the same.
+    2. Several nodes: torch's c10d rendezvous, hosted by node 0 at ``launch.rdzv_endpoint``. Every node's
+       agent joins it, and joins again when any node's workers fail, so with ``max_restarts`` all nodes
+       restart together. The run id comes from the run dir, which every node shares, so two runs on one
+       endpoint never meet by mistake. Each node announces the address of ``launch.socket_ifname``, which is
+       how the others reach it (the hostname may resolve to a loopback or a management address).
+    """
+    if launch_cfg.nnodes == 1:  # 1
+        port = launch_cfg.master_port or free_port()
+        return dict(min_nodes=1, max_nodes=1, run_id=f"shardyard-{uuid.uuid4().hex[:8]}", rdzv_backend="static",
+                    rdzv_endpoint=f"127.0.0.1:{port}", rdzv_configs={"timeout": launch_cfg.timeout_s, "rank": 0})
+    n = launch_cfg.nnodes  # 2
+    run_id = "shardyard-" + hashlib.sha1(os.path.abspath(run_dir).encode()).hexdigest()[:12]
+    return dict(min_nodes=n, max_nodes=n, run_id=run_id, rdzv_backend="c10d", rdzv_endpoint=launch_cfg.rdzv_endpoint,
+                rdzv_configs={"join_timeout": launch_cfg.timeout_s, "is_host": launch_cfg.node_rank == 0},
+                local_addr=interface_address(launch_cfg.socket_ifname))
+
+
+def interface_address(ifname: str | None) -> str | None:
+    """The IPv4 address of a network interface (Linux), or None for none named."""
+    if not ifname:
+        return None
+    import fcntl
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", ifname[:15].encode()))  # SIOCGIFADDR
+    return socket.inet_ntoa(packed[20:24])
+
+
 def elastic(run_dir: str, plan: Plan, launch_cfg: DictConfig) -> None:
-    """``torchrun --standalone`` in-process: torch's elastic agent starts, watches and restarts workers."""
+    """``torchrun`` in-process: torch's elastic agent starts, watches and restarts this node's workers."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    port = launch_cfg.master_port or free_port()
     # On CPU the workers fork from this process, which has imported torch and transformers already (about 5 s
     # per worker saved, the bulk of a short job's start-up). A CUDA context must never exist before a fork,
-    # so GPU workers start as fresh interpreters (this process never initialises CUDA either way).
-    fork = plan.device_type == "cpu"
-    config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=plan.nproc_per_node,
-        # One node and a fixed membership: the static rendezvous (rank 0 of 1 agent) skips the c10d backend's
-        # join rounds (about half a second per start); restarts work the same.
-        run_id=f"shardyard-{uuid.uuid4().hex[:8]}", rdzv_backend="static", rdzv_endpoint=f"127.0.0.1:{port}",
-        rdzv_configs={"timeout": launch_cfg.timeout_s, "rank": 0}, max_restarts=launch_cfg.max_restarts,
-        monitor_interval=0.2, start_method="fork" if fork else "spawn",
-    )
+    # so GPU workers start as fresh interpreters (this process never initialises CUDA either way). Nor do
+    # multi-node workers fork: forked from an agent that holds the c10d rendezvous connections, their first
+    # gloo collective across hosts never completed (seen with torch 2.13 on two namespace hosts).
+    fork = plan.device_type == "cpu" and launch_cfg.nnodes == 1
+    config = LaunchConfig(nproc_per_node=plan.nproc_per_node, **rendezvous(run_dir, launch_cfg),
+                          max_restarts=launch_cfg.max_restarts, monitor_interval=0.2,
+                          start_method="fork" if fork else "spawn")
     if plan.device_type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # N workers on a CPU box share its cores; oversubscribed intra-op threads make every step slower.
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // plan.nproc_per_node))
@@ -64,14 +96,23 @@ def elastic(run_dir: str, plan: Plan, launch_cfg: DictConfig) -> None:
             elastic_launch(config, from_run_dir)(run_dir)
         else:
             elastic_launch(config, sys.executable)("-m", "shardyard.worker", run_dir)
+    except RendezvousError as e:
+        print(f"shardyard: node {launch_cfg.node_rank} of {launch_cfg.nnodes}: the rendezvous at "
+              f"{launch_cfg.rdzv_endpoint} did not complete ({type(e).__name__}: {e}). Every node must be started "
+              f"within launch.timeout_s={launch_cfg.timeout_s} s of the others, with the same launch.rdzv_endpoint "
+              "and hydra.run.dir, and reach node 0 at that address (launch.socket_ifname picks the interface). "
+              f"Run dir: {run_dir}", file=sys.stderr, flush=True)
+        sys.exit(1)
     except ChildFailedError as e:
         codes = {rank: f.exitcode for rank, f in e.failures.items()}
         # Ranks the agent terminated after the first failure show a negative (signal) code; blame and
         # exit with the ranks that really failed (exit 2 stays 2: a user error such as a bad resume path).
         real = {r: c for r, c in codes.items() if c > 0} or codes
         first = min(real)
-        print(f"shardyard: worker rank {first} failed with exit code {real[first]} "
+        node = f" (node {launch_cfg.node_rank} of {launch_cfg.nnodes})" if launch_cfg.nnodes > 1 else ""
+        print(f"shardyard: worker rank {first}{node} failed with exit code {real[first]} "
               f"(failed ranks and codes: {codes}); its output is above. Run dir: {run_dir}", file=sys.stderr, flush=True)
+
         sys.exit(2 if set(real.values()) == {2} else 1)
 
 

@@ -33,6 +33,7 @@ def run(cfg: DictConfig) -> None:
         if planned is None:
             return  # plan.only: the plan is printed, nothing runs
         plan = planned
+        dist_env.network_env(cfg.launch.socket_ifname)  # before any process group exists
         if env is None:
             _run_parent(cfg, plan)
         else:
@@ -58,9 +59,13 @@ def _memory_plan(cfg: DictConfig, plan: Plan, env: dist_env.DistEnv | None) -> P
 def _run_parent(cfg: DictConfig, plan: Plan) -> None:
     from shardyard import data, launch, worker
 
-    run_dir = rundir.prepare(cfg, plan)
+    node = cfg.launch.node_rank if plan.nnodes > 1 else 0
+    # Node 0 writes the run dir; the other nodes wait until it holds their own config (node_rank aside).
+    run_dir = rundir.prepare(cfg, plan) if node == 0 else rundir.wait_for_node0(cfg, cfg.launch.timeout_s)
     data.prepare(cfg, plan.model.embedding_rows)  # tokenizer + token cache, built once here, not raced by N workers
-    print(f"shardyard | run dir {run_dir}\nshardyard | {plan.describe()}\nshardyard | {plan.memory['line']}", flush=True)
+    where = " (config and plan written by node 0)" if node else ""
+    print(f"shardyard | run dir {run_dir}{where}\nshardyard | {plan.describe()}\nshardyard | {plan.memory['line']}",
+          flush=True)
     if plan.world_size == 1:
         launch.single_process_env()
         worker.main(rundir.resolved(cfg), plan)

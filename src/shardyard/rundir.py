@@ -47,6 +47,46 @@ def prepare(cfg: DictConfig, plan=None) -> str:
     return run_dir
 
 
+def wait_for_node0(cfg: DictConfig, timeout_s: float) -> str:
+    """Node k > 0 of a multi-node run: node 0 writes the shared run dir; wait until its ``config.yaml`` is
+    this node's own config (``launch.node_rank`` aside), so that every node trains the same recipe."""
+    import time
+
+    run_dir, n, r = cfg.run_dir, cfg.launch.nnodes, cfg.launch.node_rank
+    path = os.path.join(run_dir, "config.yaml")
+    mine = _without_node_rank(resolved(cfg))
+    theirs = None
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if os.path.exists(path) and os.path.exists(os.path.join(run_dir, "plan.json")):
+            theirs = _without_node_rank(OmegaConf.load(path))
+            if theirs == mine:
+                return run_dir
+        time.sleep(0.2)
+    if theirs is None:
+        raise UserError("hydra.run.dir", run_dir,
+                        f"This is node {r} of {n}: node 0 writes the run's config.yaml there, and none appeared "
+                        f"within launch.timeout_s={timeout_s} s.",
+                        "Start node 0 as well, with the same hydra.run.dir on a file system every node shares.")
+    diff = sorted(_differences(theirs, mine))
+    raise UserError("launch.node_rank", r,
+                    f"Node 0's config in {run_dir} differs from this node's at {', '.join(diff[:6])}.",
+                    "Start every node with the same overrides; only launch.node_rank differs between nodes.")
+
+
+def _without_node_rank(cfg) -> dict:
+    d = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(d, dict)
+    d.get("launch", {}).pop("node_rank", None)
+    return d
+
+
+def _differences(a, b, prefix: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [k for key in a.keys() | b.keys() for k in _differences(a.get(key), b.get(key), f"{prefix}{key}.")]
+    return [] if a == b else [prefix.rstrip(".")]
+
+
 def _write(path: str, text: str) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w") as f:

@@ -39,13 +39,62 @@ def main(cfg: DictConfig, plan: Plan, after_train: Callable[[Backend], None] | N
 
     backend: Backend = get_object(cfg.backend._target_)(cfg, plan)
     backend.init()
+    hosts = _hosts_by_rank(cfg, plan)
+    failed = True
     try:
         summary = train(cfg, plan, backend)
         if after_train is not None:
             after_train(backend)
+        failed = False
         return summary
+    except Exception as e:
+        if hosts:
+            _name_lost_peers(e, hosts, cfg)
+        raise
     finally:
-        backend.close()
+        try:
+            backend.close()
+        except Exception:
+            if not failed:
+                raise  # a failed run's teardown fails too when its peers are gone: its first error is the one to read
+
+
+def _hosts_by_rank(cfg: DictConfig, plan: Plan) -> list[str] | None:
+    """Multi-node: every rank's host address (``launch.socket_ifname``'s, else the hostname), so that a lost
+    connection can be named by rank and node."""
+    import socket
+
+    import torch.distributed as dist
+
+    from shardyard.launch import interface_address
+
+    if plan.nnodes == 1 or not dist.is_initialized():
+        return None
+    table: list = [None] * dist.get_world_size()
+    dist.all_gather_object(table, interface_address(cfg.launch.socket_ifname) or socket.gethostname())
+    return table
+
+
+def _name_lost_peers(e: Exception, hosts: list[str], cfg: DictConfig) -> None:
+    """gloo names the peer it lost ("Read error [10.0.0.2]:41234: Connection reset by peer"); a cable pulled
+    shows as a timeout only."""
+    import re
+
+    import torch.distributed as dist
+
+    text, me = str(e), dist.get_rank()
+    addrs = set(re.findall(r"\[([0-9A-Fa-f.:]+)\]:\d+", text))
+    lost = [f"rank {r} at {h}" for r, h in enumerate(hosts) if h in addrs and r != me]
+    node = os.environ.get("GROUP_RANK", cfg.launch.node_rank)
+    if lost:
+        why = f"lost its connection to {', '.join(lost)}: that node's workers stopped or the node is unreachable"
+    elif "timeout" in text.lower() or "timed out" in text.lower():
+        others = ", ".join(sorted(set(hosts) - {hosts[me]})) or "the other ranks"
+        why = (f"heard nothing from {others} within launch.timeout_s={cfg.launch.timeout_s} s: a node stopped "
+               "or its network went down")
+    else:
+        return
+    print(f"shardyard | rank {me} (node {node}) {why}.", file=sys.stderr, flush=True)
 
 
 def train(cfg: DictConfig, plan: Plan, backend: Backend) -> dict:

@@ -38,6 +38,11 @@ class HorovodBackend:
             raise UserError("backend", "horovod", "Horovod workers must be started by Horovod's runner, not by "
                             "torchrun/deepspeed.", "Use `python train.py backend=horovod launch.nproc_per_node=N` "
                             "or `horovodrun -np N python train.py backend=horovod`.")
+        if env is None and plan.nnodes > 1:
+            raise UserError("launch.nnodes", plan.nnodes, "Horovod's runner reaches other hosts over ssh (or MPI), "
+                            "not through launch.rdzv_endpoint.", "Start it on the first host with `horovodrun -np N "
+                            "-H host1:n,host2:n python train.py backend=horovod` (README, 'Clusters'), leaving "
+                            "launch.nnodes=1.")
 
     @staticmethod
     def model_states(cfg: DictConfig, n_params: int, world: int, shape: dict, optim_bytes: float):

@@ -10,7 +10,14 @@ from omegaconf import OmegaConf
 
 from shardyard.config.schema import register_configs
 
-__all__ = ["register_configs", "register_resolvers"]
+__all__ = ["register_configs", "register_resolvers", "run_dir_defaulted"]
+
+_TIMESTAMPED: list[str] = []
+"""Run dirs this process named by the clock (``sy_run_dir``), which another node would name differently."""
+
+
+def run_dir_defaulted() -> bool:
+    return bool(_TIMESTAMPED)
 
 
 def _run_dir(root: str = "outputs") -> str:
@@ -22,7 +29,9 @@ def _run_dir(root: str = "outputs") -> str:
     day = datetime.datetime.now().strftime("%Y-%m-%d")
     if dist_env.detect() is not None:
         return f"{root}/{day}/{dist_env.run_dir_name()}"
-    return f"{root}/{day}/{datetime.datetime.now().strftime('%H-%M-%S-%f')[:-3]}"
+    name = f"{root}/{day}/{datetime.datetime.now().strftime('%H-%M-%S-%f')[:-3]}"
+    _TIMESTAMPED.append(name)
+    return name
 
 
 def _short(name: str, limit: int = 60) -> str:

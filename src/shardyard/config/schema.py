@@ -524,11 +524,24 @@ class LaunchConfig:
     nproc_per_node: Any = "auto"
     """Worker processes on this node: an integer, or ``auto`` (the number of GPUs, 1 on CPU)."""
     nnodes: int = 1
-    """Nodes (multi-node jobs are started by torchrun, srun, deepspeed or horovodrun on each node)."""
+    """Nodes. ``python train.py`` is started on every node with the same overrides and run dir
+    (``hydra.run.dir`` on a shared file system) and its own ``launch.node_rank``; or torchrun, srun or
+    deepspeed start the workers on each node themselves (README, 'Clusters')."""
+    node_rank: int = 0
+    """This node, 0 to ``nnodes - 1``. Node 0 hosts the rendezvous and writes the run dir's config and plan;
+    the other nodes wait for them. Global ranks are then assigned by torch's c10d rendezvous."""
+    rdzv_endpoint: Optional[str] = None
+    """``HOST:PORT`` of node 0's rendezvous (c10d, in torch's elastic agent), the same on every node and
+    reachable from all of them; needed when ``nnodes > 1``."""
+    socket_ifname: Optional[str] = None
+    """Network interface for collectives and the rendezvous, e.g. ``eth0`` or ``ib0``: sets GLOO_SOCKET_IFNAME
+    and NCCL_SOCKET_IFNAME, and this node's rendezvous address; ``null``: the interface of the hostname."""
     max_restarts: int = 0
-    """Times the elastic agent restarts failed workers."""
+    """Times the elastic agent restarts failed workers (on every node together, from the last checkpoint
+    with ``checkpoint.resume=auto``)."""
     timeout_s: int = 600
-    """Collective timeout: a rank stuck this long in a collective fails instead of hanging."""
+    """Process-group timeout (a rank stuck this long in a collective fails instead of hanging), and how long
+    nodes wait for each other at the rendezvous."""
     master_port: Optional[int] = None
     """Rendezvous port for self-launched jobs; ``null`` picks a free one."""
 

@@ -6,6 +6,7 @@ import dataclasses
 import importlib.util
 import inspect
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,7 @@ class Plan:
     grad_accum_steps: int
     global_batch_size: int
     seq_len: int
+    nnodes: int = 1
     model: Any = None
     """``shardyard.model.ModelFacts`` from one meta-device build (parameters, FLOPs/token, ...)."""
     memory: Any = None
@@ -38,7 +40,8 @@ class Plan:
         return self.global_batch_size * self.seq_len
 
     def describe(self) -> str:
-        return (f"world size {self.world_size} ({self.nproc_per_node}/node on {self.device_type}) | "
+        nodes = f" x {self.nnodes} nodes" if self.nnodes > 1 else ""
+        return (f"world size {self.world_size} ({self.nproc_per_node}/node{nodes} on {self.device_type}) | "
                 f"global batch {self.global_batch_size} = micro {self.micro_batch_size} x accumulation "
                 f"{self.grad_accum_steps} x world {self.world_size} | seq_len {self.seq_len} | "
                 f"tokens/step {self.tokens_per_step:,}")
@@ -80,12 +83,12 @@ def plan(cfg: DictConfig, env: DistEnv | None) -> Plan:
             raise UserError("launch.nproc_per_node", nproc,
                             f"This node has {n_gpu} visible GPU(s), and each worker needs its own.",
                             f"Use launch.nproc_per_node={n_gpu} (or auto), or backend.device=cpu to run gloo workers.")
-        if launch.nnodes != 1:
-            raise UserError("launch.nnodes", launch.nnodes,
-                            "`python train.py` starts workers on this node only.",
-                            "Start multi-node jobs with torchrun/srun/deepspeed/horovodrun on every node "
-                            "(see README, 'Launching'), leaving launch.nnodes=1.")
-        world = nproc
+        world = nproc * _nodes(launch)
+    if launch.socket_ifname and not os.path.exists(f"/sys/class/net/{launch.socket_ifname}"):
+        have = ", ".join(sorted(os.listdir("/sys/class/net"))) if os.path.isdir("/sys/class/net") else "none listed"
+        raise UserError("launch.socket_ifname", launch.socket_ifname,
+                        f"This node has no network interface of that name (it has: {have}).",
+                        "Name one of them (`ip addr` shows their addresses), or leave launch.socket_ifname unset.")
     mbs = tr.micro_batch_size
     if mbs < 1:
         raise UserError("train.micro_batch_size", mbs, "It must be at least 1.", "Use train.micro_batch_size=1 or more.")
@@ -110,7 +113,31 @@ def plan(cfg: DictConfig, env: DistEnv | None) -> Plan:
                             "accumulation steps, which contradicts it.",
                             "Set only one of train.grad_accum_steps and train.global_batch_size.")
         accum = derived
-    return Plan(dev, nproc, world, mbs, accum, gbs, cfg.data.seq_len)
+    return Plan(dev, nproc, world, mbs, accum, gbs, cfg.data.seq_len, nnodes=max(1, world // nproc))
+
+
+def _nodes(launch: DictConfig) -> int:
+    """``launch.nnodes`` of a self-launched run, checked with what a multi-node start needs."""
+    from shardyard.config import run_dir_defaulted
+
+    n, r, endpoint = launch.nnodes, launch.node_rank, launch.rdzv_endpoint
+    if not isinstance(n, int) or n < 1:
+        raise UserError("launch.nnodes", n, "It must be a positive integer.", "Use launch.nnodes=1, or the number of nodes.")
+    if n == 1:
+        return 1
+    if not isinstance(r, int) or not 0 <= r < n:
+        raise UserError("launch.node_rank", r, f"With launch.nnodes={n} the node ranks are 0 to {n - 1}.",
+                        "Start node 0 with launch.node_rank=0 and every other node with its own rank.")
+    if not endpoint or not re.fullmatch(r"[^:\s]+:\d+", str(endpoint)):
+        raise UserError("launch.rdzv_endpoint", endpoint,
+                        f"The {n} nodes meet at node 0's rendezvous, HOST:PORT, which every node must be given.",
+                        "Pass launch.rdzv_endpoint=<node 0's address>:29500, the same on every node.")
+    if run_dir_defaulted():
+        raise UserError("hydra.run.dir", "(a timestamp)",
+                        f"With launch.nnodes={n} every node must use the same run directory, on a file system they "
+                        "all share; the default is a timestamp that each node would pick for itself.",
+                        "Pass the same hydra.run.dir=/shared/path/run-name on every node.")
+    return n
 
 
 def to_json(p: Plan) -> dict:

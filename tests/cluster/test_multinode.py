@@ -1,0 +1,161 @@
+"""Multi-node for real: two hosts (network namespaces, ``hosts.py``) x 1 worker, each started as a user
+starts a node, ``python train.py launch.nnodes=2 launch.node_rank=K launch.rdzv_endpoint=HOST0:PORT``
+(c10d rendezvous in torch's elastic agent), against the single-host 2-worker run of the same recipe.
+Skipped, with the reason, where namespaces cannot be made (no root, no ``ip``)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import hosts as nshosts
+import pytest
+from conftest import ROOT, TINY, train_py
+
+STEPS = [*TINY, "train.steps=5", "train.eval_every_n_steps=0", "train.global_batch_size=8"]
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    why = nshosts.unavailable()
+    if why:
+        pytest.skip(why)
+    h = nshosts.make(2)
+    yield h
+    nshosts.teardown(h.names)
+
+
+@pytest.fixture(scope="module")
+def one_host(tmp_path_factory):
+    """The single-host 2-worker run of an engine (run once, shared by the tests that compare with it)."""
+    runs: dict = {}
+
+    def get(engine):
+        if engine not in runs:
+            d = tmp_path_factory.mktemp(f"one-{engine}")
+            proc = train_py(*STEPS, f"backend={engine}", "launch.nproc_per_node=2", run_dir=d)
+            assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+            runs[engine] = losses(d)
+        return runs[engine]
+    return get
+
+
+def collect(procs, timeout):
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=timeout)[0])
+        except subprocess.TimeoutExpired:
+            p.kill()
+            outs.append(p.communicate()[0] + "\n[timed out]")
+    return [(p.returncode, out) for p, out in zip(procs, outs)]
+
+
+def on_two_hosts(hosts, run_dir, *overrides, port=29471, timeout=300):
+    """``train.py`` started on each host, as on two nodes: [(exit code, output), ...] by node rank."""
+    cmd = [sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={run_dir}", *overrides, "launch.nnodes=2",
+           "launch.nproc_per_node=1", f"launch.rdzv_endpoint={hosts.addrs[0]}:{port}",
+           f"launch.socket_ifname={hosts.ifname}", "launch.timeout_s=60"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    procs = [hosts.popen(i, [*cmd, f"launch.node_rank={i}"], cwd=ROOT, env=env, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i in range(2)]
+    return collect(procs, timeout)
+
+
+def losses(run_dir):
+    return [v for _, v in json.load(open(run_dir / "summary.json"))["train_losses"]]
+
+
+@pytest.mark.parametrize("engine", ["ddp", "fsdp", "zero2"])
+def test_two_hosts_train_as_one_host_with_two_workers(engine, hosts, one_host, tmp_path):
+    nodes = on_two_hosts(hosts, tmp_path / "two", *STEPS, f"backend={engine}")
+    assert [code for code, _ in nodes] == [0, 0], "\n\n".join(out[-4000:] for _, out in nodes)
+    node0, node1 = (out for _, out in nodes)
+    assert "world size 2 (1/node x 2 nodes" in node0, node0[-2000:]
+    assert "run dir" in node1 and "written by node 0" in node1, node1[-2000:]
+    a, b = one_host(engine), losses(tmp_path / "two")
+    assert len(a) == len(b) == 5
+    assert max(abs(x - y) / abs(y) for x, y in zip(b, a)) <= 1e-5, (a, b)
+
+
+def test_torchrun_on_each_host_trains_the_same(hosts, one_host, tmp_path):
+    """The user's own torchrun on each node (c10d rendezvous), every worker composing train.py's config."""
+    procs = []
+    for i in range(2):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+               "--rdzv-backend=c10d", f"--rdzv-endpoint={hosts.addrs[0]}:29474",
+               f"--rdzv-conf=is_host={str(i == 0).lower()}", f"--local-addr={hosts.addrs[i]}",
+               str(ROOT / "train.py"), f"hydra.run.dir={tmp_path / 'run'}", *STEPS, "backend=ddp",
+               f"launch.socket_ifname={hosts.ifname}", "launch.timeout_s=60"]
+        procs.append(hosts.popen(i, cmd, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, text=True,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    nodes = collect(procs, 300)
+    assert [code for code, _ in nodes] == [0, 0], "\n\n".join(out[-4000:] for _, out in nodes)
+    b = losses(tmp_path / "run")
+    assert max(abs(x - y) / abs(y) for x, y in zip(b, one_host("ddp"))) <= 1e-5
+
+
+def test_a_node_without_the_run_dir_of_node_0_says_so(hosts, tmp_path):
+    """Node 1 started alone (node 0 never came): it waits for node 0's config, then names the key."""
+    cmd = [sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={tmp_path / 'run'}", *STEPS, "backend=ddp",
+           "launch.nnodes=2", "launch.node_rank=1", "launch.nproc_per_node=1",
+           f"launch.rdzv_endpoint={hosts.addrs[0]}:29472", "launch.socket_ifname=eth0", "launch.timeout_s=5"]
+    proc = hosts.run(1, cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    err = " ".join(proc.stderr.split())
+    assert "hydra.run.dir" in err and "node 0" in err and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("args,key", [
+    (["launch.nnodes=2", "launch.rdzv_endpoint=127.0.0.1:29473"], "hydra.run.dir"),
+    (["launch.nnodes=2", "hydra.run.dir=RUN"], "launch.rdzv_endpoint"),
+    (["launch.nnodes=2", "launch.node_rank=2", "launch.rdzv_endpoint=127.0.0.1:29473", "hydra.run.dir=RUN"],
+     "launch.node_rank"),
+    (["launch.nnodes=2", "launch.rdzv_endpoint=127.0.0.1:29473", "hydra.run.dir=RUN", "launch.socket_ifname=nope0"],
+     "launch.socket_ifname"),
+])
+def test_multi_node_user_errors_name_the_key(args, key, tmp_path):
+    args = [a.replace("RUN", str(tmp_path / "run")) for a in args]
+    cmd = [sys.executable, str(ROOT / "train.py"), *STEPS, "backend=ddp", "launch.nproc_per_node=1", *args]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "SHARDYARD_RUN_DIR": ""})
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert key in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("how", ["kill", "cable"])
+def test_losing_a_node_stops_the_other_within_the_timeout_naming_it(how, hosts, tmp_path):
+    """Node 1 killed (kill -9 of everything on it) or unplugged (its link down: no reset ever arrives)."""
+    import re
+    import time
+
+    timeout_s = 20
+    cmd = [sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={tmp_path / 'run'}", *TINY, "train.steps=2000",
+           "train.eval_every_n_steps=0", "train.global_batch_size=8", "backend=ddp", "launch.nnodes=2",
+           "launch.nproc_per_node=1", f"launch.rdzv_endpoint={hosts.addrs[0]}:29476",
+           f"launch.socket_ifname={hosts.ifname}", f"launch.timeout_s={timeout_s}"]
+    logs = [open(tmp_path / f"node{i}.log", "w+") for i in range(2)]
+    procs = [hosts.popen(i, [*cmd, f"launch.node_rank={i}"], cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                         text=True, stdout=logs[i], stderr=subprocess.STDOUT) for i in range(2)]
+    try:
+        deadline = time.monotonic() + 180
+        while not re.search(r"step +10/", (tmp_path / "node0.log").read_text()):
+            assert time.monotonic() < deadline and procs[0].poll() is None, (tmp_path / "node0.log").read_text()[-3000:]
+            time.sleep(0.2)
+        lost_at = time.monotonic()
+        if how == "kill":
+            for pid in subprocess.run(["ip", "netns", "pids", hosts.names[1]], capture_output=True,
+                                      text=True).stdout.split():
+                os.kill(int(pid), 9)
+        else:
+            hosts.link(1, up=False)
+        code = procs[0].wait(timeout=timeout_s + 60)
+        took = time.monotonic() - lost_at
+    finally:
+        hosts.link(1, up=True)
+        for p in procs:
+            p.kill()
+    out = (tmp_path / "node0.log").read_text()
+    assert code == 1 and took < timeout_s + 30, (code, took, out[-3000:])
+    said = "lost its connection to rank 1 at " if how == "kill" else f"heard nothing from {hosts.addrs[1]}"
+    assert said in out and "(node 0 of 2) failed" in out, out[-3000:]
