@@ -112,7 +112,6 @@ def elastic(run_dir: str, plan: Plan, launch_cfg: DictConfig) -> None:
         node = f" (node {launch_cfg.node_rank} of {launch_cfg.nnodes})" if launch_cfg.nnodes > 1 else ""
         print(f"shardyard: worker rank {first}{node} failed with exit code {real[first]} "
               f"(failed ranks and codes: {codes}); its output is above. Run dir: {run_dir}", file=sys.stderr, flush=True)
-
         sys.exit(2 if set(real.values()) == {2} else 1)
 
 
