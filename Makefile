@@ -1,5 +1,6 @@
 # make train   -- set up (idempotent) and run the default recipe
-# make test    -- set up (idempotent), type-check src/ (mypy), run the whole test suite (unit, dist, e2e; gpu tests skip without CUDA)
+# make test    -- set up (idempotent; the cluster tier's apt packages too, as root), type-check src/ (mypy), run the
+#                whole test suite (unit, dist, e2e, cluster, recipes; gpu tests skip without CUDA)
 PY := .venv/bin/python
 
 .PHONY: setup train test bench clean
@@ -10,6 +11,7 @@ train: setup
 	$(PY) train.py $(ARGS)
 
 test: setup
+	@bash scripts/cluster_deps.sh
 	MYPY_CACHE_DIR=$${SHARDYARD_CACHE:-$$HOME/.cache/shardyard}/mypy $(PY) -m mypy
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 

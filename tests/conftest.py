@@ -3,6 +3,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
@@ -15,3 +17,26 @@ def train_py(*overrides: str, run_dir: Path, timeout: int = 600, env: dict | Non
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=full_env)
 
+
+
+
+CLUSTER_STEPS = [*TINY, "train.steps=5", "train.eval_every_n_steps=0", "train.global_batch_size=8"]
+"""The cluster tier's recipe: 5 steps of the tiny model at a global batch of 8. Every cluster run of an
+engine (namespace hosts, Slurm) must match the 1-host run of it."""
+
+
+@pytest.fixture(scope="session")
+def one_host(tmp_path_factory):
+    """The single-host 2-worker run of an engine on CLUSTER_STEPS, made once per session on first use."""
+    import json
+
+    runs: dict = {}
+
+    def get(engine):
+        if engine not in runs:
+            d = tmp_path_factory.mktemp(f"one-{engine}")
+            proc = train_py(*CLUSTER_STEPS, f"backend={engine}", "launch.nproc_per_node=2", run_dir=d)
+            assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+            runs[engine] = [v for _, v in json.load(open(d / "summary.json"))["train_losses"]]
+        return runs[engine]
+    return get

@@ -166,7 +166,9 @@ class Checkpointer:
     # ---------------------------------------------------------------------------------------- resuming
     def resume_path(self) -> str | None:
         want = self.c.resume
-        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        from shardyard.backends.process_group import elastic_start
+
+        restarted = elastic_start(self.cfg) > 0  # a restart of the workers (on any node of the job)
         if want is None and not restarted:
             return None
         if want in (None, "auto"):

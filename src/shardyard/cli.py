@@ -1,4 +1,4 @@
-"""The ``shardyard`` command (also ``python -m shardyard``): ``train``, ``plan``, ``recipes [show NAME]``,
+"""The ``shardyard`` command (also ``python -m shardyard``): ``train``, ``plan``, ``sbatch``, ``recipes [show NAME]``,
 ``new DIR --recipe NAME``, ``lock``, ``report RUN_DIR``.
 
 ``python train.py ...`` (a checkout, or a project made by ``shardyard new``) and ``shardyard train ...`` are
@@ -22,6 +22,14 @@ def main(argv: list[str] | None = None) -> None:
 
         extra = ["plan.only=true"] if argv[0] == "plan" else []
         app.train([*extra, *argv[1:]], prog=f"shardyard {argv[0]}")
+    if argv[:1] == ["sbatch"] and not {"-h", "--help"} & set(argv):  # KEY=VALUE arguments, as train.py's
+        try:
+            from shardyard import sbatch
+
+            sbatch.main([a for a in argv[1:] if a != "--submit"], submit="--submit" in argv)
+        except UserError as err:
+            report_and_exit(err)
+        sys.exit(0)
     parser = argparse.ArgumentParser(
         prog="shardyard", description="shardyard tools. Training: python train.py ... in a checkout or a project made "
         "by `shardyard new`, or `shardyard train ...` from any directory.")
@@ -30,6 +38,10 @@ def main(argv: list[str] | None = None) -> None:
                    "recipe=deepseek_tiny_ddp2), with shardyard's packaged configs, from any directory")
     sub.add_parser("plan", help="the memory and launch plan of every engine for a recipe: the same "
                    "overrides as python train.py (e.g. model=deepseek7b plan.hardware=8xH100-80GB)")
+    sb = sub.add_parser("sbatch", help="a Slurm batch script for a recipe: shardyard sbatch recipe=NAME nodes=N "
+                        "gpus_per_node=G [tasks_per_node, cpus_per_task, partition, time, account, qos, job_name, "
+                        "out_dir] [train.py overrides] [--submit]; requeued, it resumes (checkpoint.resume=auto)")
+    sb.add_argument("--submit", action="store_true", help="also submit it with sbatch")
     rec = sub.add_parser("recipes", help="the recipe book: list it (engine, model, hardware, planned memory, "
                          "purpose), or `shardyard recipes show NAME` for one recipe's whole config")
     rec.add_argument("action", nargs="?", choices=["list", "show"], default="list")

@@ -1,7 +1,8 @@
 """Who started this process? Maps every supported launcher onto RANK / WORLD_SIZE / LOCAL_RANK.
 
-Supported: torch's elastic agent (our self-launch and ``torchrun``), ``deepspeed``, Slurm's ``srun``,
-``horovodrun`` (gloo or MPI) and plain ``mpirun``. Import-light: no torch here.
+Supported: torch's elastic agent (our self-launch and ``torchrun``), ``deepspeed``, Slurm's ``srun`` (also
+inside an ``sbatch`` script), Hydra's submitit launcher (its Slurm and local executors), ``horovodrun`` (gloo
+or MPI) and plain ``mpirun``. Import-light: no torch here (submitit only inside a submitit job).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class DistEnv:
     launcher: str
-    """``elastic`` (torchrun / our launcher / deepspeed), ``slurm``, ``horovod`` or ``mpi``."""
+    """``elastic`` (torchrun / our launcher / deepspeed), ``submitit``, ``slurm``, ``horovod`` or ``mpi``."""
     rank: int
     local_rank: int
     world_size: int
@@ -39,16 +40,36 @@ def detect() -> DistEnv | None:
         return DistEnv("horovod", _int("HOROVOD_RANK"), _int("HOROVOD_LOCAL_RANK", 0), _int("HOROVOD_SIZE"),
                        _int("HOROVOD_LOCAL_SIZE", _int("HOROVOD_SIZE")))
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        # deepspeed's launcher says LOCAL_SIZE where torch's says LOCAL_WORLD_SIZE.
         return DistEnv("elastic", _int("RANK"), _int("LOCAL_RANK", 0), _int("WORLD_SIZE"),
-                       _int("LOCAL_WORLD_SIZE", _int("WORLD_SIZE")))
+                       _int("LOCAL_WORLD_SIZE", _int("LOCAL_SIZE", _int("WORLD_SIZE"))))
     if "OMPI_COMM_WORLD_RANK" in os.environ:
         return DistEnv("mpi", _int("OMPI_COMM_WORLD_RANK"), _int("OMPI_COMM_WORLD_LOCAL_RANK", 0),
                        _int("OMPI_COMM_WORLD_SIZE"), _int("OMPI_COMM_WORLD_LOCAL_SIZE", 1))
+    # Hydra's submitit launcher: its local executor sets SUBMITIT_LOCAL_* and no SLURM_*, its Slurm executor
+    # runs the tasks under srun; submitit's JobEnvironment reads either.
+    if "SUBMITIT_EXECUTOR" in os.environ:
+        import submitit
+
+        job = submitit.JobEnvironment()
+        return DistEnv("submitit", job.global_rank, job.local_rank, job.num_tasks,
+                       max(1, job.num_tasks // max(1, job.num_nodes)))
     # srun sets SLURM_STEP_NUM_TASKS for each task of a job step; a batch script alone does not.
     if "SLURM_PROCID" in os.environ and "SLURM_STEP_NUM_TASKS" in os.environ:
         return DistEnv("slurm", _int("SLURM_PROCID"), _int("SLURM_LOCALID", 0), _int("SLURM_STEP_NUM_TASKS"),
-                       _int("SLURM_STEP_TASKS_PER_NODE", 1) if os.environ.get("SLURM_STEP_TASKS_PER_NODE", "").isdigit() else 1)
+                       slurm_tasks_on_node(os.environ.get("SLURM_STEP_TASKS_PER_NODE", "1"), _int("SLURM_NODEID")))
     return None
+
+
+def slurm_tasks_on_node(tasks_per_node: str, node: int) -> int:
+    """The task count of node ``node`` in Slurm's compressed list: ``"2(x3),1"`` -> 2, 2, 2, 1."""
+    counts: list[int] = []
+    for part in tasks_per_node.split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not m:
+            return 1
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    return counts[node] if node < len(counts) else 1
 
 
 def export_torch_env(env: DistEnv) -> None:
@@ -57,8 +78,12 @@ def export_torch_env(env: DistEnv) -> None:
     os.environ.setdefault("LOCAL_RANK", str(env.local_rank))
     os.environ.setdefault("WORLD_SIZE", str(env.world_size))
     os.environ.setdefault("LOCAL_WORLD_SIZE", str(env.local_world_size))
-    if env.launcher == "slurm":
-        os.environ.setdefault("MASTER_ADDR", _first_slurm_host())
+    if env.launcher == "submitit" and os.environ["SUBMITIT_EXECUTOR"] == "local":
+        # All tasks on this machine; the controller's job id is its pid, shared by the tasks.
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(20000 + _int("SUBMITIT_LOCAL_JOB_ID", 0) % 20000))
+    elif env.launcher in ("slurm", "submitit") and "MASTER_ADDR" not in os.environ:
+        os.environ["MASTER_ADDR"] = slurm_master_address()
         # One port per job step, so two steps of one allocation do not collide.
         os.environ.setdefault("MASTER_PORT", str(20000 + (_int("SLURM_JOB_ID", 0) + _int("SLURM_STEP_ID", 0)) % 20000))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -73,21 +98,39 @@ def network_env(socket_ifname: str | None) -> None:
         os.environ.setdefault("NCCL_SOCKET_IFNAME", socket_ifname)
 
 
-def _first_slurm_host() -> str:
+def slurm_master_address() -> str:
+    """Where rank 0 listens: the first node of the step (or job), by name when the name resolves (the usual
+    cluster), else by the address Slurm itself uses to reach that node (its ``NodeAddr``; one controller
+    call, made only for names the resolver does not know)."""
+    import socket
+
     nodelist = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST", "127.0.0.1")
     try:
         out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
-        return out.stdout.split()[0]
+        first = out.stdout.split()[0]
     except (OSError, subprocess.CalledProcessError, IndexError):
         # Without scontrol: "node[01-04,07]" -> "node01"; "a,b" -> "a".
         m = re.match(r"([^\[,]+)(?:\[([^\],-]+))?", nodelist)
         return (m.group(1) + (m.group(2) or "")) if m else "127.0.0.1"
+    try:
+        socket.getaddrinfo(first, None)
+        return first
+    except OSError:
+        pass
+    try:
+        out = subprocess.run(["scontrol", "-o", "show", "node", first], capture_output=True, text=True, check=True)
+        addr = re.search(r"\bNodeAddr=(\S+)", out.stdout)
+        return addr.group(1) if addr else first
+    except (OSError, subprocess.CalledProcessError):
+        return first
 
 
 def run_dir_name() -> str:
     """A run-dir suffix every worker of one external launch agrees on (used by the ``sy_run_dir`` resolver)."""
     if os.environ.get("SLURM_JOB_ID") and "SLURM_STEP_NUM_TASKS" in os.environ:
         return f"slurm-{os.environ['SLURM_JOB_ID']}.{os.environ.get('SLURM_STEP_ID', '0')}"
+    if os.environ.get("SUBMITIT_LOCAL_JOB_ID"):
+        return f"submitit-{os.environ['SUBMITIT_LOCAL_JOB_ID']}"
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
     if run_id != "none":
         return f"torchrun-{run_id}"

@@ -78,7 +78,8 @@ def _run_external_worker(cfg: DictConfig, env: dist_env.DistEnv, plan: Plan) -> 
 
     dist_env.export_torch_env(env)
     if env.is_rank0:
-        rundir.prepare(cfg, plan)
-        print(f"shardyard | {plan.memory['line']}", flush=True)
+        run_dir = rundir.prepare(cfg, plan)
+        print(f"shardyard | run dir {run_dir} (workers started by {env.launcher})\nshardyard | {plan.describe()}\n"
+              f"shardyard | {plan.memory['line']}", flush=True)
     # Every rank trains from the config it composed; rank 0 alone wrote it to the run dir.
     worker.main(rundir.resolved(cfg), plan)

@@ -3,16 +3,15 @@ starts a node, ``python train.py launch.nnodes=2 launch.node_rank=K launch.rdzv_
 (c10d rendezvous in torch's elastic agent), against the single-host 2-worker run of the same recipe.
 Skipped, with the reason, where namespaces cannot be made (no root, no ``ip``)."""
 
-import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import hosts as nshosts
 import pytest
-from conftest import ROOT, TINY, train_py
-
-STEPS = [*TINY, "train.steps=5", "train.eval_every_n_steps=0", "train.global_batch_size=8"]
+from common import STEPS, close, losses
+from conftest import ROOT, TINY
 
 
 @pytest.fixture(scope="module")
@@ -23,21 +22,6 @@ def hosts():
     h = nshosts.make(2)
     yield h
     nshosts.teardown(h.names)
-
-
-@pytest.fixture(scope="module")
-def one_host(tmp_path_factory):
-    """The single-host 2-worker run of an engine (run once, shared by the tests that compare with it)."""
-    runs: dict = {}
-
-    def get(engine):
-        if engine not in runs:
-            d = tmp_path_factory.mktemp(f"one-{engine}")
-            proc = train_py(*STEPS, f"backend={engine}", "launch.nproc_per_node=2", run_dir=d)
-            assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-            runs[engine] = losses(d)
-        return runs[engine]
-    return get
 
 
 def collect(procs, timeout):
@@ -60,10 +44,6 @@ def on_two_hosts(hosts, run_dir, *overrides, port=29471, timeout=300):
     procs = [hosts.popen(i, [*cmd, f"launch.node_rank={i}"], cwd=ROOT, env=env, text=True,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i in range(2)]
     return collect(procs, timeout)
-
-
-def losses(run_dir):
-    return [v for _, v in json.load(open(run_dir / "summary.json"))["train_losses"]]
 
 
 @pytest.mark.parametrize("engine", ["ddp", "fsdp", "zero2"])
@@ -159,3 +139,84 @@ def test_losing_a_node_stops_the_other_within_the_timeout_naming_it(how, hosts, 
     assert code == 1 and took < timeout_s + 30, (code, took, out[-3000:])
     said = "lost its connection to rank 1 at " if how == "kill" else f"heard nothing from {hosts.addrs[1]}"
     assert said in out and "(node 0 of 2) failed" in out, out[-3000:]
+
+
+def test_a_failed_node_restarts_and_all_nodes_resume_to_the_clean_result(hosts, tmp_path):
+    """launch.max_restarts=1: node 1's worker is killed (kill -9) after the first checkpoint; node 1's agent
+    rejoins the rendezvous, node 0's agent sees the new round and restarts its worker too, and both resume
+    from the checkpoint (TORCHELASTIC_RESTART_COUNT > 0 means checkpoint.resume=auto) to the clean curve."""
+    import time
+
+    from conftest import train_py
+
+    steps = [*STEPS, "train.steps=40", "checkpoint.every_n_steps=10", "backend=ddp"]
+    clean = train_py(*steps, "launch.nproc_per_node=2", run_dir=tmp_path / "clean")
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    run_dir = tmp_path / "two"
+    cmd = [sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={run_dir}", *steps, "launch.nnodes=2",
+           "launch.nproc_per_node=1", f"launch.rdzv_endpoint={hosts.addrs[0]}:29477", "launch.max_restarts=1",
+           f"launch.socket_ifname={hosts.ifname}", "launch.timeout_s=60"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    procs = [hosts.popen(i, [*cmd, f"launch.node_rank={i}"], cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT) for i in range(2)]
+    deadline = time.monotonic() + 180
+    while not (run_dir / "checkpoints" / "latest").exists():
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "no checkpoint was written"
+        time.sleep(0.05)
+    workers = [pid for pid in subprocess.run(["ip", "netns", "pids", hosts.names[1]], capture_output=True,
+                                             text=True).stdout.split()
+               if b"shardyard.worker" in open(f"/proc/{pid}/cmdline", "rb").read()]
+    assert len(workers) == 1, workers
+    os.kill(int(workers[0]), 9)
+    nodes = collect(procs, 300)
+    assert [code for code, _ in nodes] == [0, 0], "\n\n".join(out[-4000:] for _, out in nodes)
+    assert all("resumed from" in out for _, out in nodes[:1]), nodes[0][1][-3000:]
+    assert close(losses(run_dir), losses(tmp_path / "clean")), (losses(run_dir), losses(tmp_path / "clean"))
+
+
+@pytest.fixture(scope="module")
+def ssh(hosts, tmp_path_factory):
+    """An sshd in each host (``sshd.py``), for the launchers that log in with ssh."""
+    import sshd
+
+    why = sshd.unavailable()
+    if why:
+        pytest.skip(why)
+    s = sshd.start(hosts, tmp_path_factory.mktemp("ssh"))
+    yield s
+    sshd.stop(s)
+
+
+def test_horovodrun_across_hosts_trains_as_one_host(hosts, ssh, one_host, tmp_path):
+    """``horovodrun -np 2 -H host1:1,host2:1`` started on host 0: it logs in to the other host with ssh (gloo
+    controller) and each worker runs train.py backend=horovod. Horovod's gloo advertises an address found
+    from the hostname, even with ``--network-interfaces``: without the per-host /etc/hosts of ``sshd.py`` it
+    was 127.0.0.1, and the other host's worker could not connect."""
+    pytest.importorskip("horovod.torch", reason="Horovod is built by make setup (SHARDYARD_SKIP_HOROVOD=1 skips it)")
+    cmd = [str(Path(sys.executable).parent / "horovodrun"), "-np", "2", "-H", f"{hosts.addrs[0]}:1,{hosts.addrs[1]}:1", "--gloo",
+           "--network-interfaces", hosts.ifname, "--gloo-timeout-seconds", "60", sys.executable,
+           str(ROOT / "train.py"), f"hydra.run.dir={tmp_path / 'run'}", *STEPS, "backend=horovod"]
+    proc = hosts.run(0, cmd, cwd=ROOT, env={**os.environ, "PATH": ssh.path, "PYTHONUNBUFFERED": "1"},
+                     capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "world size 2" in proc.stdout, proc.stdout[-2000:]
+    assert close(losses(tmp_path / "run"), one_host("horovod")), (losses(tmp_path / "run"), one_host("horovod"))
+
+
+def test_deepspeed_hostfile_across_hosts_trains_as_one_host(hosts, ssh, one_host, tmp_path):
+    """``deepspeed --hostfile H train.py backend=zero2`` started on host 0: its pdsh runner logs in to both
+    hosts with ssh and starts DeepSpeed's per-node launcher there."""
+    import shutil
+
+    if shutil.which("pdsh") is None:
+        pytest.skip("no pdsh here (DeepSpeed's multi-node runner): make test installs it with apt-get as root")
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("".join(f"{a} slots=1\n" for a in hosts.addrs))
+    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--hostfile", str(hostfile), "--master_addr",
+           hosts.addrs[0], "--master_port", "29481", str(ROOT / "train.py"), f"hydra.run.dir={tmp_path / 'run'}",
+           *STEPS, "backend=zero2", f"launch.socket_ifname={hosts.ifname}"]
+    proc = hosts.run(0, cmd, cwd=ROOT, env={**os.environ, "PATH": ssh.path, "PYTHONUNBUFFERED": "1"},
+                     capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "world size 2 (1/node x 2 nodes" in proc.stdout, proc.stdout[-2000:]
+    assert close(losses(tmp_path / "run"), one_host("zero2")), (losses(tmp_path / "run"), one_host("zero2"))

@@ -88,6 +88,7 @@ def test_multirun_sweep_runs_each_job_in_its_own_dir(tmp_path):
 
 @pytest.mark.parametrize("overrides,expect", [
     (["backend=ddpp"], "Available options in 'backend'"),
+    (["recipe=deepseek7b_zero33"], "Available options in 'recipe'"),  # a misspelt recipe never trains the default
     (["train.stepz=3"], "train.stepz"),
     (["train.global_batch_size=30", "train.micro_batch_size=8"], "not a multiple of micro batch 8"),
     (["model.num_heads=7"], "`model.num_heads` (value: 7)"),  # before any process starts, not transformers'

@@ -86,15 +86,25 @@ def test_schedules(name, expect_end):
     assert factor(100, 100) == pytest.approx(expect_end)
 
 
+@pytest.mark.parametrize("listing,node,tasks", [("4", 0, 4), ("4(x2)", 1, 4), ("2(x3),1", 3, 1), ("3,5", 1, 5)])
+def test_slurm_tasks_per_node_listing(listing, node, tasks):
+    from shardyard.dist_env import slurm_tasks_on_node
+
+    assert slurm_tasks_on_node(listing, node) == tasks
+
+
 def test_launcher_detection(monkeypatch):
-    for k in ("RANK", "WORLD_SIZE", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS"):
+    for k in ("RANK", "WORLD_SIZE", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS",
+              "SLURM_NODEID", "SLURM_STEP_TASKS_PER_NODE", "SUBMITIT_EXECUTOR"):
         monkeypatch.delenv(k, raising=False)
     assert detect() is None
     monkeypatch.setenv("SLURM_PROCID", "3")
     assert detect() is None  # inside an sbatch script, not a task of srun
     monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "8")
     monkeypatch.setenv("SLURM_LOCALID", "1")
-    assert detect() == DistEnv("slurm", 3, 1, 8, 1)
+    monkeypatch.setenv("SLURM_NODEID", "1")
+    monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", "2(x1),6")  # srun -n 8 over two nodes: 2 here, then 6
+    assert detect() == DistEnv("slurm", 3, 1, 8, 6)
     for k in ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS"):
         monkeypatch.delenv(k)
     # A horovodrun worker stays a Horovod worker after we export RANK/WORLD_SIZE for torch.

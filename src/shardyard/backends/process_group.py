@@ -19,8 +19,8 @@ def init_process_group(cfg: DictConfig, device: torch.device, dist_backend: str 
         return
     timeout = datetime.timedelta(seconds=cfg.launch.timeout_s)
     store: dict = {}
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if attempt is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+    attempt = _attempt(cfg, timeout)
+    if attempt is not None:
         # The elastic agent's store lives for the whole job, and workers use it without a per-attempt
         # prefix: after a restart, gloo would read the dead workers' addresses and fail to connect.
         # Each attempt therefore gets its own namespace.
@@ -30,6 +30,44 @@ def init_process_group(cfg: DictConfig, device: torch.device, dist_backend: str 
                      rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     dist.init_process_group(dist_backend, timeout=timeout, device_id=device if device.type == "cuda" else None,
                             **store)
+
+
+def _attempt(cfg: DictConfig, timeout: datetime.timedelta) -> str | None:
+    """A name for this start of the workers that every worker of the job agrees on (None: not under an
+    elastic agent that shares its store)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        return None
+    return f"attempt-{elastic_start(cfg, timeout)}"
+
+
+_START: int | None = None
+
+
+def elastic_start(cfg: DictConfig, timeout: datetime.timedelta | None = None) -> int:
+    """How many times the workers of this job have been started before this start, the same number on
+    every node (0 outside an elastic agent).
+
+    1. One node: the agent's restart count.
+    2. Several nodes (our c10d launch): not the restart count, which each node's agent keeps for itself: a
+       failed node's agent counts its restart, the others restart for the new round without counting it.
+       Every worker reads the rendezvous round instead, from the rendezvous state at launch.rdzv_endpoint
+       (torch's c10d backend keeps it there, pickled, under ``torch.rendezvous.<run id>``).
+    """
+    global _START
+    if _START is None:
+        count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if cfg.launch.nnodes == 1 or not cfg.launch.rdzv_endpoint or "TORCHELASTIC_RUN_ID" not in os.environ:
+            _START = count  # 1
+        else:
+            import base64
+            import pickle
+
+            host, port = cfg.launch.rdzv_endpoint.rsplit(":", 1)  # 2
+            rdzv = dist.TCPStore(host, int(port), is_master=False,
+                                 timeout=timeout or datetime.timedelta(seconds=cfg.launch.timeout_s))
+            state = pickle.loads(base64.b64decode(rdzv.get("torch.rendezvous." + os.environ["TORCHELASTIC_RUN_ID"])))
+            _START = int(state.round)
+    return _START
 
 
 def teardown(backend, *attrs: str, destroy=None) -> None:

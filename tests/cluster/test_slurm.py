@@ -1,0 +1,109 @@
+"""A real Slurm (``slurm.py``: slurmctld + two slurmd on this host, from Debian's slurm-wlm): ``srun`` of
+``train.py`` maps SLURM_* onto ranks on one node and across two; ``shardyard sbatch`` writes a script that
+runs to completion and, requeued by ``scontrol requeue``, resumes from its last checkpoint; Hydra's submitit
+launcher runs a two-task job. Every run is compared with the single-host 2-worker run of its engine.
+Skipped, with the reason, where Slurm is not installed or this is not root."""
+
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+import slurm as local_slurm
+from common import STEPS, close, losses
+from conftest import ROOT
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    why = local_slurm.unavailable()
+    if why:
+        pytest.skip(why)
+    c = local_slurm.start(tmp_path_factory.mktemp("slurm"))
+    yield c
+    local_slurm.stop(c)
+
+
+def srun(cluster, layout, run_dir, *overrides, timeout=300):
+    return cluster.run("srun", *layout, "--kill-on-bad-exit=1", sys.executable, str(ROOT / "train.py"),
+                       f"hydra.run.dir={run_dir}", *STEPS, *overrides, cwd=ROOT, timeout=timeout)
+
+
+@pytest.mark.parametrize("layout,engine", [(["-N1", "-n2"], "ddp"), (["-N2", "--ntasks-per-node=1"], "zero2")])
+def test_srun_tasks_train_as_one_host_with_two_workers(layout, engine, cluster, one_host, tmp_path):
+    proc = srun(cluster, layout, tmp_path / "run", f"backend={engine}")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    nodes = "1/node x 2 nodes" if "-N2" in layout else "2/node"
+    assert f"world size 2 ({nodes}" in proc.stdout, proc.stdout[-2000:]
+    assert close(losses(tmp_path / "run"), one_host(engine)), (losses(tmp_path / "run"), one_host(engine))
+
+
+def test_sbatch_script_runs_and_a_requeued_job_resumes_to_the_clean_result(cluster, tmp_path):
+    """``shardyard sbatch ... --submit`` on 2 nodes x 1 task; once its first checkpoint is complete the job is
+    requeued (``scontrol requeue``: Slurm kills it and queues it again under the same id); it starts again in
+    the same run dir, resumes, and ends with the loss curve of the clean 2-worker run."""
+    from conftest import train_py
+
+    steps = ["train.steps=40", "checkpoint.every_n_steps=10", "checkpoint.save_final=false", "backend=ddp"]
+    clean = train_py(*STEPS, *steps, "launch.nproc_per_node=2", run_dir=tmp_path / "clean")
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    out = tmp_path / "job"
+    gen = cluster.run(sys.executable, "-m", "shardyard", "sbatch", *STEPS, *steps, "nodes=2", "tasks_per_node=1",
+                      f"out_dir={out}", "--submit", cwd=ROOT, timeout=120)
+    assert gen.returncode == 0, gen.stdout + gen.stderr
+    script = (out / "job.sbatch").read_text()
+    assert "#SBATCH --nodes=2" in script and "#SBATCH --requeue" in script and "checkpoint.resume=auto" in script
+    job = re.search(r"submitted job (\d+)", gen.stdout).group(1)
+    run_dir = out / job
+    cluster.wait_job(job, ("RUNNING",), 60)
+    deadline = time.monotonic() + 180
+    while not (run_dir / "checkpoints" / "latest").exists():
+        assert time.monotonic() < deadline and cluster.job(job)["JobState"] == "RUNNING", cluster.job(job)
+        time.sleep(0.1)
+    requeue = cluster.run("scontrol", "requeue", job)
+    assert requeue.returncode == 0, requeue.stderr
+    # Slurm holds a requeued job back for about two minutes (its BeginTime); an operator may start it now.
+    cluster.wait_job(job, ("PENDING",), 60)
+    cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")
+    info = cluster.wait_job(job, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"), 300)
+    log = (out / f"slurm-{job}.out").read_text()
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", (info, log[-4000:])
+    assert "DUE TO JOB REQUEUE" in log and "start 2, run dir" in log and "resumed from" in log, log[-4000:]
+    assert re.search(r"resumed from \S+/step-0*[1-3]0\b", log), log[-4000:]
+    assert close(losses(run_dir), losses(tmp_path / "clean")), (losses(run_dir), losses(tmp_path / "clean"))
+
+
+def test_sbatch_user_errors_name_the_key(tmp_path):
+    """Checked before anything is written or submitted (no Slurm needed)."""
+    for args, key in [(["recipe=deepseek7b_zero33"], "recipe/deepseek7b_zero33"), (["nodes=0"], "`nodes`"),
+                      (["gpus_per_node=eight"], "`gpus_per_node`"), (["nodes"], "KEY=VALUE")]:
+        proc = subprocess.run([sys.executable, "-m", "shardyard", "sbatch", *args, f"out_dir={tmp_path / 'x'}"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and key in proc.stderr and "Traceback" not in proc.stderr, (args, proc.stderr)
+        assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("launcher", ["submitit_slurm", "submitit_local"])
+def test_hydra_submitit_launcher_runs_a_two_task_job(launcher, request, one_host, tmp_path):
+    """``python train.py -m hydra/launcher=submitit_*``: each task runs train.py's task function and is one worker;
+    the Slurm executor's tasks (2 nodes x 1) read SLURM_*, the local executor's (1 node x 2) SUBMITIT_LOCAL_*."""
+    import glob
+    import json
+
+    pytest.importorskip("submitit", reason="Hydra's submitit launcher is shardyard's `slurm` extra (make setup installs it)")
+    if launcher == "submitit_slurm":
+        cluster = request.getfixturevalue("cluster")
+        layout, env, run = ["hydra.launcher.nodes=2", "hydra.launcher.tasks_per_node=1"], cluster.env, cluster.run
+    else:
+        layout, env, run = ["hydra.launcher.tasks_per_node=2"], None, None
+    cmd = [sys.executable, str(ROOT / "train.py"), "-m", f"hydra/launcher={launcher}", *layout,
+           "hydra.launcher.timeout_min=10", f"hydra.sweep.dir={tmp_path}", *STEPS, "backend=ddp"]
+    proc = run(*cmd, cwd=ROOT, timeout=300) if run else subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    logs = "\n".join(open(f).read()[-2000:] for f in sorted(glob.glob(f"{tmp_path}/.submitit/*/*log.*")))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:] + logs
+    (job_dir,) = [p for p in tmp_path.iterdir() if p.name.startswith("0_")]
+    assert json.load(open(job_dir / "summary.json"))["world_size"] == 2
+    assert "(workers started by submitit)" in logs and ("1/node x 2 nodes" if env else "(2/node on") in logs, logs
+    assert close(losses(job_dir), one_host("ddp")), (losses(job_dir), one_host("ddp"))
