@@ -27,16 +27,17 @@ engine (namespace hosts, Slurm) must match the 1-host run of it."""
 
 @pytest.fixture(scope="session")
 def one_host(tmp_path_factory):
-    """The single-host 2-worker run of an engine on CLUSTER_STEPS, made once per session on first use."""
+    """The single-host 2-worker run of an engine on CLUSTER_STEPS (plus any overrides), made once per session
+    on first use: ``one_host("ddp")`` or ``one_host("ddp", "train.steps=40")`` -> its train losses."""
     import json
 
     runs: dict = {}
 
-    def get(engine):
-        if engine not in runs:
+    def get(engine, *extra):
+        if (engine, extra) not in runs:
             d = tmp_path_factory.mktemp(f"one-{engine}")
-            proc = train_py(*CLUSTER_STEPS, f"backend={engine}", "launch.nproc_per_node=2", run_dir=d)
+            proc = train_py(*CLUSTER_STEPS, f"backend={engine}", *extra, "launch.nproc_per_node=2", run_dir=d)
             assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-            runs[engine] = [v for _, v in json.load(open(d / "summary.json"))["train_losses"]]
-        return runs[engine]
+            runs[engine, extra] = [v for _, v in json.load(open(d / "summary.json"))["train_losses"]]
+        return runs[engine, extra]
     return get

@@ -6,6 +6,9 @@ from conftest import CLUSTER_STEPS
 
 STEPS = CLUSTER_STEPS
 
+RESTARTED = ("train.steps=40", "checkpoint.every_n_steps=10")
+"""The recipe of the restart tests (a checkpoint every 10 of 40 steps), on top of STEPS, with backend=ddp."""
+
 
 def losses(run_dir):
     return [v for _, v in json.load(open(run_dir / "summary.json"))["train_losses"]]

@@ -40,9 +40,6 @@ def _attempt(cfg: DictConfig, timeout: datetime.timedelta) -> str | None:
     return f"attempt-{elastic_start(cfg, timeout)}"
 
 
-_START: int | None = None
-
-
 def elastic_start(cfg: DictConfig, timeout: datetime.timedelta | None = None) -> int:
     """How many times the workers of this job have been started before this start, the same number on
     every node (0 outside an elastic agent).
@@ -53,21 +50,17 @@ def elastic_start(cfg: DictConfig, timeout: datetime.timedelta | None = None) ->
        Every worker reads the rendezvous round instead, from the rendezvous state at launch.rdzv_endpoint
        (torch's c10d backend keeps it there, pickled, under ``torch.rendezvous.<run id>``).
     """
-    global _START
-    if _START is None:
-        count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        if cfg.launch.nnodes == 1 or not cfg.launch.rdzv_endpoint or "TORCHELASTIC_RUN_ID" not in os.environ:
-            _START = count  # 1
-        else:
-            import base64
-            import pickle
+    count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if cfg.launch.nnodes == 1 or not cfg.launch.rdzv_endpoint or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return count  # 1
+    import base64
+    import pickle
 
-            host, port = cfg.launch.rdzv_endpoint.rsplit(":", 1)  # 2
-            rdzv = dist.TCPStore(host, int(port), is_master=False,
-                                 timeout=timeout or datetime.timedelta(seconds=cfg.launch.timeout_s))
-            state = pickle.loads(base64.b64decode(rdzv.get("torch.rendezvous." + os.environ["TORCHELASTIC_RUN_ID"])))
-            _START = int(state.round)
-    return _START
+    host, port = cfg.launch.rdzv_endpoint.rsplit(":", 1)  # 2
+    rdzv = dist.TCPStore(host, int(port), is_master=False,
+                         timeout=timeout or datetime.timedelta(seconds=cfg.launch.timeout_s))
+    state = pickle.loads(base64.b64decode(rdzv.get("torch.rendezvous." + os.environ["TORCHELASTIC_RUN_ID"])))
+    return int(state.round)
 
 
 def teardown(backend, *attrs: str, destroy=None) -> None:
