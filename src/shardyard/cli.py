@@ -39,8 +39,9 @@ def main(argv: list[str] | None = None) -> None:
     sub.add_parser("plan", help="the memory and launch plan of every engine for a recipe: the same "
                    "overrides as python train.py (e.g. model=deepseek7b plan.hardware=8xH100-80GB)")
     sb = sub.add_parser("sbatch", help="a Slurm batch script for a recipe: shardyard sbatch recipe=NAME nodes=N "
-                        "gpus_per_node=G [tasks_per_node, cpus_per_task, partition, time, account, qos, job_name, "
-                        "out_dir] [train.py overrides] [--submit]; requeued, it resumes (checkpoint.resume=auto)")
+                        "gpus_per_node=G [KEY=VALUE ...] [train.py overrides] [--submit]; requeued, it resumes "
+                        "(checkpoint.resume=auto)", description=_sbatch_keys(),
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     sb.add_argument("--submit", action="store_true", help="also submit it with sbatch")
     rec = sub.add_parser("recipes", help="the recipe book: list it (engine, model, hardware, planned memory, "
                          "purpose), or `shardyard recipes show NAME` for one recipe's whole config")
@@ -70,6 +71,25 @@ def main(argv: list[str] | None = None) -> None:
     except UserError as err:
         report_and_exit(err)
     sys.exit(0)
+
+
+def _sbatch_keys() -> str:
+    """``shardyard sbatch --help``: its own keys, from the docstrings of ``SbatchOptions``."""
+    import ast
+    import inspect
+
+    from shardyard import sbatch
+
+    cls = ast.parse(inspect.getsource(sbatch.SbatchOptions)).body[0]
+    assert isinstance(cls, ast.ClassDef)
+    body = cls.body
+    lines = ["shardyard sbatch recipe=NAME nodes=N gpus_per_node=G [KEY=VALUE ...] [overrides] [--submit]",
+             "writes outputs/sbatch/JOB_NAME/job.sbatch (every other KEY=VALUE is a train.py override). Keys:"]
+    for node, doc in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(doc, ast.Expr)
+                and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)):
+            lines.append(f"  {node.target.id:15} {doc.value.value}")
+    return "\n".join(lines)
 
 
 def _recipes(action: str, name: str | None) -> None:

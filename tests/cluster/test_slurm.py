@@ -78,6 +78,8 @@ def test_sbatch_user_errors_name_the_key(tmp_path):
                               cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and key in proc.stderr and "Traceback" not in proc.stderr, (args, proc.stderr)
         assert not (tmp_path / "x").exists()
+    helped = subprocess.run([sys.executable, "-m", "shardyard", "sbatch", "--help"], capture_output=True, text=True)
+    assert helped.returncode == 0 and all(k in helped.stdout for k in ("gpus_per_node", "partition", "out_dir"))
 
 
 @pytest.mark.parametrize("launcher", ["submitit_slurm", "submitit_local"])
