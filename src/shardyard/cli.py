@@ -76,15 +76,19 @@ def main(argv: list[str] | None = None) -> None:
 def _sbatch_keys() -> str:
     """``shardyard sbatch --help``: its own keys, from the docstrings of ``SbatchOptions``."""
     import ast
+    import dataclasses
     import inspect
 
     from shardyard import sbatch
 
-    cls = ast.parse(inspect.getsource(sbatch.SbatchOptions)).body[0]
-    assert isinstance(cls, ast.ClassDef)
-    body = cls.body
     lines = ["shardyard sbatch recipe=NAME nodes=N gpus_per_node=G [KEY=VALUE ...] [overrides] [--submit]",
              "writes outputs/sbatch/JOB_NAME/job.sbatch (every other KEY=VALUE is a train.py override). Keys:"]
+    try:
+        cls = ast.parse(inspect.getsource(sbatch.SbatchOptions)).body[0]
+    except (OSError, TypeError):  # installed without sources: the names alone
+        return "\n".join(lines + ["  " + ", ".join(f.name for f in dataclasses.fields(sbatch.SbatchOptions))])
+    assert isinstance(cls, ast.ClassDef)
+    body = cls.body
     for node, doc in zip(body, body[1:]):
         if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(doc, ast.Expr)
                 and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)):
