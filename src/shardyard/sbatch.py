@@ -75,25 +75,20 @@ def parse(args: list[str]) -> tuple[SbatchOptions, list[str]]:
 def _compose_check(overrides: list[str], project: bool) -> str:
     """Compose the recipe here, so a misspelt key fails now and not after the job waited in the queue;
     returns the recipe's name."""
-    from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from shardyard.config import register_configs, register_resolvers
-    from shardyard.recipes import CONF_DIR
+    from shardyard import project as projects
+    from shardyard.testing import compose
 
-    register_configs()
-    register_resolvers()
-    conf_dir, name = (Path.cwd() / "conf", "project") if project else (CONF_DIR, "train")
     try:
-        with initialize_config_dir(version_base="1.3", config_dir=str(conf_dir)):
-            cfg = compose(name, overrides=[*overrides, "hydra.run.dir=RUN_DIR"], return_hydra_config=False)
+        projects._compose(Path.cwd(), overrides) if project else compose(overrides)
     except (HydraException, OmegaConfBaseException) as e:
         problem = str(e).split("Config search path")[0].strip()
         raise UserError("shardyard sbatch", " ".join(overrides), f"The overrides do not compose: {problem}",
                         "Fix the override (`python train.py --help` lists groups, `--cfg job` every key).") from None
     recipe = next((o.split("=", 1)[1] for o in overrides if o.startswith("recipe=")), None)
-    return recipe or str(cfg.get("name") or "shardyard")
+    return recipe or "shardyard"
 
 
 def script(opts: SbatchOptions, overrides: list[str], command_line: str, out_dir: Path, python: str,

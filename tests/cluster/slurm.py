@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from shardyard.launch import free_port
+
 NODES = ("synode1", "synode2")
 CPUS = 2  # per node: two tasks per node on a 2-core host (config_overrides)
 
@@ -97,21 +99,15 @@ class Cluster:
             time.sleep(0.5)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start(d: Path) -> Cluster:
     """munged (if none runs), slurmctld and one slurmd per node; returns when both nodes are idle."""
     host = socket.gethostname()
     (d / "state").mkdir(parents=True)
     (d / "spool").mkdir()
-    nodes = "\n".join(f"NodeName={n} NodeHostname={host} NodeAddr=127.0.0.1 Port={_free_port()} CPUs={CPUS} RealMemory=8192 "
+    nodes = "\n".join(f"NodeName={n} NodeHostname={host} NodeAddr=127.0.0.1 Port={free_port()} CPUs={CPUS} RealMemory=8192 "
                       "State=UNKNOWN" for n in NODES)
     conf = d / "slurm.conf"
-    conf.write_text(CONF.format(host=host, ctld_port=_free_port(), d=d, nodes=nodes, all_nodes=",".join(NODES)))
+    conf.write_text(CONF.format(host=host, ctld_port=free_port(), d=d, nodes=nodes, all_nodes=",".join(NODES)))
     procs = []
     if subprocess.run(["pgrep", "-x", "munged"], capture_output=True).returncode:
         Path("/run/munge").mkdir(parents=True, exist_ok=True)
