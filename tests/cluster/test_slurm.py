@@ -55,7 +55,8 @@ def test_sbatch_script_runs_and_a_requeued_job_resumes_to_the_clean_result(clust
     cluster.wait_job(job, ("RUNNING",), 60)
     deadline = time.monotonic() + 180
     while not (run_dir / "checkpoints" / "latest").exists():
-        assert time.monotonic() < deadline and cluster.job(job)["JobState"] == "RUNNING", cluster.job(job)
+        assert time.monotonic() < deadline and cluster.job(job)["JobState"] == "RUNNING", (
+            cluster.job(job), (out / f"slurm-{job}.out").read_text()[-3000:] if (out / f"slurm-{job}.out").exists() else "")
         time.sleep(0.1)
     requeue = cluster.run("scontrol", "requeue", job)
     assert requeue.returncode == 0, requeue.stderr
