@@ -88,6 +88,14 @@ class Cluster:
         out = self.run("scontrol", "-o", "show", "job", job_id).stdout
         return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
 
+    def wait_idle(self, timeout: float) -> None:
+        """Until every node is idle (a killed job's steps have finished on them)."""
+        deadline = time.monotonic() + timeout
+        while self.run("sinfo", "-h", "-N", "-o", "%t").stdout.split() != ["idle"] * len(NODES):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nodes not idle after {timeout} s: {self.run('sinfo', '-N').stdout}")
+            time.sleep(0.3)
+
     def wait_job(self, job_id: str, states: tuple[str, ...], timeout: float) -> dict[str, str]:
         deadline = time.monotonic() + timeout
         while True:

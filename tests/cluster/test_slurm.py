@@ -60,8 +60,12 @@ def test_sbatch_script_runs_and_a_requeued_job_resumes_to_the_clean_result(clust
         time.sleep(0.1)
     requeue = cluster.run("scontrol", "requeue", job)
     assert requeue.returncode == 0, requeue.stderr
-    # Slurm holds a requeued job back for about two minutes (its BeginTime); an operator may start it now.
+    # Slurm holds a requeued job back for about two minutes (its BeginTime); an operator may start it sooner,
+    # but not within the second of the requeue: slurmd compares whole-second times, and a start in that second
+    # still meets the revoked credential of the killed run ("Job credential revoked": the job fails).
     cluster.wait_job(job, ("PENDING",), 60)
+    cluster.wait_idle(60)
+    time.sleep(2)
     cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")
     info = cluster.wait_job(job, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"), 300)
     log = (out / f"slurm-{job}.out").read_text()
