@@ -12,10 +12,10 @@ register_resolvers()
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> float | None:
     from shardyard.run import run  # torch and friends load only once a job really runs
 
-    run(cfg)
+    return run(cfg)  # a sweep's job returns its objective (sweep.objective) to the sweeper
 
 
 if __name__ == "__main__":

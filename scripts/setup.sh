@@ -33,7 +33,7 @@ else
   $VPY -m pip install -q torch==2.13.0
 fi
 say "installing shardyard (editable) with its dev, deepspeed, monitors and slurm extras"
-$VPY -m pip install -q -e '.[dev,deepspeed,monitors,slurm]'
+$VPY -m pip install -q -e '.[dev,deepspeed,monitors,slurm,sweep]'
 if [ "${SHARDYARD_SKIP_HOROVOD:-0}" = 1 ]; then
   say "skipping Horovod (SHARDYARD_SKIP_HOROVOD=1): backend=horovod will be unavailable"
 else

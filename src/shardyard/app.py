@@ -23,7 +23,7 @@ def train(argv: list[str], conf_dir: Path | None = None, config_name: str = "tra
     hydra_entry(hydra.main(version_base="1.3", config_path=str(conf_dir or CONF_DIR), config_name=config_name)(_task))
 
 
-def _task(cfg: DictConfig) -> None:
+def _task(cfg: DictConfig) -> float | None:
     from shardyard.run import run  # torch and friends load only once a job really runs
 
-    run(cfg)
+    return run(cfg)  # a sweep's job returns its objective (sweep.objective) to the sweeper

@@ -1,7 +1,8 @@
 """Fault drills for shardyard's own tests, switched on by environment variables; inert otherwise.
 
-* ``SHARDYARD_TEST_CRASH_AT_STEP=STEP[:RANK]``: that rank dies (exit 13) after that step, on the first
-  attempt only (a restarted worker has ``TORCHELASTIC_RESTART_COUNT`` > 0).
+* ``SHARDYARD_TEST_CRASH_AT_STEP=STEP[:RANK][@TEXT]``: that rank dies (exit 13) after that step, on the first
+  attempt only (a restarted worker has ``TORCHELASTIC_RESTART_COUNT`` > 0); with ``@TEXT`` only in a run whose
+  directory contains TEXT (one job of a sweep).
 * ``SHARDYARD_TEST_POISON_GRAD=STEP:RANK:PARAM``: the gradient of parameter PARAM turns NaN on that rank
   during that step.
 * ``SHARDYARD_TEST_PAUSE_IN_SAVE=SECONDS[@STEP]``: every rank sleeps inside the checkpoint save (of STEP).
@@ -15,9 +16,12 @@ import time
 from typing import Callable
 
 
-def crash_after(step: int, rank: int) -> None:
+def crash_after(step: int, rank: int, run_dir: str = "") -> None:
     spec = os.environ.get("SHARDYARD_TEST_CRASH_AT_STEP")
     if not spec or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        return
+    spec, _, where = spec.partition("@")
+    if where and where not in os.path.basename(os.path.normpath(run_dir)):
         return
     at, _, who = spec.partition(":")
     if step == int(at) and rank == int(who or 0):

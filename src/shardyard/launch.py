@@ -26,6 +26,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def single_process_env() -> None:
     """A world of one, trained in this process: the env:// rendezvous variables of rank 0 of 1."""
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
@@ -110,9 +119,14 @@ def elastic(run_dir: str, plan: Plan, launch_cfg: DictConfig) -> None:
         real = {r: c for r, c in codes.items() if c > 0} or codes
         first = min(real)
         node = f" (node {launch_cfg.node_rank} of {launch_cfg.nnodes})" if launch_cfg.nnodes > 1 else ""
-        print(f"shardyard: worker rank {first}{node} failed with exit code {real[first]} "
-              f"(failed ranks and codes: {codes}); its output is above. Run dir: {run_dir}", file=sys.stderr, flush=True)
+        global LAST_FAILURE
+        LAST_FAILURE = f"worker rank {first}{node} failed with exit code {real[first]} (failed ranks and codes: {codes})"
+        print(f"shardyard: {LAST_FAILURE}; its output is above. Run dir: {run_dir}", file=sys.stderr, flush=True)
         sys.exit(2 if set(real.values()) == {2} else 1)
+
+
+LAST_FAILURE: str | None = None
+"""The last failed launch in this process, as the job of a sweep reports it (``shardyard.sweep``)."""
 
 
 def _without_child_failure_reports(record: logging.LogRecord) -> bool:
@@ -133,6 +147,8 @@ def horovod(run_dir: str, plan: Plan, launch_cfg: DictConfig) -> None:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // n))
     code = subprocess.call(cmd, env=env)
     if code:
+        global LAST_FAILURE
+        LAST_FAILURE = f"horovodrun exited with code {code}"
         print(f"shardyard: horovodrun exited with code {code} (a worker failed; its output is above). "
               f"Run dir: {run_dir}", file=sys.stderr, flush=True)
         sys.exit(2 if code == 2 else 1)

@@ -29,6 +29,7 @@ class LoopResult:
     tokens: int = 0
     wall_s: float = 0.0
     skipped_steps: int = 0  # updates dropped for non-finite gradients (debug.nan_policy=skip)
+    pruned_at: int | None = None  # the step after whose evaluation a sweep's pruner stopped the run
 
 
 def evaluate(backend: Backend, val: PackedSequences, cfg: DictConfig, plan: Plan) -> float:
@@ -43,9 +44,11 @@ def evaluate(backend: Backend, val: PackedSequences, cfg: DictConfig, plan: Plan
 
 
 def train(cfg: DictConfig, plan: Plan, backend: Backend, stream: TrainStream, val: PackedSequences,
-          monitors: Monitors, start_step: int = 0, after_step: Callable[[int], None] | None = None) -> LoopResult:
-    """Steps ``start_step .. train.steps``; ``after_step(done)`` runs after each (checkpointing).
-    The plan's FLOPs per token turn throughput into TFLOP/s and MFU."""
+          monitors: Monitors, start_step: int = 0, after_step: Callable[[int], None] | None = None,
+          after_eval: Callable[[int, dict], bool] | None = None) -> LoopResult:
+    """Steps ``start_step .. train.steps``; ``after_step(done)`` runs after each (checkpointing), and
+    ``after_eval(step, metrics)`` after each evaluation: True stops the run there (a sweep's pruner; every
+    rank must return the same). The plan's FLOPs per token turn throughput into TFLOP/s and MFU."""
     tr = cfg.train
     flops_per_token = plan.model.flops_per_token
     total, accum, dev = tr.steps, plan.grad_accum_steps, backend.device
@@ -54,16 +57,19 @@ def train(cfg: DictConfig, plan: Plan, backend: Backend, stream: TrainStream, va
     profiler = StepProfiler(cfg, backend.rank, dev)
     peak = peak_tflops(dev, cfg.precision.name, cfg.metrics.peak_tflops)
 
-    def run_eval(step: int) -> None:
+    def run_eval(step: int) -> bool:
         loss = evaluate(backend, val, cfg, plan)
         res.eval_losses.append((step, loss))
-        monitors.log(step, {"eval/loss": loss, "eval/ppl": math.exp(min(loss, 50.0))})
+        metrics = {"eval/loss": loss, "eval/ppl": math.exp(min(loss, 50.0))}
+        monitors.log(step, metrics)
+        return after_eval is not None and after_eval(step, metrics)
 
     if start_step == 0 and not cfg.debug.fast_dev_run:
         run_eval(0)  # the untrained model's loss: the baseline every later eval is compared with
     loss_acc = torch.zeros((), device=dev)
     n_acc, step_time, data_time, interval_start = 0, 0.0, 0.0, time.perf_counter()
     t_begin = time.perf_counter()
+    done = start_step
     for step in range(start_step, total):
         done = step + 1  # steps are counted from 1 in logs, checkpoints and profile.steps
         profiler.before_step(done)
@@ -110,11 +116,14 @@ def train(cfg: DictConfig, plan: Plan, backend: Backend, stream: TrainStream, va
         res.step_wall_s.append(time.perf_counter() - t0)
         if done == total or (tr.eval_every_n_steps and done % tr.eval_every_n_steps == 0):
             te = time.perf_counter()
-            run_eval(done)
+            stop = run_eval(done)
             interval_start += time.perf_counter() - te  # throughput counts training time, not evaluation
+            if stop:
+                res.pruned_at = done
+                break
         if after_step is not None:
             after_step(done)
-    res.tokens = (total - start_step) * plan.tokens_per_step
+    res.tokens = (done - start_step) * plan.tokens_per_step
     res.skipped_steps = guard.skipped
     res.wall_s = time.perf_counter() - t_begin
     return res

@@ -20,26 +20,44 @@ STARTED = False
 """Set once Hydra has composed a config and handed it over (so a later exit is not a composition error)."""
 
 
-def run(cfg: DictConfig) -> None:
+def run(cfg: DictConfig) -> float | None:
+    """The task function's body. One job of a multirun goes through ``sweep.job``, which records its result and
+    returns its objective (``sweep.objective``); a failed job does not end the sweep."""
     global STARTED
     STARTED = True
-    env = dist_env.detect()
+    if _in_multirun():
+        from shardyard import sweep
+
+        return sweep.job(cfg, _run)
     try:
-        scaled = scale.apply(cfg)  # +scale=smoke: the recipe scaled down to run here
-        if scaled and (env is None or env.is_rank0):
-            print(f"shardyard | {scaled}", flush=True)
-        apply_fast_dev_run(cfg)  # before the config is written: the workers read the shortened run
-        planned = _memory_plan(cfg, validate(cfg, env), env)
-        if planned is None:
-            return  # plan.only: the plan is printed, nothing runs
-        plan = planned
-        dist_env.network_env(cfg.launch.socket_ifname)  # before any process group exists
-        if env is None:
-            _run_parent(cfg, plan)
-        else:
-            _run_external_worker(cfg, env, plan)
+        _run(cfg)
     except UserError as err:
         report_and_exit(err)
+    return None
+
+
+def _in_multirun() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def _run(cfg: DictConfig) -> None:
+    env = dist_env.detect()
+    scaled = scale.apply(cfg)  # +scale=smoke: the recipe scaled down to run here
+    if scaled and (env is None or env.is_rank0):
+        print(f"shardyard | {scaled}", flush=True)
+    apply_fast_dev_run(cfg)  # before the config is written: the workers read the shortened run
+    planned = _memory_plan(cfg, validate(cfg, env), env)
+    if planned is None:
+        return  # plan.only: the plan is printed, nothing runs
+    plan = planned
+    dist_env.network_env(cfg.launch.socket_ifname)  # before any process group exists
+    if env is None:
+        _run_parent(cfg, plan)
+    else:
+        _run_external_worker(cfg, env, plan)
 
 
 def _memory_plan(cfg: DictConfig, plan: Plan, env: dist_env.DistEnv | None) -> Plan | None:

@@ -15,7 +15,7 @@ from typing import Callable
 
 import numpy as np
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from shardyard import data, drills, loop, monitors
 from shardyard.backends import Backend
@@ -25,6 +25,7 @@ from shardyard.errors import UserError, report_and_exit
 from shardyard.export import save_hf
 from shardyard.metrics import run_peak_memory
 from shardyard.model import build_model, logits, wants_meta
+from shardyard.sweep import Trial
 
 
 def seed_everything(seed: int) -> None:
@@ -138,9 +139,11 @@ def train(cfg: DictConfig, plan: Plan, backend: Backend) -> dict:
         def after_step(done: int) -> None:
             step["now"] = done + 1
             ckpt.maybe_save(done, stream)
-            drills.crash_after(done, backend.rank)
+            drills.crash_after(done, backend.rank, cfg.run_dir)
 
-        result = loop.train(cfg, plan, backend, stream, val, mon, start_step=start, after_step=after_step)
+        trial = Trial(cfg, backend) if OmegaConf.select(cfg, "sweep.trial") is not None else None
+        result = loop.train(cfg, plan, backend, stream, val, mon, start_step=start, after_step=after_step,
+                            after_eval=trial.should_stop if trial else None)
         summary = _finish(cfg, plan, backend, prepared, result, history=ckpt.history)
     except BaseException as e:  # mark wandb/mlflow runs failed, flush the event files, then re-raise
         mon.fail(e.paragraph() if isinstance(e, UserError) else f"{type(e).__name__}: {e}")
@@ -157,7 +160,10 @@ def _finish(cfg: DictConfig, plan: Plan, backend: Backend, prepared: data.Prepar
     reports what an uninterrupted run would."""
     rank0 = backend.rank == 0
     export = None
-    if cfg.checkpoint.save_final:
+    if result.pruned_at is not None and rank0:
+        print(f"shardyard | the sweep's pruner stopped this trial after step {result.pruned_at}'s evaluation "
+              "(no export, no sample)", flush=True)
+    if cfg.checkpoint.save_final and result.pruned_at is None:
         export = save_hf(backend, prepared.tokenizer_dir, os.path.join(cfg.run_dir, "hf"))
     eval_losses = history["eval_losses"] + result.eval_losses
     summary = {
@@ -168,9 +174,9 @@ def _finish(cfg: DictConfig, plan: Plan, backend: Backend, prepared: data.Prepar
         "grad_norms": history["grad_norms"] + result.grad_norms,
         "median_step_s": float(np.median(result.step_wall_s)), "step_wall_s": result.step_wall_s,
         "final_eval_ppl": float(np.exp(min(eval_losses[-1][1], 50.0))), "run_dir": cfg.run_dir, "export": export,
-        "skipped_steps": result.skipped_steps,
+        "skipped_steps": result.skipped_steps, "pruned_at": result.pruned_at,
     }
-    if cfg.train.sample_tokens > 0:  # every rank: sharded engines all-gather inside the forward
+    if cfg.train.sample_tokens > 0 and result.pruned_at is None:  # every rank: sharded engines all-gather inside the forward
         summary["sample"] = sample_text(backend.hf_model(), prepared.tokenizer_dir, cfg, backend.device)
         if rank0:
             print(f"sample ({cfg.train.sample_tokens} tokens after {cfg.train.sample_prompt!r}):\n"

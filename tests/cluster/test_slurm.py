@@ -1,7 +1,7 @@
 """A real Slurm (``slurm.py``: slurmctld + two slurmd on this host, from Debian's slurm-wlm): ``srun`` of
 ``train.py`` maps SLURM_* onto ranks on one node and across two; ``shardyard sbatch`` writes a script that
 runs to completion and, requeued by ``scontrol requeue``, resumes from its last checkpoint; Hydra's submitit
-launcher runs a two-task job. Every run is compared with the single-host 2-worker run of its engine.
+launcher runs a sweep of two-task jobs. Every run is compared with the single-host 2-worker run of its engine.
 Skipped, with the reason, where Slurm is not installed or this is not root."""
 
 import re
@@ -88,25 +88,32 @@ def test_sbatch_user_errors_name_the_key(tmp_path):
 
 
 @pytest.mark.parametrize("launcher", ["submitit_slurm", "submitit_local"])
-def test_hydra_submitit_launcher_runs_a_two_task_job(launcher, request, one_host, tmp_path):
-    """``python train.py -m hydra/launcher=submitit_*``: each task runs train.py's task function and is one worker;
-    the Slurm executor's tasks (2 nodes x 1) read SLURM_*, the local executor's (1 node x 2) SUBMITIT_LOCAL_*."""
+def test_hydra_submitit_launcher_runs_a_sweep_of_two_task_jobs(launcher, request, one_host, tmp_path):
+    """``python train.py -m hydra/launcher=submitit_* optim.lr=1e-3,3e-3``: a 2-job sweep whose jobs have 2
+    tasks each; each task runs train.py's task function and is one worker. The Slurm executor's jobs (1 node x
+    2 tasks each, on the two nodes at once) read SLURM_*, the local executor's SUBMITIT_LOCAL_*. Both jobs
+    equal the single-host 2-worker run of their learning rate, and the sweep ends with its summary."""
     import glob
     import json
 
     pytest.importorskip("submitit", reason="Hydra's submitit launcher is shardyard's `slurm` extra (make setup installs it)")
+    layout = ["hydra.launcher.nodes=1", "hydra.launcher.tasks_per_node=2"]
     if launcher == "submitit_slurm":
         cluster = request.getfixturevalue("cluster")
-        layout, env, run = ["hydra.launcher.nodes=2", "hydra.launcher.tasks_per_node=1"], cluster.env, cluster.run
+        env, run = cluster.env, cluster.run
     else:
-        layout, env, run = ["hydra.launcher.tasks_per_node=2"], None, None
+        env, run = None, None
     cmd = [sys.executable, str(ROOT / "train.py"), "-m", f"hydra/launcher={launcher}", *layout,
-           "hydra.launcher.timeout_min=10", f"hydra.sweep.dir={tmp_path}", *STEPS, "backend=ddp"]
+           "hydra.launcher.timeout_min=10", f"hydra.sweep.dir={tmp_path}", *STEPS, "backend=ddp", "optim.lr=1e-3,3e-3"]
     proc = run(*cmd, cwd=ROOT, timeout=300) if run else subprocess.run(
         cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     logs = "\n".join(open(f).read()[-2000:] for f in sorted(glob.glob(f"{tmp_path}/.submitit/*/*log.*")))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:] + logs
-    (job_dir,) = [p for p in tmp_path.iterdir() if p.name.startswith("0_")]
-    assert json.load(open(job_dir / "summary.json"))["world_size"] == 2
-    assert "(workers started by submitit)" in logs and ("1/node x 2 nodes" if env else "(2/node on") in logs, logs
-    assert close(losses(job_dir), one_host("ddp")), (losses(job_dir), one_host("ddp"))
+    assert "(workers started by submitit)" in logs and "(2/node on" in logs, logs
+    summary = json.load(open(tmp_path / "sweep_summary.json"))
+    assert sorted(r["job"] for r in summary["jobs"]) == ["0_lr=1e-3", "1_lr=3e-3"], summary
+    assert all(r["status"] == "finished" for r in summary["jobs"]), summary
+    assert summary["best"]["job"] == min(summary["jobs"], key=lambda r: r["objective"])["job"]
+    for job, extra in (("0_lr=1e-3", ()), ("1_lr=3e-3", ("optim.lr=3e-3",))):
+        assert json.load(open(tmp_path / job / "summary.json"))["world_size"] == 2
+        assert close(losses(tmp_path / job), one_host("ddp", *extra)), (job, losses(tmp_path / job))

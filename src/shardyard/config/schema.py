@@ -78,6 +78,12 @@ class ConsoleStyle(Choice):
     plain = "plain"
 
 
+class Direction(Choice):
+    auto = "auto"
+    minimize = "minimize"
+    maximize = "maximize"
+
+
 class WandbMode(Choice):
     auto = "auto"
     online = "online"
@@ -583,6 +589,28 @@ class ScaleConfig:
 
 
 @dataclass
+class SweepConfig:
+    objective: str = "eval/loss"
+    """What a sweep optimises and ranks its jobs by, read from the job's ``metrics.jsonl``: ``eval/loss`` (the
+    final evaluation), ``train/loss`` (the last logged interval), ``tokens_per_s`` (the mean over the logged
+    intervals after the first, which holds the warm-up), or any other metric the run logs (its last value).
+    The task function returns it, so any Hydra sweeper can optimise it."""
+    direction: Direction = Direction.auto
+    """``minimize`` or ``maximize`` the objective; ``auto``: maximize throughput metrics (``*_per_s``, ``mfu``),
+    minimize everything else."""
+    base_port: int = 29600
+    """Parallel local jobs (``hydra/launcher=joblib``): job slot k takes its rendezvous port from
+    ``[base_port + 64 k, base_port + 64 (k+1))``, so two jobs running at once never share one."""
+    trial: Optional[int] = None
+    """Set by ``hydra/sweeper=optuna`` for each job, never by hand: the Optuna trial this job is. Rank 0
+    reports every evaluation's objective to it and the run stops early when the pruner says so."""
+    storage: Optional[str] = None
+    """Set by ``hydra/sweeper=optuna``: the study's journal file (in the sweep dir)."""
+    study: Optional[str] = None
+    """Set by ``hydra/sweeper=optuna``: the study's name in that journal."""
+
+
+@dataclass
 class TrainConfig:
     backend: Any = MISSING
     """The engine (``backend`` group; ``_target_`` is a ``shardyard.backends.Backend`` class)."""
@@ -618,6 +646,9 @@ class TrainConfig:
     """The memory and launch plan: checked before launch, printed at start (``shardyard.plan``)."""
     scale: ScaleConfig = field(default_factory=ScaleConfig)
     """``full``, or ``smoke`` (``+scale=smoke``): any recipe scaled down to run here (``shardyard.scale``)."""
+    sweep: SweepConfig = field(default_factory=SweepConfig)
+    """How a multirun ranks its jobs (``sweep.objective``), and the settings its sweepers give each job
+    (``shardyard.sweep``)."""
 
 
 SCHEMAS = {
@@ -659,6 +690,9 @@ def register_configs() -> None:
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
+    from hydra_plugins.shardyard_sweepers import register as register_sweepers
+
+    register_sweepers()  # hydra/sweeper=shardyard (the default) and hydra/sweeper=optuna
     cs = ConfigStore.instance()
     for name, node in SCHEMAS.items():
         cs.store(name=name, node=node)

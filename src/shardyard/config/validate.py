@@ -50,7 +50,9 @@ class Plan:
 def _cuda_count() -> int:
     import torch
 
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    # device_count() asks NVML and leaves CUDA uninitialised (is_available() would call cuInit): the parent
+    # forks the jobs of a parallel sweep (hydra/launcher=parallel), and a fork after cuInit cannot use CUDA.
+    return torch.cuda.device_count()
 
 
 def device_type(cfg: DictConfig) -> str:
