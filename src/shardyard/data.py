@@ -106,9 +106,13 @@ class TextFiles:
         return self._files
 
     def documents(self) -> Iterator[tuple[str, str]]:
+        # Names (which decide the train/val split) are relative to the files' common directory: a corpus
+        # copied or moved elsewhere keeps its split (absolute paths gave every temp copy another split).
+        root = os.path.commonpath([str(p.parent) for p in self.files()])
         for p in self.files():
+            name = os.path.relpath(p, root)
             if p.suffix == ".txt":
-                yield str(p), p.read_text(encoding="utf-8", errors="replace")
+                yield name, p.read_text(encoding="utf-8", errors="replace")
                 continue
             import datasets  # lazy: heavy
 
@@ -119,7 +123,7 @@ class TextFiles:
                 raise UserError("data.text_field", self.text_field, f"{p} has no such column (it has {ds.column_names}).",
                                 f"Use data.text_field=<one of {ds.column_names}>.")
             for i, text in enumerate(ds[self.text_field]):
-                yield f"{p}:{i}", text or ""
+                yield f"{name}:{i}", text or ""
 
     def fingerprint(self) -> str:
         if self._fingerprint is None:

@@ -118,7 +118,7 @@ def train(cfg: DictConfig, plan: Plan, backend: Backend, stream: TrainStream, va
             te = time.perf_counter()
             stop = run_eval(done)
             interval_start += time.perf_counter() - te  # throughput counts training time, not evaluation
-            if stop:
+            if stop and done < total:  # a trial that trained to the end is complete, whatever the pruner says
                 res.pruned_at = done
                 break
         if after_step is not None:

@@ -84,38 +84,42 @@ def job(cfg: DictConfig, run: Callable[[DictConfig], None]) -> float | None:
                               "overrides": list(hc.overrides.task), "started": time.time(), "host": os.uname().nodename}
     status, error = "finished", None
     environ = dict(os.environ)  # a job trained in this process sets RANK, MASTER_PORT...: not the next job's
-    with _environ_restored(environ), _slot(sweep_dir, int(info.get("slots", 1)) if env is None else 1, cfg) as local:
-        record.update(local)
-        if rank0:  # a job dir whose result says "running" and whose process is gone did not finish
-            os.makedirs(run_dir, exist_ok=True)
-            _write_json(os.path.join(run_dir, RESULT), record)
-        try:
+    slots = int(info.get("slots", 1)) if env is None else 1
+    try:  # the slot's own errors (its ports all taken, fewer GPUs than jobs) fail the job like any other
+        with _environ_restored(environ), _slot(sweep_dir, slots, cfg) as local:
+            record.update(local)
+            if rank0:  # a job dir whose result says "running" and whose process is gone did not finish
+                os.makedirs(run_dir, exist_ok=True)
+                _write_json(os.path.join(run_dir, RESULT), record)
             run(cfg)
-        except UserError as err:
-            if rank0 or not err.all_ranks:
-                print(err.paragraph(), file=sys.stderr, flush=True)
-            status, error = "failed", err.paragraph()
-        except SystemExit as e:  # our launcher's exit after a worker failed; it printed why
-            if e.code not in (0, None):
-                from shardyard import launch
+    except UserError as err:
+        if rank0 or not err.all_ranks:
+            print(err.paragraph(), file=sys.stderr, flush=True)
+        status, error = "failed", err.paragraph()
+    except SystemExit as e:  # our launcher's exit after a worker failed; it printed why
+        if e.code not in (0, None):
+            from shardyard import launch
 
-                rank0_error = _last_error(run_dir)
-                error = launch.LAST_FAILURE or f"the job exited with code {e.code}"
-                if rank0_error:
-                    error += f"; rank 0: {_first_line(rank0_error)}"
-                status = "failed"
-                launch.LAST_FAILURE = None
-        except Exception as e:  # noqa: BLE001 - a job's crash is its row in the summary, not the sweep's end
-            import traceback
+            rank0_error = _last_error(run_dir)
+            error = launch.LAST_FAILURE or f"the job exited with code {e.code}"
+            if rank0_error:
+                error += f"; rank 0: {_first_line(rank0_error)}"
+            status = "failed"
+            launch.LAST_FAILURE = None
+    except Exception as e:  # noqa: BLE001 - a job's crash is its row in the summary, not the sweep's end
+        import traceback
 
-            traceback.print_exc()
-            status, error = "failed", f"{type(e).__name__}: {e}"
+        traceback.print_exc()
+        status, error = "failed", f"{type(e).__name__}: {e}"
     summary = _read_json(os.path.join(run_dir, "summary.json")) or {}
     if status == "finished" and summary.get("pruned_at"):
         status = "pruned"
     value = objective_value(_metrics(run_dir), str(cfg.sweep.objective)) if status != "failed" else None
+    if value is not None and value != value:  # NaN: no rank, and Optuna would refuse it
+        status, error, value = "failed", error or f"{cfg.sweep.objective} is NaN", None
     record.update(status=status, error=error, objective=str(cfg.sweep.objective), value=value, ended=time.time())
     if rank0:
+        os.makedirs(run_dir, exist_ok=True)
         _write_json(os.path.join(run_dir, RESULT), record)
         mark = f"= {value:.6g}" if value is not None else ""
         print(f"shardyard | sweep job {record['job']}: {status} {cfg.sweep.objective} {mark}"
@@ -223,30 +227,60 @@ def _visible_gpus() -> list[str]:
     return [str(i) for i in range(_cuda_count())]
 
 
+PRUNER_ATTR = "shardyard_pruner"
+"""The study's user attribute holding the sweeper's pruner settings: Optuna does not store the pruner, and every
+trial's job must prune as the sweeper was told to."""
+
+
+def make_pruner(name: str, startup: int, warmup: int) -> Any:
+    import optuna
+
+    pruners = {"median": lambda: optuna.pruners.MedianPruner(n_startup_trials=startup, n_warmup_steps=warmup),
+               "hyperband": lambda: optuna.pruners.HyperbandPruner(),
+               "none": lambda: optuna.pruners.NopPruner()}
+    if name not in pruners:
+        raise UserError("hydra.sweeper.pruner", name, "Unknown pruner.", "Use median, hyperband or none.")
+    return pruners[name]()
+
+
 class Trial:
     """A job of ``hydra/sweeper=optuna`` (``sweep.trial`` set): rank 0 reports each evaluation's objective to
-    its Optuna trial and asks the pruner; one all-reduce per evaluation tells every rank, so all stop together."""
+    its Optuna trial and asks the pruner (built from the sweeper's settings, stored in the study); one
+    all-reduce per evaluation tells every rank, so all stop together. A journal that cannot be read or
+    written only means no pruning (with a warning): never a rank left waiting in the all-reduce."""
 
     def __init__(self, cfg: DictConfig, backend: Any) -> None:
         self.backend, self.metric, self.trial = backend, str(cfg.sweep.objective), None
         if backend.rank == 0:
-            import optuna
-            from optuna.storages import JournalStorage
-            from optuna.storages.journal import JournalFileBackend
+            try:
+                import optuna
+                from optuna.storages import JournalStorage
+                from optuna.storages.journal import JournalFileBackend
 
-            storage = JournalStorage(JournalFileBackend(str(cfg.sweep.storage)))
-            study = optuna.load_study(study_name=str(cfg.sweep.study), storage=storage)
-            trial_id = storage.get_trial_id_from_study_id_trial_number(
-                storage.get_study_id_from_name(str(cfg.sweep.study)), int(cfg.sweep.trial))
-            self.trial = optuna.Trial(study, trial_id)
+                storage = JournalStorage(JournalFileBackend(str(cfg.sweep.storage)))
+                name = str(cfg.sweep.study)
+                study_id = storage.get_study_id_from_name(name)
+                settings = storage.get_study_user_attrs(study_id).get(PRUNER_ATTR, {"name": "median", "startup": 5,
+                                                                                    "warmup": 0})
+                study = optuna.load_study(study_name=name, storage=storage, pruner=make_pruner(
+                    settings["name"], int(settings["startup"]), int(settings["warmup"])))
+                trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, int(cfg.sweep.trial))
+                self.trial = optuna.Trial(study, trial_id)
+            except Exception as e:  # noqa: BLE001
+                print(f"shardyard | this trial cannot reach its Optuna study ({type(e).__name__}: {e}); it runs "
+                      "without pruning", file=sys.stderr, flush=True)
 
     def should_stop(self, step: int, metrics: dict) -> bool:
         import torch
 
         prune = 0.0
         if self.trial is not None and step > 0 and self.metric in metrics:  # step 0: the untrained baseline
-            self.trial.report(float(metrics[self.metric]), step)
-            prune = float(self.trial.should_prune())
+            try:
+                self.trial.report(float(metrics[self.metric]), step)
+                prune = float(self.trial.should_prune())
+            except Exception as e:  # noqa: BLE001 - the other ranks are waiting in the all-reduce below
+                print(f"shardyard | Optuna report failed at step {step} ({type(e).__name__}: {e}); not pruning",
+                      file=sys.stderr, flush=True)
         return bool(self.backend.all_reduce_mean(torch.tensor(prune, device=self.backend.device)).item() > 0)
 
 
@@ -292,6 +326,15 @@ def fmt_value(value: str) -> str:
     return sci if len(sci) < len(plain) else plain
 
 
+def job_name(number: int, shown: dict[str, str], limit: int = 80) -> str:
+    """``3_lr=3e-3,warmup=50``: file-system safe, and ending in a short hash past ``limit`` characters."""
+    body = ",".join(f"{k}={v}" for k, v in shown.items())
+    name = re.sub(r"[^A-Za-z0-9_.=,+\-]", "_", f"{number}_{body}" if body else str(number))
+    if len(name) > limit:
+        name = f"{name[:limit - 9]}-{hashlib.sha1(name.encode()).hexdigest()[:8]}"
+    return name
+
+
 def name_jobs(job_overrides: list[list[str]], first: int = 0, limit: int = 80) -> list[Job]:
     """Readable job directory names from the overrides that vary (the job number keeps them unique; a name
     longer than ``limit`` ends in a short hash)."""
@@ -304,16 +347,12 @@ def name_jobs(job_overrides: list[list[str]], first: int = 0, limit: int = 80) -
     jobs = []
     for i, (ovr, p) in enumerate(zip(job_overrides, parsed)):
         shown = {short[k]: fmt_value(p[k]) for k in varying if k in p}
-        body = ",".join(f"{k}={v}" for k, v in shown.items())
-        name = re.sub(r"[^A-Za-z0-9_.=,+\-]", "_", f"{first + i}_{body}" if body else str(first + i))
-        if len(name) > limit:
-            name = f"{name[:limit - 9]}-{hashlib.sha1(name.encode()).hexdigest()[:8]}"
-        jobs.append(Job(name, list(ovr), shown))
+        jobs.append(Job(job_name(first + i, shown, limit), list(ovr), shown))
     return jobs
 
 
 def quoted(value: str) -> str:
-    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    return "'" + value.replace("'", "\\'") + "'"
 
 
 def hydra_overrides(sweep_dir: str, job_: Job) -> list[str]:
@@ -387,7 +426,8 @@ def job_status(sweep_dir: str, name: str) -> str | None:
 # --------------------------------------------------------------------------------- checked before launch
 def check(config_loader: Any, config: DictConfig, sweep_dir: str, jobs: list[tuple[Job, list[str]]]) -> None:
     """Compose, validate and plan every job before the first starts; the first impossible one refuses the
-    sweep (``UserError`` naming it). ``jobs``: (job, the overrides to compose it with)."""
+    sweep (``UserError`` naming it). ``jobs``: (job, the overrides to compose it with). Jobs of a remote
+    launcher (submitit on Slurm) are composed only, unless ``plan.hardware`` names the nodes' hardware."""
     from omegaconf import open_dict
 
     from shardyard import plan as memory_plan
@@ -401,12 +441,14 @@ def check(config_loader: Any, config: DictConfig, sweep_dir: str, jobs: list[tup
             with open_dict(cfg):
                 del cfg["hydra"]
                 cfg.run_dir = os.path.join(sweep_dir, j.name)
+            if remote and not cfg.plan.hardware:
+                # The submitting machine is not the nodes (a CPU login node for GPU nodes): validating here
+                # would judge the job by the wrong devices. Composed here; validated on the nodes.
+                continue
             scale.apply(cfg)
             apply_fast_dev_run(cfg)
             batch = validate(cfg, env)
-            # The memory plan is this machine's unless plan.hardware names the cluster's: a Slurm job's
-            # nodes are not the machine that submits it.
-            if not cfg.plan.only and (not remote or cfg.plan.hardware):
+            if not cfg.plan.only:  # this machine's plan, or with plan.hardware the cluster's
                 memory_plan.before_launch(cfg, batch, rank0=False)
         except UserError as err:
             raise UserError(err.key, err.value, f"Job {j.name} of the sweep cannot run: "
@@ -504,9 +546,11 @@ def table(rows: list[dict[str, Any]], varying: list[str], objective: str, sense:
              r["status"] + (f": {r['error'][:70]}" if r["error"] else "")] for r in rows]
     widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(x, widths)).rstrip() for x in [head, *body]]
-    n_ok = sum(r["status"] == "finished" for r in rows)
-    title = (f"shardyard | sweep summary: {len(rows)} jobs, {n_ok} finished, ranked by {objective} ({sense}); "
-             "* = best")
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[r["status"]] = counts.get(r["status"], 0) + 1
+    title = (f"shardyard | sweep summary: {len(rows)} jobs ({', '.join(f'{n} {s}' for s, n in counts.items())}), "
+             f"ranked by {objective} ({sense}); * = best")
     return "\n".join([title, *lines])
 
 

@@ -90,26 +90,25 @@ def test_sbatch_user_errors_name_the_key(tmp_path):
 @pytest.mark.parametrize("launcher", ["submitit_slurm", "submitit_local"])
 def test_hydra_submitit_launcher_runs_a_sweep_of_two_task_jobs(launcher, request, one_host, tmp_path):
     """``python train.py -m hydra/launcher=submitit_* optim.lr=1e-3,3e-3``: a 2-job sweep whose jobs have 2
-    tasks each; each task runs train.py's task function and is one worker. The Slurm executor's jobs (1 node x
-    2 tasks each, on the two nodes at once) read SLURM_*, the local executor's SUBMITIT_LOCAL_*. Both jobs
+    tasks each; each task runs train.py's task function and is one worker. The Slurm executor's jobs span
+    2 nodes x 1 task and read SLURM_*, the local executor's (1 node x 2 tasks) SUBMITIT_LOCAL_*. Both jobs
     equal the single-host 2-worker run of their learning rate, and the sweep ends with its summary."""
     import glob
     import json
 
     pytest.importorskip("submitit", reason="Hydra's submitit launcher is shardyard's `slurm` extra (make setup installs it)")
-    layout = ["hydra.launcher.nodes=1", "hydra.launcher.tasks_per_node=2"]
     if launcher == "submitit_slurm":
         cluster = request.getfixturevalue("cluster")
-        env, run = cluster.env, cluster.run
+        layout, env, run = ["hydra.launcher.nodes=2", "hydra.launcher.tasks_per_node=1"], cluster.env, cluster.run
     else:
-        env, run = None, None
+        layout, env, run = ["hydra.launcher.tasks_per_node=2"], None, None
     cmd = [sys.executable, str(ROOT / "train.py"), "-m", f"hydra/launcher={launcher}", *layout,
            "hydra.launcher.timeout_min=10", f"hydra.sweep.dir={tmp_path}", *STEPS, "backend=ddp", "optim.lr=1e-3,3e-3"]
     proc = run(*cmd, cwd=ROOT, timeout=300) if run else subprocess.run(
         cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     logs = "\n".join(open(f).read()[-2000:] for f in sorted(glob.glob(f"{tmp_path}/.submitit/*/*log.*")))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:] + logs
-    assert "(workers started by submitit)" in logs and "(2/node on" in logs, logs
+    assert "(workers started by submitit)" in logs and ("1/node x 2 nodes" if env else "(2/node on") in logs, logs
     summary = json.load(open(tmp_path / "sweep_summary.json"))
     assert sorted(r["job"] for r in summary["jobs"]) == ["0_lr=1e-3", "1_lr=3e-3"], summary
     assert all(r["status"] == "finished" for r in summary["jobs"]), summary

@@ -37,7 +37,8 @@ def test_parallel_sweep_of_two_rank_jobs_ranks_them_survives_a_failure_and_resum
             "hydra/launcher=parallel", "hydra.launcher.n_jobs=2", f"hydra.sweep.dir={root}/" + "${now:%H-%M-%S-%f}"]
     # Rank 1 of one job dies after step 3 (its checkpoint of step 2 is complete): that job alone fails.
     first = multirun(*args, env={"SHARDYARD_TEST_CRASH_AT_STEP": "3:1@backend=fsdp,lr=3e-3"})
-    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert first.returncode == 1, first.stdout[-3000:] + first.stderr[-3000:]  # after the summary: 1 job failed
+    assert "1 of 4 jobs did not finish: 3_backend=fsdp,lr=3e-3" in first.stderr
     (sweep_dir,) = list(root.iterdir())
     names = ["0_backend=ddp,lr=1e-3", "1_backend=ddp,lr=3e-3", "2_backend=fsdp,lr=1e-3", "3_backend=fsdp,lr=3e-3"]
     assert sorted(p.name for p in sweep_dir.iterdir() if p.is_dir() and not p.name.startswith(".")) == names
@@ -110,6 +111,15 @@ def test_a_sweep_with_one_impossible_job_is_refused_before_any_job_starts(tmp_pa
     assert not any(p.is_dir() for p in (tmp_path / "sweep").glob("*")) and "run dir" not in proc.stdout
 
 
+def test_a_sweep_dir_holding_another_sweep_is_refused(tmp_path):
+    (tmp_path / "sweep.json").write_text(json.dumps({"identity": [["optim.lr=0.1"]], "jobs": []}))
+    proc = multirun(*TINY, "backend=single", "optim.lr=1e-3,3e-3", f"hydra.sweep.dir={tmp_path}")
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    err = " ".join(proc.stderr.split())
+    assert "error in `hydra.sweep.dir`" in err and "earlier sweep of other jobs" in err and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep.json"]
+
+
 def test_optuna_search_prunes_trials_and_its_best_is_the_summarys_best(tmp_path):
     pytest.importorskip("optuna", reason="the `sweep` extra (make setup installs it)")
     import yaml
@@ -122,7 +132,7 @@ def test_optuna_search_prunes_trials_and_its_best_is_the_summarys_best(tmp_path)
     summary = json.load(open(sweep_dir / "sweep_summary.json"))
     assert len(summary["jobs"]) == 6 and {r["status"] for r in summary["jobs"]} <= {"finished", "pruned"}
     pruned = [r for r in summary["jobs"] if r["status"] == "pruned"]
-    assert pruned, summary  # seeded TPE: trial 5's small learning rate trails the median at step 2
+    assert pruned, summary  # seeded TPE, median pruner after 1 trial: trials 1, 2, 3 and 5 trail it at step 2
     for r in pruned:  # stopped early: fewer logged steps than train.steps, and no export
         steps = [s for s, _ in json.load(open(sweep_dir / r["job"] / "summary.json"))["train_losses"]]
         assert max(steps) < 8, (r["job"], steps)

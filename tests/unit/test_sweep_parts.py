@@ -75,3 +75,10 @@ def test_optuna_search_space_from_hydras_grammar():
     assert distribution(warm) == optuna.distributions.CategoricalDistribution([10, 50])
     assert distribution(layers) == optuna.distributions.IntDistribution(2, 8)
     assert distribution(steps) == optuna.distributions.CategoricalDistribution([10, 20, 30])
+
+
+def test_jobs_left_to_run_are_launched_in_runs_of_consecutive_numbers():
+    from hydra_plugins.shardyard_sweepers import _batches
+
+    assert _batches([1, 2, 3, 5, 6], None) == [[1, 2, 3], [5, 6]]
+    assert _batches([0, 1, 2, 3], 2) == [[0, 1], [2, 3]]

@@ -49,9 +49,10 @@ class OptunaSweeperConf:
     """The search space in Hydra's override grammar: ``tag(log, interval(1e-4, 1e-2))`` (a float, log-uniform),
     ``interval(0, 1)``, ``range(10, 100, step=10)`` (integers), ``choice(a, b)``, or a single fixed value."""
     n_trials: int = 20
-    """Trials in all (a resumed sweep counts the ones that finished or were pruned before)."""
+    """Trials that finish or are pruned, in all (a resumed sweep counts its earlier ones). A failed trial is
+    retried with new parameters, at most ``n_trials`` times in one run."""
     n_jobs: int = 1
-    """Trials launched together, one launcher batch (side by side with ``hydra/launcher=joblib``)."""
+    """Trials launched together, one launcher batch (side by side with ``hydra/launcher=parallel``)."""
     sampler: str = "tpe"
     """``tpe``, ``random`` or ``grid`` (every ``choice``/``range`` combination; intervals need tpe or random)."""
     seed: Optional[int] = 0
@@ -100,9 +101,10 @@ class ParallelLauncher(Launcher):
 
     Why not only Hydra's joblib launcher (which also works here, with the same slots): its loky workers are
     fresh interpreters, and each imports torch and transformers again (~5 s of CPU each) before its job starts;
-    on a 2-core box that cost ate the whole gain of running 2 jobs at once (``bench/sweep_parallel.py``: 1.14x
-    slower). A fork starts with all of it imported, as our own worker launch does (``launch.elastic``). This
-    process has never initialised CUDA (GPU workers are spawned fresh by the job), so forking it is safe.
+    on a 2-core box that made 2 jobs at a time 1.15-1.45x slower than one after another, where forked jobs
+    take 0.77-0.85x (``bench/sweep_parallel.py``). A fork starts with all of it imported, as our own worker
+    launch does (``launch.elastic``). This process must not have initialised CUDA (a fork after ``cuInit``
+    cannot use it): shardyard's checks ask NVML and nvidia-smi, and a sweep where torch was asked is refused.
     """
 
     def __init__(self, n_jobs: int = 2) -> None:
@@ -116,27 +118,43 @@ class ParallelLauncher(Launcher):
         from multiprocessing.connection import wait
 
         assert self.config is not None
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            report_and_exit(UserError("hydra/launcher", "parallel", "CUDA was initialised in the sweep's own "
+                                      "process (nvidia-smi is not on PATH, so torch was asked about the GPUs), and "
+                                      "jobs forked from it could not use CUDA.",
+                                      "Put nvidia-smi on PATH, or use hydra/launcher=joblib."))
         ctx = multiprocessing.get_context("fork")
         n = sweep.launcher_slots(self.config, len(job_overrides))
         pending = list(enumerate(job_overrides))
         running: dict[Any, tuple[int, Any, Any]] = {}  # sentinel -> (index, process, pipe)
         values: dict[int, tuple[JobStatus, Any]] = {}
-        sys.stdout.flush()
-        sys.stderr.flush()
-        while pending or running:
-            while pending and len(running) < n:
-                i, overrides = pending.pop(0)
-                recv, send = ctx.Pipe(duplex=False)
-                proc = ctx.Process(target=self._child, args=(send, initial_job_idx + i, list(overrides)))
-                proc.start()
-                send.close()
-                running[proc.sentinel] = (i, proc, recv)
-            for sentinel in wait(list(running)):
-                i, proc, recv = running.pop(sentinel)
+        try:
+            while pending or running:
+                while pending and len(running) < n:
+                    i, overrides = pending.pop(0)
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                    recv, send = ctx.Pipe(duplex=False)
+                    proc = ctx.Process(target=self._child, args=(send, initial_job_idx + i, list(overrides)))
+                    proc.start()
+                    send.close()
+                    running[proc.sentinel] = (i, proc, recv)
+                for sentinel in wait(list(running)):
+                    i, proc, recv = running.pop(sentinel)
+                    proc.join()
+                    try:  # a job process killed (OOM, a signal) before it answered has sent nothing
+                        got = recv.recv() if recv.poll() else None
+                    except EOFError:
+                        got = None
+                    recv.close()
+                    ok = got is not None and got[0] == "COMPLETED" and proc.exitcode == 0
+                    values[i] = (JobStatus.COMPLETED, got[1]) if ok and got else (
+                        JobStatus.FAILED, RuntimeError(f"job {initial_job_idx + i} ended with exit code {proc.exitcode}"))
+        finally:  # interrupted (Ctrl-C): no job outlives the sweep
+            for _, proc, _ in running.values():
+                proc.terminate()
                 proc.join()
-                got = recv.recv() if recv.poll() else None
-                values[i] = (JobStatus.COMPLETED, got[1]) if got and got[0] == "COMPLETED" and proc.exitcode == 0 \
-                    else (JobStatus.FAILED, RuntimeError(f"job {initial_job_idx + i} ended with exit code {proc.exitcode}"))
         return [JobReturn(overrides=list(o), status=values[i][0], _return_value=values[i][1])
                 for i, o in enumerate(job_overrides)]
 
@@ -171,12 +189,25 @@ def _release_pool(config: DictConfig) -> None:
         get_reusable_executor().shutdown(wait=False, kill_workers=True)
 
 
-def _prepare(self: Any, key: Any, jobs: list[sweep.Job]) -> str:
-    """The sweep dir (an earlier one of the same sweep with ``checkpoint.resume=auto``), checked jobs."""
+def _prepare(self: Any, key: Any, jobs: list[sweep.Job]) -> tuple[str, bool]:
+    """The sweep dir, and whether it continues an earlier sweep of the same jobs (``checkpoint.resume=auto``);
+    every job checked. A sweep dir that holds another sweep, or this one without ``checkpoint.resume=auto``, is
+    refused: its finished jobs would be taken for this sweep's."""
+    from shardyard import run
+
     config = self.config
-    resume = any(sweep.resuming(j.overrides) for j in jobs) if jobs else False
+    run.STARTED = True  # composed: an exit from here on is the sweep's own, not a composition error
+    resume = any(sweep.resuming(j.overrides) for j in jobs)
     previous = sweep.find_previous(config, key) if resume else None
     sweep_dir = previous or str(config.hydra.sweep.dir)
+    held = sweep._read_json(os.path.join(sweep_dir, sweep.SWEEP))
+    if held and not previous:
+        same = held.get("identity") == key
+        report_and_exit(UserError(
+            "hydra.sweep.dir", sweep_dir, "It holds an earlier sweep" + (" of these jobs." if same else
+                                                                         " of other jobs (other overrides)."),
+            "Continue it with the same command and checkpoint.resume=auto." if same else
+            "Choose a new hydra.sweep.dir (or leave it out: outputs/multirun/<time>)."))
     sweep.set_sweep_dir(config, sweep_dir)
     if previous:
         print(f"shardyard | resuming the sweep in {previous} (checkpoint.resume=auto)", flush=True)
@@ -185,7 +216,17 @@ def _prepare(self: Any, key: Any, jobs: list[sweep.Job]) -> str:
                     [(j, j.overrides + sweep.hydra_overrides(sweep_dir, j)) for j in jobs])
     except UserError as err:
         report_and_exit(err)
-    return sweep_dir
+    return sweep_dir, previous is not None
+
+
+def _end(summary: dict[str, Any]) -> None:
+    """A sweep with failed jobs exits 1 after its summary, so that a script or CI sees it."""
+    failed = [r["job"] for r in summary["jobs"] if r["status"] not in sweep.DONE]
+    if failed:
+        print(f"shardyard | {len(failed)} of {len(summary['jobs'])} jobs did not finish: {', '.join(failed)}; the "
+              "same command with checkpoint.resume=auto runs them again (resuming from their checkpoints)",
+              file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 register()  # at import: Hydra's plugin scan imports this module before it composes `hydra/sweeper`
@@ -211,20 +252,30 @@ class GridSweeper(Sweeper):
         expanded = [ovr for batch in BasicSweeper.split_arguments(overrides, None) for ovr in batch]
         jobs = sweep.name_jobs(expanded)
         key = [sweep.identity(j.overrides) for j in jobs]
-        sweep_dir = _prepare(self, key, jobs)
-        todo = [j for j in jobs if not sweep.finished(sweep_dir, j.name)]
+        sweep_dir, resumed = _prepare(self, key, jobs)
+        todo = [j for j in jobs if not (resumed and sweep.finished(sweep_dir, j.name))]
         for j in jobs:
             if j not in todo:
                 print(f"shardyard | job {j.name}: {sweep.job_status(sweep_dir, j.name)} before, not run again", flush=True)
         sweep.write_sweep(sweep_dir, key, jobs, sweep.launcher_slots(config, len(todo)), config)
-        size = self.max_batch_size or len(todo) or 1
         returns = []
-        for i in range(0, len(todo), size):
-            batch = todo[i:i + size]
-            returns.append(_launch(self, sweep_dir, batch, jobs.index(batch[0])))
+        for batch in _batches([jobs.index(j) for j in todo], self.max_batch_size):
+            # Consecutive job numbers per launch: launchers number jobs initial_job_idx, +1, ...
+            returns.append(_launch(self, sweep_dir, [jobs[i] for i in batch], batch[0]))
         _release_pool(config)
-        sweep.summarize(sweep_dir, jobs, config.sweep)
+        _end(sweep.summarize(sweep_dir, jobs, config.sweep))
         return returns
+
+
+def _batches(indices: list[int], size: int | None) -> list[list[int]]:
+    """Runs of consecutive job numbers, at most ``size`` long (``null``: unbounded)."""
+    out: list[list[int]] = []
+    for i in indices:
+        if out and out[-1][-1] == i - 1 and (not size or len(out[-1]) < size):
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
 
 
 class OptunaSweeper(Sweeper):
@@ -250,7 +301,14 @@ class OptunaSweeper(Sweeper):
         fixed: list[str] = []
         for o in parser.parse_overrides([f"{k}={v}" for k, v in self.params.items()] + list(arguments)):
             if o.is_sweep_override():
-                space[o.get_key_element()] = distribution(o)
+                try:
+                    space[o.get_key_element()] = distribution(o)
+                except UserError as err:
+                    report_and_exit(err)
+                except ValueError as e:  # Optuna's own refusal, e.g. a log scale that reaches 0
+                    report_and_exit(UserError(f"hydra.sweeper.params.{o.get_key_element()}",
+                                              o.get_value_element_as_str(), f"Optuna refuses it: {e}.",
+                                              "Give a range Optuna can sample (a log scale needs low > 0)."))
             else:
                 fixed.append(f"{o.get_key_element()}={o.get_value_element_as_str()}")
         objective, sense = str(config.sweep.objective), sweep.direction(config.sweep)
@@ -261,12 +319,19 @@ class OptunaSweeper(Sweeper):
             report_and_exit(UserError("hydra.sweeper.pruner", self.pruner_name, f"Pruning compares the evaluations "
                                       f"of trials, and sweep.objective={objective} is not an evaluation metric.",
                                       "Use sweep.objective=eval/loss, or hydra.sweeper.pruner=none."))
+        try:
+            sampler, pruner = self._sampler(space), sweep.make_pruner(self.pruner_name, self.startup, self.warmup)
+        except UserError as err:
+            report_and_exit(err)
+        if config.scale.name == "smoke" and self.n_trials > 3:  # +scale=smoke: the search scaled down too
+            print(f"shardyard | +scale=smoke: 3 of the recipe's {self.n_trials} trials", flush=True)
+            self.n_trials = 3
         key = {"fixed": sorted(sweep.identity(fixed)), "space": {k: repr(v) for k, v in sorted(space.items())}}
         # Checked before the first trial: the search space's corners (trials are sampled inside them).
         corners = sweep.name_jobs([fixed + [f"{k}={_as_override(v)}" for k, v in c.items()] for c in _corners(space)])
         for c in corners:
             c.name = "corner " + c.name.split("_", 1)[-1]
-        sweep_dir = _prepare(self, key, corners)  # with checkpoint.resume=auto: the earlier sweep, its study
+        sweep_dir, resumed = _prepare(self, key, corners)  # resumed: the earlier sweep's dir, and its study
         storage_path = os.path.join(os.path.abspath(sweep_dir), "optuna.journal")
         from optuna.storages import JournalStorage
         from optuna.storages.journal import JournalFileBackend
@@ -275,19 +340,21 @@ class OptunaSweeper(Sweeper):
         storage = JournalStorage(JournalFileBackend(storage_path))
         study = optuna.create_study(study_name=self.study_name, storage=storage,
                                     direction="maximize" if sense == "maximize" else "minimize",
-                                    sampler=self._sampler(space), pruner=self._pruner(), load_if_exists=True)
-        jobs_by_trial = self._earlier_jobs(sweep_dir)
+                                    sampler=sampler, pruner=pruner, load_if_exists=resumed)
+        # Optuna stores no pruner; each trial's job builds this one from the study (sweep.Trial).
+        study.set_user_attr(sweep.PRUNER_ATTR, {"name": self.pruner_name, "startup": self.startup,
+                                                "warmup": self.warmup})
+        jobs_by_trial = self._earlier_jobs(sweep_dir) if resumed else {}
         for stale in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
             # Interrupted with the sweep: failed in the study; its parameters are asked again, in a new job.
             study.tell(stale.number, state=optuna.trial.TrialState.FAIL)
             study.enqueue_trial(stale.params)
         counted = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
-        if config.scale.name == "smoke" and self.n_trials > 3:  # +scale=smoke: the search scaled down too
-            print(f"shardyard | +scale=smoke: 3 of the recipe's {self.n_trials} trials", flush=True)
-            self.n_trials = 3
         slots = sweep.launcher_slots(config, self.n_jobs)
-        returns = []
-        while (done := len(study.get_trials(deepcopy=False, states=counted))) < self.n_trials:
+        returns, failed = [], 0
+        # n_trials finished or pruned trials; failed ones are retried with new parameters, but at most
+        # n_trials of them, so a recipe whose every trial fails ends.
+        while (done := len(study.get_trials(deepcopy=False, states=counted))) < self.n_trials and failed < self.n_trials:
             asked = [study.ask(space) for _ in range(min(self.n_jobs, self.n_trials - done))]
             batch = []
             for t in asked:
@@ -296,8 +363,8 @@ class OptunaSweeper(Sweeper):
                        f"sweep.study={sweep.quoted(self.study_name)}"]
                 shown = {k: sweep.fmt_value(str(v)) for k, v in t.params.items()}
                 short = sweep.short_keys(list(shown))
-                name = f"{t.number}_" + ",".join(f"{short[k]}={v}" for k, v in shown.items())
-                jobs_by_trial[t.number] = sweep.Job(name, ovr, {short[k]: v for k, v in shown.items()})
+                varying = {short[k]: v for k, v in shown.items()}
+                jobs_by_trial[t.number] = sweep.Job(sweep.job_name(t.number, varying), ovr, varying)
                 batch.append(jobs_by_trial[t.number])
             sweep.write_sweep(sweep_dir, key, [jobs_by_trial[n] for n in sorted(jobs_by_trial)], slots, config,
                               study=self.study_name, storage=storage_path)
@@ -311,10 +378,7 @@ class OptunaSweeper(Sweeper):
                     study.tell(t.number, state=optuna.trial.TrialState.PRUNED)
                 else:
                     study.tell(t.number, state=optuna.trial.TrialState.FAIL)
-            if not any(sweep.job_status(sweep_dir, j.name) in sweep.DONE for j in batch) and \
-                    all(sweep.job_status(sweep_dir, j.name) == "failed" for j in batch) and done == 0:
-                print("shardyard | every trial of the first batch failed; the sweep stops (see the summary)", flush=True)
-                break
+                    failed += 1
         _release_pool(config)
         jobs = [jobs_by_trial[n] for n in sorted(jobs_by_trial)]
         extra = {}
@@ -325,7 +389,7 @@ class OptunaSweeper(Sweeper):
             _write_results(sweep_dir, best.params, float(best.value or 0.0))
             print(f"shardyard | optuna: best trial {best.number}: {objective} = {best.value:.6g} with {best.params}",
                   flush=True)
-        sweep.summarize(sweep_dir, jobs, config.sweep, extra)
+        _end(sweep.summarize(sweep_dir, jobs, config.sweep, extra))
         return returns
 
     def _earlier_jobs(self, sweep_dir: str) -> dict[int, Job]:
@@ -336,33 +400,26 @@ class OptunaSweeper(Sweeper):
     def _sampler(self, space: dict[str, Any]) -> Any:
         import optuna
 
-        if self.sampler_name == "tpe":
-            return optuna.samplers.TPESampler(seed=self.seed)
-        if self.sampler_name == "random":
-            return optuna.samplers.RandomSampler(seed=self.seed)
-        if self.sampler_name == "grid":
-            grid = {}
+        def grid() -> Any:
+            values = {}
             for k, d in space.items():
                 if not isinstance(d, optuna.distributions.CategoricalDistribution):
-                    report_and_exit(UserError(f"hydra.sweeper.params.{k}", self.params.get(k), "The grid sampler "
-                                              "needs a finite set of values.", "Use choice(...) or range(...), or "
-                                              "hydra.sweeper.sampler=tpe."))
-                grid[k] = list(d.choices)
-            return optuna.samplers.GridSampler(grid, seed=self.seed)
-        report_and_exit(UserError("hydra.sweeper.sampler", self.sampler_name, "Unknown sampler.",
-                                  "Use tpe, random or grid."))
+                    raise UserError(f"hydra.sweeper.params.{k}", self.params.get(k), "The grid sampler needs a finite "
+                                    "set of values.", "Use choice(...) or range(...), or hydra.sweeper.sampler=tpe.")
+                values[k] = list(d.choices)
+            size = 1
+            for v in values.values():
+                size *= len(v)
+            if self.n_trials > size:  # the grid sampler would propose its points again
+                print(f"shardyard | the grid has {size} points: {size} trials, not {self.n_trials}", flush=True)
+                self.n_trials = size
+            return optuna.samplers.GridSampler(values, seed=self.seed)
 
-    def _pruner(self) -> Any:
-        import optuna
-
-        if self.pruner_name == "median":
-            return optuna.pruners.MedianPruner(n_startup_trials=self.startup, n_warmup_steps=self.warmup)
-        if self.pruner_name == "hyperband":
-            return optuna.pruners.HyperbandPruner()
-        if self.pruner_name == "none":
-            return optuna.pruners.NopPruner()
-        report_and_exit(UserError("hydra.sweeper.pruner", self.pruner_name, "Unknown pruner.",
-                                  "Use median, hyperband or none."))
+        samplers = {"tpe": lambda: optuna.samplers.TPESampler(seed=self.seed),
+                    "random": lambda: optuna.samplers.RandomSampler(seed=self.seed), "grid": grid}
+        if self.sampler_name not in samplers:
+            raise UserError("hydra.sweeper.sampler", self.sampler_name, "Unknown sampler.", "Use tpe, random or grid.")
+        return samplers[self.sampler_name]()
 
 
 def distribution(o: Any) -> Any:
@@ -374,7 +431,12 @@ def distribution(o: Any) -> Any:
     v = o.value()
     log = "log" in getattr(v, "tags", set())
     if isinstance(v, ChoiceSweep):
-        return d.CategoricalDistribution([c for c in v.list if isinstance(c, (int, float, str, bool))])
+        choices: list[Any] = list(v.list)
+        if not choices or not all(isinstance(c, (int, float, str, bool)) for c in choices):
+            raise UserError(f"hydra.sweeper.params.{o.get_key_element()}", o.get_value_element_as_str(),
+                            "Optuna's choices must be numbers, strings or booleans (and at least one).",
+                            "Sweep a list-valued key as strings, or choose its values in a config group.")
+        return d.CategoricalDistribution(choices)
     if isinstance(v, RangeSweep):
         values = list(o.sweep_iterator())
         return d.CategoricalDistribution(values)
@@ -391,8 +453,8 @@ def distribution(o: Any) -> Any:
 
 
 def _corners(space: dict[str, Any]) -> list[dict[str, Any]]:
-    """The search space's extremes to check before the first trial: every combination of each parameter's
-    ends (its low and high, or each choice), capped at 64 jobs."""
+    """The search space's extremes to check before the first trial: the combinations of each parameter's ends
+    (its low and high, or each choice); the first 64 of them where there are more."""
     import itertools
 
     import optuna.distributions as d

@@ -599,7 +599,7 @@ class SweepConfig:
     """``minimize`` or ``maximize`` the objective; ``auto``: maximize throughput metrics (``*_per_s``, ``mfu``),
     minimize everything else."""
     base_port: int = 29600
-    """Parallel local jobs (``hydra/launcher=joblib``): job slot k takes its rendezvous port from
+    """Parallel local jobs (``hydra/launcher=parallel`` or ``joblib``): job slot k takes its rendezvous port from
     ``[base_port + 64 k, base_port + 64 (k+1))``, so two jobs running at once never share one."""
     trial: Optional[int] = None
     """Set by ``hydra/sweeper=optuna`` for each job, never by hand: the Optuna trial this job is. Rank 0

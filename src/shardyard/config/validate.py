@@ -385,12 +385,31 @@ def _validate_data(cfg: DictConfig) -> None:
     open_source(d)  # sources check their own arguments (paths exist, ...) when built
 
 
+def _gpu_capability() -> tuple[str, float] | None:
+    """The first GPU's name and compute capability from nvidia-smi, leaving CUDA uninitialised in this process
+    (a parallel sweep forks its jobs from it); None without nvidia-smi."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,compute_cap", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20).stdout.strip().splitlines()
+        name, cap = out[0].rsplit(",", 1)
+        return name.strip(), float(cap)
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        return None
+
+
 def _validate_precision(pr: DictConfig, dev: str) -> None:
     import torch
 
-    if pr.name == "bf16" and dev == "cuda" and not torch.cuda.is_bf16_supported():
-        raise UserError("precision", "bf16", f"This GPU ({torch.cuda.get_device_name()}) has no bf16 support.",
-                        "Use precision=fp16 (loss-scaled) or precision=fp32.")
+    if pr.name == "bf16" and dev == "cuda":
+        gpu = _gpu_capability()
+        if gpu is None:  # no nvidia-smi: ask torch (this initialises CUDA here)
+            gpu = (torch.cuda.get_device_name(), 8.0 if torch.cuda.is_bf16_supported() else 0.0)
+        if gpu[1] < 8.0:  # bf16 tensor cores from Ampere (sm_80) on
+            raise UserError("precision", "bf16", f"This GPU ({gpu[0]}, compute capability {gpu[1]}) has no native "
+                            "bf16 (Ampere, 8.0, and later have it; older GPUs would emulate it, slowly).",
+                            "Use precision=fp16 (loss-scaled) or precision=fp32.")
     if pr.name != "fp32" and not torch.amp.autocast_mode.is_autocast_available(dev):
         raise UserError("precision", pr.name, f"This torch build has no autocast for {dev}.", "Use precision=fp32.")
     if pr.name == "fp16" and dev == "cpu":
