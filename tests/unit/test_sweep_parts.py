@@ -82,3 +82,15 @@ def test_jobs_left_to_run_are_launched_in_runs_of_consecutive_numbers():
 
     assert _batches([1, 2, 3, 5, 6], None) == [[1, 2, 3], [5, 6]]
     assert _batches([0, 1, 2, 3], 2) == [[0, 1], [2, 3]]
+
+
+@pytest.mark.parametrize("override,key", [("sweep.objective=eval/los", "sweep.objective"),
+                                          ("sweep.base_port=80", "sweep.base_port")])
+def test_bad_sweep_settings_name_their_key(override, key):
+    from shardyard.config.validate import validate
+    from shardyard.errors import UserError
+    from shardyard.testing import compose
+
+    with pytest.raises(UserError) as e:
+        validate(compose([override]), None)
+    assert e.value.key == key

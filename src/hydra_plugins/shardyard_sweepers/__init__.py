@@ -91,6 +91,15 @@ def _setup(self: Any, hydra_context: HydraContext, task_function: TaskFunction, 
                                                             config=config)
 
 
+def _parsed(self: Any, arguments: List[str]) -> list[Any]:
+    """The sweep's overrides: the recipe's ``hydra.sweeper.params`` then the command line's, parsed by Hydra."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    assert self.config is not None and self.hydra_context is not None
+    parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
+    return parser.parse_overrides([f"{k}={v}" for k, v in self.params.items()] + list(arguments))
+
+
 def _launch(self: Any, sweep_dir: str, jobs: list[sweep.Job], first: int) -> list[Any]:
     return list(self.launcher.launch([j.overrides + sweep.hydra_overrides(sweep_dir, j) for j in jobs],
                                      initial_job_idx=first))
@@ -243,12 +252,10 @@ class GridSweeper(Sweeper):
 
     def sweep(self, arguments: List[str]) -> Any:
         from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-        from hydra.core.override_parser.overrides_parser import OverridesParser
 
-        assert self.config is not None and self.hydra_context is not None
+        overrides = _parsed(self, arguments)
         config = self.config
-        parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
-        overrides = parser.parse_overrides([f"{k}={v}" for k, v in self.params.items()] + list(arguments))
+        assert config is not None and self.hydra_context is not None
         expanded = [ovr for batch in BasicSweeper.split_arguments(overrides, None) for ovr in batch]
         jobs = sweep.name_jobs(expanded)
         key = [sweep.identity(j.overrides) for j in jobs]
@@ -292,14 +299,13 @@ class OptunaSweeper(Sweeper):
 
     def sweep(self, arguments: List[str]) -> Any:
         import optuna
-        from hydra.core.override_parser.overrides_parser import OverridesParser
 
-        assert self.config is not None and self.hydra_context is not None
+        overrides = _parsed(self, arguments)
         config = self.config
-        parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
+        assert config is not None and self.hydra_context is not None
         space: dict[str, Any] = {}
         fixed: list[str] = []
-        for o in parser.parse_overrides([f"{k}={v}" for k, v in self.params.items()] + list(arguments)):
+        for o in overrides:
             if o.is_sweep_override():
                 try:
                     space[o.get_key_element()] = distribution(o)
@@ -307,7 +313,7 @@ class OptunaSweeper(Sweeper):
                     report_and_exit(err)
                 except ValueError as e:  # Optuna's own refusal, e.g. a log scale that reaches 0
                     report_and_exit(UserError(f"hydra.sweeper.params.{o.get_key_element()}",
-                                              o.get_value_element_as_str(), f"Optuna refuses it: {e}.",
+                                              o.input_line.split("=", 1)[-1], f"Optuna refuses it: {str(e).rstrip('.')}.",
                                               "Give a range Optuna can sample (a log scale needs low > 0)."))
             else:
                 fixed.append(f"{o.get_key_element()}={o.get_value_element_as_str()}")
@@ -433,7 +439,7 @@ def distribution(o: Any) -> Any:
     if isinstance(v, ChoiceSweep):
         choices: list[Any] = list(v.list)
         if not choices or not all(isinstance(c, (int, float, str, bool)) for c in choices):
-            raise UserError(f"hydra.sweeper.params.{o.get_key_element()}", o.get_value_element_as_str(),
+            raise UserError(f"hydra.sweeper.params.{o.get_key_element()}", o.input_line.split("=", 1)[-1],
                             "Optuna's choices must be numbers, strings or booleans (and at least one).",
                             "Sweep a list-valued key as strings, or choose its values in a config group.")
         return d.CategoricalDistribution(choices)
@@ -448,7 +454,8 @@ def distribution(o: Any) -> Any:
         if "int" in v.tags or re.search(r"interval\(\s*-?\d+\s*,\s*-?\d+\s*\)", o.input_line):
             return d.IntDistribution(int(v.start), int(v.end), log=log)
         return d.FloatDistribution(float(v.start), float(v.end), log=log)
-    raise UserError(o.input_line, o.get_value_element_as_str(), "This sweep form has no Optuna equivalent.",
+    raise UserError(f"hydra.sweeper.params.{o.get_key_element()}", o.input_line.split("=", 1)[-1],
+                    "This sweep form has no Optuna equivalent.",
                     "Use choice(...), range(...) or interval(...), tagged log for a log scale.")
 
 

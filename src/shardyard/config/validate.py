@@ -174,6 +174,7 @@ def validate(cfg: DictConfig, env: DistEnv | None) -> Plan:
     _at_least("checkpoint.keep_last", c.keep_last, 0)
     _at_least("launch.max_restarts", cfg.launch.max_restarts, 0)
     _at_least("launch.timeout_s", cfg.launch.timeout_s, 1)
+    _validate_sweep(cfg.sweep)
     attn = m.get("attn_implementation")
     if attn == "flash_attention_2" and (p.device_type != "cuda" or importlib.util.find_spec("flash_attn") is None):
         raise UserError("model.attn_implementation", attn,
@@ -383,6 +384,20 @@ def _validate_data(cfg: DictConfig) -> None:
     if d.seq_len < 2:
         raise UserError("data.seq_len", d.seq_len, "Sequences need at least 2 tokens.", "Use e.g. data.seq_len=256.")
     open_source(d)  # sources check their own arguments (paths exist, ...) when built
+
+
+SWEEP_METRICS = ("train/loss", "eval/loss", "eval/ppl", "lr", "grad_norm", "tokens_per_s", "samples_per_s",
+                 "step_time_s", "data_time_s", "tflops_per_device", "mfu", "loss_scale", "skipped_steps")
+"""What ``metrics.jsonl`` holds (``loop.train``), so what a sweep can rank by (``memory/*`` too)."""
+
+
+def _validate_sweep(sw: DictConfig) -> None:
+    if sw.objective not in SWEEP_METRICS and not str(sw.objective).startswith("memory/"):
+        raise UserError("sweep.objective", sw.objective, "The runs log no such metric.",
+                        f"Use one of {', '.join(SWEEP_METRICS)} or memory/*.")
+    if not 1024 <= sw.base_port <= 65535 - 64 * 16:
+        raise UserError("sweep.base_port", sw.base_port, "Job slots take 64 ports each from it, above the "
+                        "privileged ports.", f"Use a port between 1024 and {65535 - 64 * 16}, e.g. 29600.")
 
 
 def _gpu_capability() -> tuple[str, float] | None:
