@@ -32,8 +32,8 @@ else
   say "installing torch==2.13.0 (CPU)"
   $VPY -m pip install -q torch==2.13.0
 fi
-say "installing shardyard (editable) with its dev, deepspeed, monitors and slurm extras"
-$VPY -m pip install -q -e '.[dev,deepspeed,monitors,slurm,sweep]'
+say "installing shardyard (editable) with its dev, deepspeed, monitors, slurm, sweep and finetune extras"
+$VPY -m pip install -q -e '.[dev,deepspeed,monitors,slurm,sweep,finetune]'
 if [ "${SHARDYARD_SKIP_HOROVOD:-0}" = 1 ]; then
   say "skipping Horovod (SHARDYARD_SKIP_HOROVOD=1): backend=horovod will be unavailable"
 else

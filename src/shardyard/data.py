@@ -242,13 +242,31 @@ def load_tokenizer(path: str):
 
 def token_dir(d: DictConfig, src: DocumentSource, tok_dir: str) -> str:
     tok_hash = hashlib.sha256(Path(tok_dir, "tokenizer.json").read_bytes()).hexdigest()[:12]
+    rows = hasattr(src, "tokenize_rows")
+    if rows:  # SFT rows depend on the row length and on the tokenizer's chat template (tokenizer_config.json)
+        config = Path(tok_dir, "tokenizer_config.json")
+        tok_hash += f"|rows{d.seq_len}|" + hashlib.sha256(config.read_bytes() if config.is_file() else b"").hexdigest()[:8]
     out = os.path.join(d.cache_dir, "tokens", _cache_key(d, src, f"tok|{tok_hash}"))
     if os.path.exists(out):
         return out
     with _locked(out + ".lock"):
         if not os.path.exists(out):
-            _tokenize(d, src, tok_dir, out)
+            (_tokenize_rows if rows else _tokenize)(d, src, tok_dir, out)
     return out
+
+
+def _tokenize_rows(d: DictConfig, src, tok_dir: str, out: str) -> None:
+    """A source that makes its own rows (``data=sft``: labels and positions per token): ``train.npz``,
+    ``val.npz`` and the counts it reports (conversations, truncated, dropped, label tokens)."""
+    tok = load_tokenizer(tok_dir)
+    built = src.tokenize_rows(tok, d.seq_len, lambda name: is_val(name, d.val_fraction))
+    tmp = tempfile.mkdtemp(dir=os.path.dirname(out), prefix=".tmp-tokens-")
+    for split in ("train", "val"):
+        np.savez(os.path.join(tmp, f"{split}.npz"), **built[split])
+    with open(os.path.join(tmp, "meta.json"), "w") as f:
+        json.dump({"rows": {s: int(len(built[s]["input_ids"])) for s in ("train", "val")}, "stats": built["stats"],
+                   "tokenizer": tok_dir, "vocab_size": len(tok)}, f, indent=1)
+    _publish(tmp, out)
 
 
 def _tokenize(d: DictConfig, src: DocumentSource, tok_dir: str, out: str) -> None:
@@ -286,6 +304,8 @@ class Prepared:
     tokenizer_dir: str
     token_dir: str
     vocab_size: int
+    stats: dict | None = None
+    """What a source that makes its own rows reports (``data=sft``: conversations, truncated, dropped)."""
 
 
 def has_tokenizer(path: str) -> bool:
@@ -297,8 +317,10 @@ def tokenizer_path(cfg: DictConfig) -> str | None:
     None (train a BPE tokenizer on the data)."""
     if cfg.data.tokenizer.path is not None:
         return cfg.data.tokenizer.path
-    model_dir = cfg.model.get("path")
-    return model_dir if isinstance(model_dir, str) and has_tokenizer(model_dir) else None
+    for model_dir in (cfg.model.get("path"), cfg.model.get("weights")):  # a pretrained model brings its tokenizer
+        if isinstance(model_dir, str) and os.path.isdir(model_dir) and has_tokenizer(model_dir):
+            return model_dir
+    return None
 
 
 def prepare(cfg: DictConfig, embedding_rows: int | None = None) -> Prepared:
@@ -317,10 +339,24 @@ def prepare(cfg: DictConfig, embedding_rows: int | None = None) -> Prepared:
                         f"Use model.vocab_size>={meta['vocab_size']}, a smaller data.tokenizer.vocab_size, or the "
                         "model's own tokenizer.")
     for split in ("train", "val"):
-        if meta["tokens"][split] < d.seq_len + 1:
+        if "rows" in meta and meta["rows"][split] < 1:
+            raise UserError("data.val_fraction" if split == "val" else "data.paths", d.get(
+                "val_fraction" if split == "val" else "paths"), f"The {split} split has no conversation.",
+                "Give more conversations, or another data.val_fraction.")
+        if "tokens" in meta and meta["tokens"][split] < d.seq_len + 1:
             raise UserError("data.seq_len", d.seq_len, f"The {split} split has only {meta['tokens'][split]} tokens, "
                             "less than one sequence.", "Use more data, a shorter data.seq_len or another data.val_fraction.")
-    return Prepared(tok_dir, tdir, meta["vocab_size"])
+    return Prepared(tok_dir, tdir, meta["vocab_size"], meta.get("stats"))
+
+
+def open_split(prepared: Prepared, split: str, seq_len: int):
+    """The rows of ``split``: packed text windows (``PackedSequences``) or a source's own rows (``SFTRows``)."""
+    rows = os.path.join(prepared.token_dir, f"{split}.npz")
+    if os.path.exists(rows):
+        from shardyard.sft import SFTRows
+
+        return SFTRows(rows)
+    return PackedSequences(os.path.join(prepared.token_dir, f"{split}.npy"), seq_len)
 
 
 # --------------------------------------------------------------------------------------------- batches

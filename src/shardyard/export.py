@@ -1,5 +1,6 @@
 """HF export: safetensors + config + tokenizer, loadable by ``AutoModelForCausalLM.from_pretrained`` (a model
-that is not an HF model exports ``model.safetensors`` and the tokenizer)."""
+that is not an HF model exports ``model.safetensors`` and the tokenizer). With adapters (``peft=lora``) the
+export is the merged model, and the adapter alone goes to ``adapter/`` beside it in PEFT's format."""
 
 from __future__ import annotations
 
@@ -25,6 +26,15 @@ def save_hf(backend: Backend, tokenizer_dir: str, out_dir: str) -> str | None:
     hf_logging.disable_progress_bar()
     assert state is not None  # rank 0 holds the gathered state
     model: Any = backend.hf_model()
+    from shardyard import adapters
+
+    if adapters.is_peft(model):
+        tmp_adapter = tempfile.mkdtemp(dir=parent, prefix=".tmp-adapter-")
+        adapters.save_adapter(model, state, tmp_adapter)
+        load_tokenizer(tokenizer_dir).save_pretrained(tmp_adapter)
+        _publish(tmp_adapter, os.path.join(parent, "adapter"))
+        state = adapters.merged_state(state, model)
+        model = model.get_base_model()
     if is_hf(model):
         model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
     else:  # a plain nn.Module (shardyard.model.CausalLM): its weights, for its own builder to load
@@ -32,6 +42,11 @@ def save_hf(backend: Backend, tokenizer_dir: str, out_dir: str) -> str | None:
 
         save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(tmp, "model.safetensors"))
     load_tokenizer(tokenizer_dir).save_pretrained(tmp)
+    _publish(tmp, out_dir)
+    return out_dir
+
+
+def _publish(tmp: str, out_dir: str) -> None:
     if os.path.exists(out_dir):  # replace an older export only once the new one is complete
         old = out_dir + ".old"
         os.replace(out_dir, old)
@@ -39,4 +54,3 @@ def save_hf(backend: Backend, tokenizer_dir: str, out_dir: str) -> str | None:
         shutil.rmtree(old)
     else:
         os.replace(tmp, out_dir)
-    return out_dir

@@ -29,7 +29,75 @@ class LoopResult:
     tokens: int = 0
     wall_s: float = 0.0
     skipped_steps: int = 0  # updates dropped for non-finite gradients (debug.nan_policy=skip)
+    stopped_early_at: int | None = None  # the step after whose evaluation train.early_stopping_patience stopped
+    warnings: list = field(default_factory=list)  # what Health printed
     pruned_at: int | None = None  # the step after whose evaluation a sweep's pruner stopped the run
+
+
+def to_device(x, device: torch.device):
+    """A batch's inputs: token ids, or the model's keyword arguments (``data=sft``: ids and positions)."""
+    if isinstance(x, dict):
+        return {k: v.to(device, non_blocking=True) for k, v in x.items()}
+    return x.to(device, non_blocking=True)
+
+
+class Health:
+    """The troubleshooting table of a fine-tuning guide, read off the run's own metrics and printed as a
+    warning when it applies (rank 0; every rank sees the same reduced numbers and stops together):
+
+    * eval loss rising ``train.warn_after_evals`` evaluations in a row: overfitting (fewer epochs or steps, a
+      lower learning rate, more data, more dropout);
+    * train loss not below its first logged value after a third of the run: the learning rate is too low,
+      the labels are all masked, or the data is wrong;
+    * train loss oscillating (its logged values alternate up and down, with swings over 10%): learning rate
+      too high or batch too small;
+    * ``train.early_stopping_patience``: stop when the eval loss has not improved for that many evaluations.
+    """
+
+    def __init__(self, cfg: DictConfig, rank0: bool):
+        self.tr, self.rank0 = cfg.train, rank0
+        self.evals: list[float] = []
+        self.train: list[float] = []
+        self.said: set[str] = set()
+        self.warnings: list[str] = []
+
+    def _warn(self, key: str, text: str) -> None:
+        if key in self.said:
+            return
+        self.said.add(key)
+        self.warnings.append(text)
+        if self.rank0:
+            print(f"shardyard | warning: {text}", flush=True)
+
+    def on_train(self, step: int, loss: float) -> None:
+        self.train.append(loss)
+        t = self.train
+        if step >= self.tr.steps / 3 and len(t) >= 4 and min(t[1:]) >= t[0]:
+            self._warn("flat", f"the train loss has not fallen below its first value ({t[0]:.4f}) by step {step}: "
+                       "raise optim.lr, check that the data has labelled tokens, or check the data itself.")
+        last = t[-6:]
+        if len(last) == 6:
+            ups = [b > a for a, b in zip(last, last[1:])]
+            swings = [abs(b - a) / max(abs(a), 1e-9) for a, b in zip(last, last[1:])]
+            if all(u != v for u, v in zip(ups, ups[1:])) and min(swings) > 0.1:
+                self._warn("oscillating", f"the train loss oscillates (last values {', '.join(f'{x:.3f}' for x in last)}): "
+                           "lower optim.lr or raise train.global_batch_size.")
+
+    def on_eval(self, step: int, loss: float) -> bool:
+        """True: stop here (early stopping)."""
+        self.evals.append(loss)
+        e, n = self.evals, self.tr.warn_after_evals
+        if n and len(e) > n and all(b > a for a, b in zip(e[-n - 1:], e[-n:])):
+            self._warn("rising", f"the eval loss rose {n} evaluations in a row (to {loss:.4f} at step {step}): the "
+                       "model is overfitting; train fewer steps, lower optim.lr, use more data, or set "
+                       "train.early_stopping_patience.")
+        patience = self.tr.early_stopping_patience
+        if patience and len(e) > patience and min(e[-patience:]) >= min(e[:-patience]):
+            if self.rank0:
+                print(f"shardyard | early stopping after step {step}: the eval loss has not improved on "
+                      f"{min(e):.4f} for {patience} evaluations (train.early_stopping_patience={patience})", flush=True)
+            return True
+        return False
 
 
 def evaluate(backend: Backend, val: PackedSequences, cfg: DictConfig, plan: Plan) -> float:
@@ -38,7 +106,7 @@ def evaluate(backend: Backend, val: PackedSequences, cfg: DictConfig, plan: Plan
     model.eval()
     total = torch.zeros((), device=backend.device)
     for x, y in eval_batches(val, cfg.train.eval_batches, plan.micro_batch_size, backend.rank, backend.world_size):
-        total += backend.eval_loss(x.to(backend.device), y.to(backend.device)).float()
+        total += backend.eval_loss(to_device(x, backend.device), y.to(backend.device)).float()
     model.train(was_training)
     return backend.all_reduce_mean(total / cfg.train.eval_batches).item()
 
@@ -57,11 +125,17 @@ def train(cfg: DictConfig, plan: Plan, backend: Backend, stream: TrainStream, va
     profiler = StepProfiler(cfg, backend.rank, dev)
     peak = peak_tflops(dev, cfg.precision.name, cfg.metrics.peak_tflops)
 
+    health = Health(cfg, backend.rank == 0)
+    res.warnings = health.warnings
+
     def run_eval(step: int) -> bool:
         loss = evaluate(backend, val, cfg, plan)
         res.eval_losses.append((step, loss))
         metrics = {"eval/loss": loss, "eval/ppl": math.exp(min(loss, 50.0))}
         monitors.log(step, metrics)
+        if health.on_eval(step, loss) and step < total:
+            res.stopped_early_at = step
+            return True
         return after_eval is not None and after_eval(step, metrics)
 
     if start_step == 0 and not cfg.debug.fast_dev_run:
@@ -79,7 +153,7 @@ def train(cfg: DictConfig, plan: Plan, backend: Backend, stream: TrainStream, va
             for micro in range(accum):
                 td = time.perf_counter()
                 x, y = stream.micro_batch(step, micro)
-                x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
+                x, y = to_device(x, dev), y.to(dev, non_blocking=True)
                 data_time += time.perf_counter() - td
                 step_loss += backend.forward_backward(x, y, is_last_micro=micro == accum - 1).float()
         with torch.profiler.record_function("optimizer_step"):
@@ -109,6 +183,7 @@ def train(cfg: DictConfig, plan: Plan, backend: Backend, stream: TrainStream, va
                 metrics["skipped_steps"] = guard.skipped
             monitors.log(done, metrics)
             res.train_losses.append((done, loss))
+            health.on_train(done, loss)
             res.grad_norms.append((done, metrics["grad_norm"]))
             res.final_train_loss = loss
             loss_acc.zero_()
@@ -119,7 +194,8 @@ def train(cfg: DictConfig, plan: Plan, backend: Backend, stream: TrainStream, va
             stop = run_eval(done)
             interval_start += time.perf_counter() - te  # throughput counts training time, not evaluation
             if stop and done < total:  # a trial that trained to the end is complete, whatever the pruner says
-                res.pruned_at = done
+                if res.stopped_early_at is None:
+                    res.pruned_at = done
                 break
         if after_step is not None:
             after_step(done)

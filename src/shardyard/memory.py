@@ -66,6 +66,14 @@ def held_by(model: torch.nn.Module, optimizer) -> dict[str, int]:
     return breakdown({"params": params, "grads": grads, "optimizer": masters + list(optimizer_state_tensors(inner))})
 
 
+def _planned(cfg, plan) -> dict:
+    """The plan's per-rank figures for this run on this machine (what ``plan.only=true`` prints)."""
+    from shardyard import plan as memory_plan
+
+    e = memory_plan.estimate(cfg, plan, memory_plan.hardware(cfg, plan))
+    return {"device": e.device, "peak": e.device_peak}
+
+
 def measure_engines(rank: int, world: int, ports: list[int], jobs: list[list[str]], out: str) -> None:
     """In a spawned rank of ``world``: for each job (overrides), build the engine, train one step and run the
     backward of the next (gradients and optimizer state both alive), and record what this rank holds
@@ -95,13 +103,16 @@ def measure_engines(rank: int, world: int, ports: list[int], jobs: list[list[str
         built: dict = {}
 
         def build(allow_meta: bool) -> torch.nn.Module:
-            built["m"] = build_model(cfg.model, cfg.seed)
-            built["P"] = param_count(built["m"])
+            from shardyard.adapters import apply
+
+            model = build_model(cfg.model, cfg.seed)
+            built["P"] = param_count(model)
+            built["m"] = apply(model, cfg.peft, cfg.seed)  # peft=lora: adapters, the base frozen
             return built["m"]
 
         backend.prepare(build, 2)
         prep = data.prepare(cfg)
-        stream = data.TrainStream(data.PackedSequences(f"{prep.token_dir}/train.npy", cfg.data.seq_len), 0,
+        stream = data.TrainStream(data.open_split(prep, "train", cfg.data.seq_len), 0,
                                   plan.global_batch_size, plan.micro_batch_size, rank, world)
         x, y = stream.micro_batch(0, 0)
         backend.forward_backward(x, y, True)
@@ -110,7 +121,10 @@ def measure_engines(rank: int, world: int, ports: list[int], jobs: list[list[str
         backend.forward_backward(x, y, True)  # gradients of step 2 alive, optimizer state from step 1
         engine = getattr(backend, "engine", None)  # DeepSpeed's ZeRO optimizer, or the torch one of the stepper
         optimizer = engine.optimizer if engine is not None else getattr(backend, "stepper").optimizer
-        results.append({"overrides": overrides, "P": built["P"], **held_by(backend.hf_model(), optimizer)})
+        from shardyard.adapters import trainable_count
+
+        results.append({"overrides": overrides, "P": built["P"], "trainable": trainable_count(backend.hf_model()),
+                        "plan": _planned(cfg, plan), **held_by(backend.hf_model(), optimizer)})
         backend.close()
     if rank == 0:
         with open(out, "w") as f:

@@ -139,20 +139,118 @@ def has_weights(path: str) -> bool:
 
 
 def hf(path: str, attn_implementation: str = "sdpa") -> torch.nn.Module:
-    """Any ``AutoModelForCausalLM`` architecture from a local directory: its weights when it has them,
-    else its architecture with a fresh init. On the meta device (shape inspection) weights are not read."""
+    """Any ``AutoModelForCausalLM`` architecture from a local directory (its ``config.json``). Its weights are
+    not read here: ``model.weights`` (``auto`` for this option: the directory's own) is loaded by shardyard
+    after the engine has placed the model, shard by shard on the sharded engines (``load_weights``)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config_file = os.path.join(os.path.expanduser(path), "config.json")
     if not os.path.isfile(config_file):
         raise UserError("model.path", path, "No HF model directory (with config.json) is there.",
                         "Point it at a local directory written by save_pretrained (e.g. a run's hf/ export).")
-    path = os.path.dirname(config_file)
-    if has_weights(path) and torch.get_default_device().type != "meta":
-        return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32,
-                                                    attn_implementation=attn_implementation)
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    config = AutoConfig.from_pretrained(os.path.dirname(config_file), local_files_only=True)
     return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
+
+
+# ------------------------------------------------------------------------------------ pretrained weights
+def weights_dir(m: DictConfig) -> str | None:
+    """``model.weights``: the HF directory whose safetensors are loaded into the model, or None (fresh init).
+    ``auto`` (``model=hf``): ``model.path`` when it holds weights."""
+    w = m.get("weights")
+    if w == "auto":
+        path = m.get("path")
+        return os.path.expanduser(path) if isinstance(path, str) and has_weights(os.path.expanduser(path)) else None
+    return os.path.expanduser(w) if w else None
+
+
+def _weight_files(path: str) -> dict[str, str]:
+    """Tensor name -> the safetensors file holding it (``model.safetensors`` or a sharded index)."""
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise UserError("model.weights", path, "No *.safetensors files are there (PyTorch .bin pickles are not read: "
+                        "loading them would execute code from the file).",
+                        "Convert them once with transformers (from_pretrained, then save_pretrained(safe_serialization"
+                        "=True)), or point model.weights at a safetensors export.")
+    where: dict[str, str] = {}
+    for f in files:
+        with safe_open(f, framework="pt") as st:
+            where.update({k: f for k in st.keys()})
+    return where
+
+
+def checkpoint_name(name: str) -> str:
+    """The name a parameter has in an HF checkpoint: peft's wrappers (``base_model.model.``, ``.base_layer``)
+    and torch's (activation checkpointing, compile) removed."""
+    for wrapper in ("base_model.model.", "_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
+        name = name.replace(wrapper, "")
+    return name.replace(".base_layer.", ".")
+
+
+@torch.no_grad()
+def load_weights(model: torch.nn.Module, path: str) -> None:
+    """Load the pretrained tensors of ``path`` into ``model`` wherever its parameters live, reading from disk
+    only what this rank keeps:
+
+    1. A DTensor (FSDP2's shards): only this rank's rows of each tensor (safetensors reads slices lazily), so
+       no rank ever materialises the full model.
+    2. A ZeRO-3 partitioned parameter: gathered one at a time, filled by rank 0 (the only reader), and
+       re-partitioned on leaving ``GatheredParameters``: at most one full tensor exists at a time.
+    3. A plain tensor (single, DDP, Horovod, ZeRO-1/2 replicas): the whole tensor.
+    Adapters (LoRA) are not in the checkpoint: they are initialised by ``adapters.init``. A checkpoint that
+    misses a tensor of the model, or holds one of another shape, is refused naming it.
+    """
+    from safetensors import safe_open
+    from torch.distributed.tensor import DTensor
+
+    where = _weight_files(path)
+    handles: dict[str, Any] = {}
+
+    def reader(name: str) -> Any:
+        f = where[name]
+        if f not in handles:
+            handles[f] = safe_open(f, framework="pt")
+        return handles[f].get_slice(name)
+
+    tensors: dict[str, torch.Tensor] = dict(model.named_parameters())
+    tensors.update((n, b) for n, b in model.named_buffers() if checkpoint_name(n) in where)
+    missing = []
+    for name, p in tensors.items():
+        key = checkpoint_name(name)
+        if "lora_" in key:
+            continue
+        if key not in where:
+            missing.append(key)
+            continue
+        sl = reader(key)
+        shape = list(getattr(p, "ds_shape", p.shape))
+        if list(sl.get_shape()) != shape:
+            raise UserError("model.weights", path, f"Its tensor {key} has shape {list(sl.get_shape())}, and the model's "
+                            f"has {shape}: the checkpoint is of another architecture or size.",
+                            "Use the checkpoint's own config (model=hf model.path=DIR), or the matching model option.")
+        if isinstance(p, DTensor):  # 1
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+            local_shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+            local = p.to_local()
+            if local.numel():
+                index = tuple(slice(o, o + n) for o, n in zip(offset, local_shape))
+                local.copy_(sl[index] if local.dim() else sl[()])
+        elif hasattr(p, "ds_id"):  # 2
+            import deepspeed
+            import torch.distributed as dist
+
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
+                if dist.get_rank() == 0:
+                    p.data.copy_(sl[:] if p.dim() else sl[()])
+        else:  # 3
+            p.data.copy_(sl[:] if p.dim() else sl[()])
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    missing = [k for k in missing if not (tied and k == "lm_head.weight")]
+    if missing:
+        raise UserError("model.weights", path, f"It lacks {len(missing)} tensor(s) the model has, e.g. {missing[:3]}.",
+                        "Point model.weights at a checkpoint of this architecture (its config.json must match).")
 
 
 # ------------------------------------------------------------------------------ facts from a meta build
@@ -170,6 +268,10 @@ class ModelFacts:
     """Longest sequence the model is set up for, if its config says."""
     shape: dict | None = None
     """What the memory plan reads of the model (``shardyard.plan.model_shape``)."""
+    attn: str | None = None
+    """The HF attention implementation (``sdpa``, ``eager``, ``flash_attention_2``); None: not an HF model."""
+    trainable: int | None = None
+    """Parameters that train (the adapters under ``peft``); None: all of them."""
 
     @property
     def big(self) -> bool:
@@ -182,7 +284,7 @@ def shape_model(m: DictConfig) -> torch.nn.Module:
         return call_builder(m)
 
 
-def inspect_model(m: DictConfig, seq_len: int) -> ModelFacts:
+def inspect_model(m: DictConfig, seq_len: int, peft: DictConfig | None = None) -> ModelFacts:
     """Build on the meta device and report what validation and planning need. Builder errors that are not
     already ``UserError`` are the user's model options not adding up: named, exit 2."""
     try:
@@ -200,9 +302,16 @@ def inspect_model(m: DictConfig, seq_len: int) -> ModelFacts:
 
     emb = _input_embeddings(model)
     config = getattr(model, "config", None)
+    trainable = None
+    if peft is not None and peft.name != "none":  # the adapters, on the meta device too: their count for the plan
+        from shardyard.adapters import apply, trainable_count
+
+        with torch.device("meta"):
+            trainable = trainable_count(apply(shape_model(m), peft, 0))
     return ModelFacts(params=param_count(model), flops_per_token=flops_per_token(model, seq_len),
                       embedding_rows=getattr(emb, "num_embeddings", None),
-                      max_positions=getattr(config, "max_position_embeddings", None), shape=model_shape(model))
+                      max_positions=getattr(config, "max_position_embeddings", None), shape=model_shape(model),
+                      attn=attn_implementation(model) if is_hf(model) else None, trainable=trainable)
 
 
 def _input_embeddings(model: Any) -> torch.nn.Module | None:
@@ -255,13 +364,27 @@ def build_model(m: DictConfig, seed: int, on_meta: bool = False) -> torch.nn.Mod
 
 
 def wants_meta(m: DictConfig, facts: ModelFacts) -> bool:
-    return m.init_device == "meta" or (m.init_device == "auto" and facts.big)
+    """Build on the meta device: big models, ``init_device: meta``, and models whose weights are loaded
+    (``model.weights``): a random init that the checkpoint overwrites would be wasted, and on the sharded
+    engines each rank then reads only its shards."""
+    return m.init_device == "meta" or (m.init_device == "auto" and (facts.big or weights_dir(m) is not None))
 
 
-def materialize(model: Any, device: torch.device, seed: int) -> None:
-    """Give meta (or sharded-meta) parameters real storage on ``device`` and initialise them."""
+def materialize(model: Any, device: torch.device, seed: int, m: DictConfig | None = None) -> None:
+    """Give meta (or sharded-meta) parameters real storage on ``device``, initialise them, then load
+    ``model.weights`` (only this rank's shards) and initialise the adapters (LoRA), which no checkpoint has."""
     if not any(p.is_meta for p in model.parameters()):
         return
+    _init_on_device(model, device, seed)
+    weights = weights_dir(m) if m is not None else None
+    if weights is not None:
+        load_weights(model, weights)
+    from shardyard.adapters import init_adapters
+
+    init_adapters(model, seed)
+
+
+def _init_on_device(model: Any, device: torch.device, seed: int) -> None:
     model.to_empty(device=device)
     torch.manual_seed(seed)
     with torch.no_grad():
@@ -315,7 +438,7 @@ def apply_compile(model: Any, m: DictConfig) -> None:
 
 def prepare_replica(model: torch.nn.Module, m: DictConfig, device: torch.device, seed: int) -> torch.nn.Module:
     """Full-replica engines (single, DDP): materialise, activation checkpointing, then compile, then move."""
-    materialize(model, device, seed)
+    materialize(model, device, seed, m)
     apply_activation_checkpointing(model, m)
     apply_compile(model, m)
     return model.to(device)
@@ -335,7 +458,35 @@ def logits(output: Any) -> torch.Tensor:
     return output.logits if hasattr(output, "logits") else output
 
 
-def causal_lm_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy; logits upcast to fp32 for a stable softmax under autocast."""
-    out = logits(model(inputs))
-    return F.cross_entropy(out.float().reshape(-1, out.size(-1)), targets.reshape(-1))
+def causal_lm_loss(model: torch.nn.Module, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over the tokens with a target (-100 marks the others: prompts, padding);
+    logits upcast to fp32 for a stable softmax under autocast. ``inputs``: token ids, or the model's keyword
+    arguments (``input_ids`` and ``position_ids`` of packed rows, ``data=sft``)."""
+    out = logits(model(**packed_kwargs(model, inputs)) if isinstance(inputs, dict) else model(inputs))
+    return F.cross_entropy(out.float().reshape(-1, out.size(-1)), targets.reshape(-1), ignore_index=-100)
+
+
+def attn_implementation(model: Any) -> str | None:
+    while hasattr(model, "module"):  # DDP, DeepSpeed's engine
+        model = model.module
+    config = getattr(model, "config", None)
+    return getattr(config, "_attn_implementation", None)
+
+
+def packed_kwargs(model: Any, inputs: dict) -> dict:
+    """Keep packed conversations apart. Positions restart at 0 at every conversation; FlashAttention-2 reads
+    those restarts as varlen boundaries, sdpa and eager get them as a block-diagonal causal mask (a token
+    attends to the earlier tokens of its own conversation only). transformers does not build that mask from
+    ``position_ids`` for sdpa/eager (measured: logits of a packed row then differ from each conversation run
+    alone by 0.28), so it is built here: boolean for sdpa, additive for eager."""
+    impl = attn_implementation(model)
+    if impl == "flash_attention_2" or "attention_mask" in inputs:
+        return inputs
+    pos = inputs["position_ids"]
+    segment = (pos == 0).cumsum(-1)
+    L = pos.size(-1)
+    causal = torch.ones(L, L, dtype=torch.bool, device=pos.device).tril()
+    mask = ((segment[:, :, None] == segment[:, None, :]) & causal)[:, None]
+    if impl == "eager":
+        mask = torch.zeros(mask.shape, device=pos.device).masked_fill(~mask, torch.finfo(torch.float32).min)
+    return {**inputs, "attention_mask": mask}

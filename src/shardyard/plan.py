@@ -306,6 +306,35 @@ class Estimate:
         return max(self.compute_s, self.comm_s) + 0.25 * min(self.compute_s, self.comm_s)
 
 
+NF4_BYTES = (4 + 0.127) / 8
+"""QLoRA's frozen weights: 4-bit NF4 plus double-quantised block constants (0.127 bits per parameter, QLoRA
+paper section 3)."""
+
+
+def frozen_base(states: Any, P: int, trainable: int, shape: dict, quantized: bool = False) -> Any:
+    """Adapters (``peft=lora``): gradients, master weights and optimizer state exist for the trainable
+    parameters only, so each engine's figures for them scale by trainable / P; the frozen base is held as the
+    engine holds parameters (replicated, sharded or partitioned). ``qlora`` (replica engines): the blocks'
+    linear weights in NF4, embeddings, norms and head (the root) and the adapters in fp32. Communication is
+    left as for full training (an upper bound: gradient reductions shrink, parameter all-gathers do not)."""
+    import dataclasses
+
+    f = trainable / max(P, 1)
+
+    def scaled(where: dict) -> dict:  # the adapters are parameters too, held as the base's are
+        return {k: v * f if k in ("grads", "optimizer", "master") else v * (1 + f) if k == "params" else v
+                for k, v in where.items()}
+
+    device = scaled(states.device)
+    if quantized:
+        root = shape.get("root_params", 0)
+        device["params"] = 4.0 * (root + trainable) + NF4_BYTES * max(P - root, 0)
+    return dataclasses.replace(states, device=device, host=scaled(states.host),
+                               accumulation_bytes=states.accumulation_bytes * f,
+                               notes=list(states.notes) + [f"peft: {trainable:,} trainable parameters "
+                                                           f"({100 * f:.2f}%) hold gradients and optimizer state"])
+
+
 def estimate(cfg: DictConfig, batch: Any, hw: Hardware) -> Estimate:
     """The plan of ``cfg`` (its engine, model, precision, batch) on ``hw``; ``batch.model.shape`` from the
     meta build. World size, micro batch and accumulation are those the hardware implies."""
@@ -317,6 +346,8 @@ def estimate(cfg: DictConfig, batch: Any, hw: Hardware) -> Estimate:
     mbs = batch.micro_batch_size
     engine = get_object(cfg.backend._target_)
     states = engine.model_states(cfg, P, N, shape, optimizer_bytes_per_param(cfg.optim))
+    if batch.model.trainable is not None:
+        states = frozen_base(states, P, batch.model.trainable, shape, quantized=cfg.peft.name == "qlora")
     ckpt = bool(cfg.model.activation_checkpointing)
     acts = _activations(shape, states.regime, mbs * batch.seq_len, ckpt)
     device = dict(states.device)

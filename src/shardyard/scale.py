@@ -6,7 +6,9 @@ What decides *how* a recipe trains is kept: its engine and every engine option, 
 and schedule types, gradient compression. What only decides *how much* shrinks: model size, vocabulary
 (the default corpus' tokenizer), sequence length, micro batch, ranks (``scale.world_size``, one node), steps.
 fp16 becomes bf16: the CPU's reduced precision, with the same autocast code path; the DeepSpeed fp16 loss
-scaler is CUDA-only. The model is evaluated before and after, so a run can be checked for a falling loss.
+scaler is CUDA-only. Fine-tuning keeps its data, chat template and adapters, but not the recipe's pretrained
+weights (``model.weights``: they are of the full-size model), and ``peft=qlora`` becomes ``lora`` (the same
+adapters on an unquantised base: bitsandbytes' 4-bit kernels are CUDA-only). The model is evaluated before and after, so a run can be checked for a falling loss.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ def apply(cfg: DictConfig) -> str | None:
             cfg.sched.warmup_steps = min(cfg.sched.warmup_steps, 1)
         if cfg.precision.name == "fp16":
             cfg.precision.name = "bf16"
+        if cfg.peft.name == "qlora":
+            cfg.peft.name = "lora"
         if cfg.backend.get("device") == "cuda":
             cfg.backend.device = "auto"
         cfg.checkpoint.every_n_steps, cfg.checkpoint.save_final, cfg.checkpoint.export_hf = 0, False, False
@@ -64,6 +68,8 @@ def _model(m: DictConfig) -> None:
     if "vocab_size" in m:
         m.vocab_size = "${data.tokenizer.vocab_size}"  # the default corpus' tokenizer, not the recipe's 100k vocab
     m.compile = False
+    if m.get("weights") not in (None, "auto"):
+        m.weights = None  # the full-size model's checkpoint does not fit the tiny shape
 
 
 def _world(cfg: DictConfig, most: int) -> int:

@@ -99,7 +99,7 @@ def hf_eval_loss(hf_dir: str, cfg: DictConfig, world: int) -> float:
     from shardyard.model import causal_lm_loss
 
     prep = data.prepare(cfg)
-    val = data.PackedSequences(os.path.join(prep.token_dir, "val.npy"), cfg.data.seq_len)
+    val = data.open_split(prep, "val", cfg.data.seq_len)
     model = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True, dtype=torch.float32).eval()
     losses = []
     with torch.no_grad():

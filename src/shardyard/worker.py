@@ -24,7 +24,9 @@ from shardyard.config.validate import Plan
 from shardyard.errors import UserError, report_and_exit
 from shardyard.export import save_hf
 from shardyard.metrics import run_peak_memory
-from shardyard.model import build_model, logits, wants_meta
+from shardyard import adapters
+from shardyard.backends.torch_step import COMPUTE_DTYPES
+from shardyard.model import build_model, load_weights, logits, wants_meta, weights_dir
 from shardyard.sweep import Trial
 
 
@@ -104,8 +106,13 @@ def train(cfg: DictConfig, plan: Plan, backend: Backend) -> dict:
 
     # 1. Data: the parent (or the first rank) built the caches; every rank reads its own share.
     prepared = data.prepare(cfg)
-    seqs = data.PackedSequences(os.path.join(prepared.token_dir, "train.npy"), cfg.data.seq_len)
-    val = data.PackedSequences(os.path.join(prepared.token_dir, "val.npy"), cfg.data.seq_len)
+    seqs = data.open_split(prepared, "train", cfg.data.seq_len)
+    val = data.open_split(prepared, "val", cfg.data.seq_len)
+    if rank0 and prepared.stats:
+        st = prepared.stats
+        print(f"shardyard | data: {st['conversations']:,} conversations, {st['truncated']:,} longer than data.seq_len="
+              f"{cfg.data.seq_len} ({st['dropped']:,} dropped), {st['label_tokens']:,} of {st['tokens']:,} tokens "
+              "carry a label (assistant tokens)", flush=True)
     stream = data.TrainStream(seqs, cfg.seed, plan.global_batch_size, plan.micro_batch_size, backend.rank,
                               backend.world_size)
 
@@ -114,13 +121,23 @@ def train(cfg: DictConfig, plan: Plan, backend: Backend) -> dict:
     step = {"now": 1}  # the step being trained, for the NaN drill
 
     def build(allow_meta: bool) -> torch.nn.Module:
-        model = build_model(cfg.model, cfg.seed, on_meta=allow_meta and wants_meta(cfg.model, plan.model))
+        # QLoRA quantises the loaded weights as it builds: never on the meta device.
+        meta = allow_meta and wants_meta(cfg.model, plan.model) and cfg.peft.name != "qlora"
+        model = build_model(cfg.model, cfg.seed, on_meta=meta)
+        weights = weights_dir(cfg.model)
+        if weights is not None and not any(p.is_meta for p in model.parameters()):
+            load_weights(model, weights)  # a model on the meta device loads them as it is materialised
+        model = adapters.apply(model, cfg.peft, cfg.seed,  # before the engine: it shards the adapters too
+                               COMPUTE_DTYPES[cfg.precision.name] if cfg.precision.name != "fp16" else torch.float16)
         drills.poison_gradient(model, backend.rank, lambda: step["now"])
         return model
 
     backend.prepare(build, cfg.train.steps)
     if rank0:
-        print(f"shardyard | model {cfg.model.name}: {plan.model.params:,} parameters, "
+        trainable = adapters.trainable_count(backend.hf_model())
+        tuned = (f" ({trainable:,} trainable: {cfg.peft.name} adapters, {100 * trainable / plan.model.params:.2f}%)"
+                 if cfg.peft.name != "none" else "")
+        print(f"shardyard | model {cfg.model.name}: {plan.model.params:,} parameters{tuned}, "
               f"{plan.model.flops_per_token / 1e9:.4g} GFLOPs per training token | engine {cfg.backend.name} | "
               f"precision {cfg.precision.name} | {len(seqs):,} train / {len(val):,} val sequences "
               f"({stream.steps_per_epoch} steps per epoch)", flush=True)
@@ -175,6 +192,7 @@ def _finish(cfg: DictConfig, plan: Plan, backend: Backend, prepared: data.Prepar
         "median_step_s": float(np.median(result.step_wall_s)), "step_wall_s": result.step_wall_s,
         "final_eval_ppl": float(np.exp(min(eval_losses[-1][1], 50.0))), "run_dir": cfg.run_dir, "export": export,
         "skipped_steps": result.skipped_steps, "pruned_at": result.pruned_at,
+        "stopped_early_at": result.stopped_early_at, "warnings": result.warnings,
     }
     if cfg.train.sample_tokens > 0 and result.pruned_at is None:  # every rank: sharded engines all-gather inside the forward
         summary["sample"] = sample_text(backend.hf_model(), prepared.tokenizer_dir, cfg, backend.device)

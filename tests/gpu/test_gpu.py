@@ -64,3 +64,23 @@ def test_plan_predicts_the_cuda_peak_of_a_1b_model(engine, tmp_path):
     assert "plan per GPU rank" in proc.stdout and "measured max_memory_allocated" in proc.stdout
     assert s["memory_peak_bytes"] == pytest.approx(s["memory_plan_bytes"], rel=0.15), \
         (engine, s["memory_peak_bytes"] / 2**30, s["memory_plan_bytes"] / 2**30)
+
+
+def test_qlora_on_one_gpu(tmp_path):
+    """peft=qlora as its recipe runs it: a 4-bit NF4 base (bitsandbytes) with bf16 LoRA adapters on CUDA, from a
+    pre-trained export; the assistant-token eval loss falls and the merged export loads."""
+    pytest.importorskip("bitsandbytes")
+    pre = train_py(*TINY, "backend=single", "backend.device=cuda", "train.steps=30", "optim.lr=3e-3",
+                   "train.eval_every_n_steps=0", "checkpoint.save_final=true", run_dir=tmp_path / "pre")
+    assert pre.returncode == 0, pre.stderr[-3000:]
+    shape = [o for o in TINY if not o.startswith("data.seq_len")]
+    ft = train_py(*shape, "backend=single", "backend.device=cuda", "precision=bf16", "data=sft", "data.seq_len=256",
+                  "peft=qlora", f"model.weights={tmp_path / 'pre' / 'hf'}", "train.steps=30", "optim.lr=1e-2",
+                  "train.eval_every_n_steps=15", "checkpoint.save_final=true", run_dir=tmp_path / "ft")
+    assert ft.returncode == 0, ft.stdout[-3000:] + ft.stderr[-3000:]
+    evals = json.load(open(tmp_path / "ft" / "summary.json"))["eval_losses"]
+    assert evals[-1][1] < evals[0][1], evals
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(tmp_path / "ft" / "hf", local_files_only=True)
+    assert (tmp_path / "ft" / "adapter" / "adapter_config.json").exists()

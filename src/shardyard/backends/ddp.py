@@ -25,6 +25,8 @@ def _buffer_sync_kwargs(sync: bool) -> dict:
 
 
 class DDPBackend:
+    quantized_base = True
+    """peft=qlora: every rank holds the whole 4-bit base (bitsandbytes' packed weights are not sharded)."""
     launcher = "elastic"
 
     def __init__(self, cfg: DictConfig, plan):

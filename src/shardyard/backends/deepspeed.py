@@ -290,8 +290,11 @@ class DeepSpeedBackend:
         from deepspeed.checkpoint.constants import (UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY,
                                                     UNIVERSAL_CHECKPOINT_VERSION_VALUE)
 
+        from shardyard.adapters import frozen
+
         self.engine.save_checkpoint(path, tag="zero", save_latest=False, client_state={
-            UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}})
+            UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}},
+            exclude_frozen_parameters=frozen(self.engine.module))  # adapters: the base is re-read from model.weights
 
     def load_checkpoint(self, path: str, meta: dict) -> None:
         saved_stage = meta["training_state"].get("zero_stage", self.bcfg.stage)
@@ -324,8 +327,11 @@ class DeepSpeedBackend:
 
     def _load(self, path: str) -> None:
         with weights_only_loads(_safe_globals()):  # DeepSpeed's own loads use weights_only=False
+            from shardyard.adapters import frozen
+
             load_path, _ = self.engine.load_checkpoint(path, tag="zero", load_optimizer_states=True,
-                                                       load_lr_scheduler_states=True)
+                                                       load_lr_scheduler_states=True,
+                                                       load_module_strict=not frozen(self.engine.module))
         assert load_path is not None, f"DeepSpeed found no checkpoint under {path}"
 
     def _to_universal(self, path: str) -> str:

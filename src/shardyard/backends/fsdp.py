@@ -41,7 +41,7 @@ def parallelize_fsdp(model: torch.nn.Module, cfg: DictConfig, device: torch.devi
         fully_shard(block, reshard_after_forward=b.reshard_after_forward, mp_policy=mp, offload_policy=offload)
     # The root is all-gathered again right at the start of backward: keeping it unsharded saves that.
     fully_shard(model, reshard_after_forward=False, mp_policy=mp, offload_policy=offload)
-    materialize(model, torch.device("cpu") if b.cpu_offload else device, cfg.seed)  # 4
+    materialize(model, torch.device("cpu") if b.cpu_offload else device, cfg.seed, cfg.model)  # 4
     if not b.cpu_offload:
         model.to(device)
     return model

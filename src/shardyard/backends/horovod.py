@@ -73,10 +73,14 @@ class HorovodBackend:
         compression = hvd.Compression.fp16 if self.bcfg.compression == "fp16" else hvd.Compression.none
 
         def distributed(optimizer):
-            # Rank 0's initial state everywhere, then gradient all-reduce hooks that fire once every
+            # Rank 0's initial weights everywhere, then gradient all-reduce hooks that fire once every
             # `backward_passes_per_step` backward passes: Horovod's own gradient accumulation.
+            # No hvd.broadcast_optimizer_state: the optimizer is new (empty state, same config on every rank;
+            # a resume loads the same optimizer.pt everywhere), and on an empty state it runs one optimizer
+            # step on zero gradients, whose decoupled weight decay shrinks every decayed weight by
+            # (1 - lr * weight_decay) before training. (DistributedOptimizer below is a new instance from
+            # param_groups, so that step's state is dropped anyway; only the weight change remained.)
             hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-            hvd.broadcast_optimizer_state(optimizer, root_rank=0)
             return hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                             compression=compression, op=hvd.Average,
                                             backward_passes_per_step=self.plan.grad_accum_steps)
@@ -108,13 +112,19 @@ class HorovodBackend:
         if self.rank == 0:
             from safetensors.torch import save_file
 
-            save_file({k: v.contiguous() for k, v in self.model.state_dict().items()}, os.path.join(path, "model.safetensors"))
+            from shardyard.adapters import checkpoint_state  # adapters only, when the base is frozen
+
+            save_file({k: v.contiguous() for k, v in checkpoint_state(self.model).items()},
+                      os.path.join(path, "model.safetensors"))
             torch.save(self.stepper.optimizer.state_dict(), os.path.join(path, "optimizer.pt"))
 
     def load_checkpoint(self, path: str, meta: dict) -> None:
         from safetensors.torch import load_file
 
-        self.model.load_state_dict(load_file(os.path.join(path, "model.safetensors"), device=str(self.device)))
+        from shardyard.adapters import frozen
+
+        self.model.load_state_dict(load_file(os.path.join(path, "model.safetensors"), device=str(self.device)),
+                                   strict=not frozen(self.model))
         self.stepper.optimizer.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"), weights_only=True,
                                                           map_location=self.device))
 

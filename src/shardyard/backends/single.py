@@ -12,6 +12,8 @@ from shardyard.model import prepare_replica
 
 
 class SingleBackend:
+    quantized_base = True
+    """peft=qlora: every rank holds the whole 4-bit base (bitsandbytes' packed weights are not sharded)."""
     launcher = "elastic"
 
     def __init__(self, cfg: DictConfig, plan):

@@ -102,11 +102,12 @@ class TorchStepper:
             self.scaler.load_state_dict(state["scaler"])
 
     def save_dcp(self, path: str, model: torch.nn.Module) -> None:
-        """torch.distributed.checkpoint: every rank writes its own shards (replicated tensors once)."""
+        """torch.distributed.checkpoint: every rank writes its own shards (replicated tensors once). A partly
+        frozen model (adapters) saves only its trainable tensors: the base is re-read from model.weights."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_sd, optim_sd = get_state_dict(model, self.optimizer)
+        model_sd, optim_sd = get_state_dict(model, self.optimizer, options=_dcp_options(model))
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
 
     def load_dcp(self, path: str, model: torch.nn.Module) -> None:
@@ -116,12 +117,23 @@ class TorchStepper:
 
         from shardyard.safe_load import check_dcp_metadata, weights_only_loads
 
-        model_sd, optim_sd = get_state_dict(model, self.optimizer)
+        options = _dcp_options(model)
+        model_sd, optim_sd = get_state_dict(model, self.optimizer, options=options)
         state: dict = {"model": model_sd, "optim": optim_sd}
         check_dcp_metadata(path)  # a plain pickle: vetted before DCP unpickles it
         with weights_only_loads():  # DCP's planner reads non-tensor values with weights_only=False
             dcp.load(state, checkpoint_id=path)
-        set_state_dict(model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=options)
+
+
+def _dcp_options(model: torch.nn.Module):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    from shardyard.adapters import frozen
+
+    # The frozen base is not in the checkpoint, so loading it back is not strict about the base's keys.
+    return StateDictOptions(ignore_frozen_params=True, strict=False) if frozen(model) else StateDictOptions()
 
 
 def pick_device(plan, local_rank: int) -> torch.device:

@@ -7,6 +7,7 @@ import importlib.util
 import inspect
 import os
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -180,12 +181,13 @@ def validate(cfg: DictConfig, env: DistEnv | None) -> Plan:
         raise UserError("model.attn_implementation", attn,
                         "FlashAttention-2 needs CUDA and the flash-attn package.",
                         "Use model.attn_implementation=sdpa (fast on every device), or install flash-attn on a GPU machine.")
-    facts = inspect_model(m, d.seq_len)
+    facts = inspect_model(m, d.seq_len, cfg.peft)
     if facts.max_positions is not None and d.seq_len > facts.max_positions:
         key = "model.max_position_embeddings" if "max_position_embeddings" in m else "model.path"
         raise UserError("data.seq_len", d.seq_len, f"It exceeds the model's longest position ({key}={facts.max_positions}).",
                         f"Use data.seq_len<={facts.max_positions}" + (f" or raise {key}." if key != "model.path" else "."))
-    _validate_data(cfg)
+    src = _validate_data(cfg)
+    _validate_finetune(cfg, src, facts, p.device_type)
     _validate_precision(cfg.precision, p.device_type)
     if cfg.optim.lr <= 0:
         raise UserError("optim.lr", cfg.optim.lr, "The learning rate must be positive.", "Use e.g. optim.lr=3e-4.")
@@ -368,7 +370,7 @@ def _validate_profile_debug(cfg: DictConfig) -> None:
                         "Use e.g. metrics.peak_tflops=989 (H100 SXM, bf16 dense), or null for the built-in table.")
 
 
-def _validate_data(cfg: DictConfig) -> None:
+def _validate_data(cfg: DictConfig):
     from shardyard.data import has_tokenizer, open_source
 
     d = cfg.data
@@ -383,7 +385,63 @@ def _validate_data(cfg: DictConfig) -> None:
         raise UserError("data.val_fraction", d.val_fraction, "It must lie strictly between 0 and 1.", "Use e.g. 0.05.")
     if d.seq_len < 2:
         raise UserError("data.seq_len", d.seq_len, "Sequences need at least 2 tokens.", "Use e.g. data.seq_len=256.")
-    open_source(d)  # sources check their own arguments (paths exist, ...) when built
+    return open_source(d)  # sources check their own arguments (paths exist, ...) when built
+
+
+def _validate_finetune(cfg: DictConfig, src, facts, device_type: str) -> None:
+    """Pretrained weights, adapters, SFT rows, early stopping."""
+    import importlib.util
+
+    from shardyard.model import has_weights
+
+    m, p, tr = cfg.model, cfg.peft, cfg.train
+    w = m.get("weights")
+    if w == "auto" and "path" not in m:
+        raise UserError("model.weights", w, "`auto` means the model directory's own weights, and this model option "
+                        "has no model.path.", "Give a directory: model.weights=/models/NAME, or null (fresh init).")
+    if w not in (None, "auto") and cfg.plan.hardware is None and not (os.path.isdir(os.path.expanduser(w)) and
+                                                                      has_weights(os.path.expanduser(w))):
+        raise UserError("model.weights", w, "No directory with *.safetensors weights is there.",
+                        "Point it at a local HF checkpoint (e.g. a run's hf/ export), or null to start from a fresh init.")
+    if p.name != "none":
+        if p.r < 1:
+            raise UserError("peft.r", p.r, "An adapter needs rank 1 or more.", "Use e.g. peft.r=16.")
+        if p.alpha <= 0:
+            raise UserError("peft.alpha", p.alpha, "The update is scaled by alpha / r, so alpha must be positive.",
+                            "Use e.g. peft.alpha=32 (2 x r).")
+        if not 0 <= p.dropout < 1:
+            raise UserError("peft.dropout", p.dropout, "A dropout probability lies in [0, 1).", "Use e.g. 0.05.")
+        if importlib.util.find_spec("peft") is None:
+            raise UserError("peft", p.name, "The peft library is not installed.",
+                            "Run `make setup` (or pip install 'shardyard[finetune]').")
+        if m.get("weights") is None:
+            print(f"shardyard | warning: peft={p.name} trains adapters on a base model with no pretrained weights "
+                  "(model.weights is null): the frozen base is a random init.", file=sys.stderr, flush=True)
+    elsewhere = cfg.plan.hardware is not None and "cpu" not in str(cfg.plan.hardware).lower()  # planning GPUs
+    from hydra.utils import get_object
+
+    if p.name == "qlora" and not getattr(get_object(cfg.backend._target_), "quantized_base", False):
+        raise UserError("peft", "qlora", f"backend={cfg.backend.name} shards or partitions parameters itself, and "
+                        "bitsandbytes' packed 4-bit weights cannot be sharded or all-gathered by it.",
+                        "Use backend=single or backend=ddp with peft=qlora (each rank holds the 4-bit base), or "
+                        "peft=lora on this engine.")
+    from shardyard import drills
+
+    if p.name == "qlora" and not elsewhere:
+        if device_type != "cuda" and not drills.qlora_on_cpu():
+            raise UserError("peft", "qlora", "QLoRA keeps the frozen base in 4-bit NF4 through bitsandbytes, whose "
+                            "4-bit matmuls run on CUDA GPUs only; this run is on CPU.",
+                            "Use peft=lora on CPU (same adapters, fp32/bf16 base), or run on a GPU.")
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise UserError("peft", "qlora", "QLoRA needs the bitsandbytes package, which is not installed.",
+                            "pip install bitsandbytes (on the GPU machine), or use peft=lora.")
+    if hasattr(src, "tokenize_rows") and facts.attn is None:
+        raise UserError("data", cfg.data._target_, "Its rows carry per-conversation positions and a block-diagonal "
+                        "attention mask, passed as keyword arguments that only an HF model (PreTrainedModel) takes; "
+                        f"model {m.name} is a plain module.", "Use an HF model (model=hf, deepseek_tiny, deepseek7b, ...).")
+    if tr.early_stopping_patience is not None:
+        _at_least("train.early_stopping_patience", tr.early_stopping_patience, 1)
+    _at_least("train.warn_after_evals", tr.warn_after_evals, 0)
 
 
 SWEEP_METRICS = ("train/loss", "eval/loss", "eval/ppl", "lr", "grad_norm", "tokens_per_s", "samples_per_s",

@@ -1,0 +1,283 @@
+"""Supervised fine-tuning data (``data=sft``): conversations -> chat template -> tokens with labels on the
+assistant's tokens only -> rows of ``seq_len`` tokens, packed (several conversations per row, none seeing
+another) or padded (one per row).
+
+A row is three aligned arrays: ``input_ids``, ``targets`` (the next token where that token is the
+assistant's, else -100, the ignore index of the loss) and ``position_ids`` (restarting at 0 at every
+conversation). The restart is what keeps packed conversations apart: ``model.packed_kwargs`` turns the
+positions into a block-diagonal causal mask (sdpa, eager), and FlashAttention-2 reads them as varlen
+boundaries, so position and attention never cross a conversation.
+
+Sources: JSONL files of chat conversations (``{"messages": [{"role", "content"}, ...]}``) or instruction
+pairs (``instruction``/``input``/``output``, ``prompt``/``response``, ``question``/``answer``); without
+files, an embedded instruction set the project makes from data it has: questions about the standard
+library's functions and classes (their signatures), answered by the first paragraph of their docstrings.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import os
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from shardyard.errors import UserError
+
+IGNORE = -100
+"""Label of a token the loss skips (``torch.nn.functional.cross_entropy``'s default ``ignore_index``)."""
+
+TEMPLATES = {
+    # Works with any vocabulary (no special tokens beyond EOS): the default when the tokenizer has no template.
+    "plain": ("{% for m in messages %}"
+              "{% if m['role'] == 'system' %}{{ m['content'] }}\n\n"
+              "{% elif m['role'] == 'user' %}### Question:\n{{ m['content'] }}\n\n"
+              "{% else %}### Answer:\n{{ m['content'] }}{{ eos_token }}\n\n{% endif %}"
+              "{% endfor %}{% if add_generation_prompt %}### Answer:\n{% endif %}"),
+    "chatml": ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"),
+}
+"""Built-in chat templates, by the name ``data.chat_template`` gives."""
+
+SYSTEM = "You answer questions about the Python standard library."
+
+
+# ------------------------------------------------------------------------------------------ conversations
+def stdlib_qa(max_examples: int) -> Iterator[tuple[str, list[dict]]]:
+    """The embedded instruction set: for each public documented function, method and class of the standard
+    library (read with ``ast``, nothing imported), "What does ``mod.f(sig)`` do?" -> the docstring's first
+    paragraph. In file order, so the set and its train/val split are stable."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted((p for p in root.glob("*.py")), key=lambda p: p.name)
+    files += sorted((p for p in root.glob("*/*.py") if p.parent.name not in ("test", "tests", "idlelib")
+                     and p.name == "__init__.py"), key=lambda p: p.parent.name)
+    n = 0
+    for path in files:
+        module = path.parent.name if path.name == "__init__.py" else path.stem
+        if module.startswith("_"):
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8", errors="replace"))
+        except SyntaxError:
+            continue
+        for qual, node in _documented(tree):
+            doc = ast.get_docstring(node) or ""
+            answer = doc.strip().split("\n\n")[0].strip()
+            if len(answer) < 20:
+                continue
+            answer = " ".join(answer.split())[:400]
+            if isinstance(node, ast.ClassDef):
+                question = f"What is the class `{module}.{qual}` for?"
+            else:
+                question = f"What does `{module}.{qual}({ast.unparse(node.args)})` do?"
+            yield f"stdlib:{module}.{qual}", [{"role": "system", "content": SYSTEM},
+                                              {"role": "user", "content": question},
+                                              {"role": "assistant", "content": answer}]
+            n += 1
+            if n >= max_examples:
+                return
+
+
+def _documented(tree: ast.Module) -> Iterator[tuple[str, ast.FunctionDef | ast.ClassDef]]:
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not node.name.startswith("_"):
+            yield node.name, node
+            if isinstance(node, ast.ClassDef):
+                for sub in node.body:
+                    if isinstance(sub, ast.FunctionDef) and not sub.name.startswith("_"):
+                        yield f"{node.name}.{sub.name}", sub
+
+
+def to_messages(record: dict, where: str) -> list[dict]:
+    """One JSONL record as a list of ``{"role", "content"}`` messages (chat or instruction format)."""
+    if "messages" in record:
+        msgs = record["messages"]
+        if not (isinstance(msgs, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in msgs)):
+            raise UserError("data.paths", where, "Its `messages` must be a list of {\"role\", \"content\"} objects.",
+                            "Fix the record, or leave the file out of data.paths.")
+        return [{"role": m["role"], "content": str(m["content"])} for m in msgs]
+    for q, a in (("instruction", "output"), ("prompt", "response"), ("question", "answer")):
+        if q in record and a in record:
+            prompt = str(record[q]) + (f"\n\n{record['input']}" if record.get("input") else "")
+            msgs = [{"role": "system", "content": str(record["system"])}] if record.get("system") else []
+            return msgs + [{"role": "user", "content": prompt}, {"role": "assistant", "content": str(record[a])}]
+    raise UserError("data.paths", where, f"The record has neither `messages` nor an instruction pair (its keys: "
+                    f"{sorted(record)}).", "Use {\"messages\": [...]}, {\"instruction\", \"input\", \"output\"}, "
+                    "{\"prompt\", \"response\"} or {\"question\", \"answer\"} records.")
+
+
+# ------------------------------------------------------------------------------------------------ source
+class SFTData:
+    """``data=sft``: conversations from JSONL files, or the embedded standard-library instruction set."""
+
+    def __init__(self, paths: list[str], chat_template: str | None = None, packing: bool = True,
+                 truncation: str = "truncate", max_examples: int = 3000):
+        if truncation not in ("truncate", "drop"):
+            raise UserError("data.truncation", truncation, "Unknown truncation policy.",
+                            "Use truncate (keep the first data.seq_len tokens) or drop (leave the conversation out).")
+        self.files: list[Path] = []
+        for p in paths:
+            hits = sorted(Path(h) for h in __import__("glob").glob(os.path.expanduser(p), recursive=True))
+            if not hits:
+                raise UserError("data.paths", p, "Nothing exists at that path or pattern.",
+                                "Give existing .jsonl files (or none, for the embedded stdlib instruction set).")
+            for h in hits:
+                self.files += sorted(h.rglob("*.jsonl")) if h.is_dir() else [h]
+        self.chat_template, self.packing, self.truncation, self.max_examples = (chat_template, packing, truncation,
+                                                                                max_examples)
+
+    def conversations(self) -> Iterator[tuple[str, list[dict]]]:
+        """``(stable name, messages)``; the name decides the train/val split."""
+        if not self.files:
+            yield from stdlib_qa(self.max_examples)
+            return
+        root = os.path.commonpath([str(p.parent) for p in self.files])
+        for p in self.files:
+            with open(p, encoding="utf-8") as f:
+                for i, line in enumerate(f):
+                    if line.strip():
+                        where = f"{p}:{i + 1}"
+                        try:
+                            record = json.loads(line)
+                        except json.JSONDecodeError as e:
+                            raise UserError("data.paths", where, f"Not a JSON line ({e}).", "Fix or remove it.") from None
+                        yield f"{os.path.relpath(p, root)}:{i}", to_messages(record, where)
+
+    def documents(self) -> Iterator[tuple[str, str]]:
+        """Plain text of every conversation (for training a tokenizer when there is none)."""
+        for name, msgs in self.conversations():
+            yield name, "\n\n".join(m["content"] for m in msgs)
+
+    def fingerprint(self) -> str:
+        h = hashlib.sha256(f"sft|{self.chat_template}|{self.packing}|{self.truncation}|{self.max_examples}".encode())
+        if self.files:
+            for p in self.files:
+                st = p.stat()
+                h.update(f"{p}|{st.st_size}|{int(st.st_mtime)}".encode())
+        else:
+            import sys
+
+            h.update(f"stdlib|{sys.version}".encode())
+        return h.hexdigest()[:16]
+
+    def tokenize_rows(self, tok, seq_len: int, is_val) -> dict:
+        """Render, tokenize, label and pack every conversation: ``{"train": rows, "val": rows, "stats": ...}``."""
+        template = template_for(tok, self.chat_template)
+        docs: dict[str, list[tuple[list[int], list[int]]]] = {"train": [], "val": []}
+        stats = {"conversations": 0, "truncated": 0, "dropped": 0, "label_tokens": 0, "tokens": 0}
+        for name, msgs in self.conversations():
+            ids, labels = encode(tok, msgs, template)
+            stats["conversations"] += 1
+            if len(ids) > seq_len:
+                stats["truncated"] += 1
+                if self.truncation == "drop":
+                    stats["dropped"] += 1
+                    continue
+                ids, labels = ids[:seq_len], labels[:seq_len]
+            targets = labels[1:] + [IGNORE]  # position t predicts token t+1; nothing after the last token
+            if all(t == IGNORE for t in targets):
+                stats["dropped"] += 1  # truncation cut every assistant token: nothing to learn from it
+                continue
+            stats["label_tokens"] += sum(t != IGNORE for t in targets)
+            stats["tokens"] += len(ids)
+            docs["val" if is_val(name) else "train"].append((ids, targets))
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        out: dict = {split: pack(d, seq_len, pad, self.packing) for split, d in docs.items()}
+        out["stats"] = stats
+        return out
+
+
+def template_for(tok, name: str | None) -> str:
+    """``data.chat_template``: null = the tokenizer's own (else ``plain``), a built-in name, or a Jinja string."""
+    if name is None:
+        return tok.chat_template or TEMPLATES["plain"]
+    if name in TEMPLATES:
+        return TEMPLATES[name]
+    if "{%" in name or "{{" in name:
+        return name
+    raise UserError("data.chat_template", name, "It is neither a built-in template nor a Jinja template.",
+                    f"Use null (the tokenizer's own), one of {sorted(TEMPLATES)}, or a Jinja string.")
+
+
+def encode(tok, messages: list[dict], template: str) -> tuple[list[int], list[int]]:
+    """Token ids of the rendered conversation, and per token its id where it belongs to an assistant turn
+    (else ``IGNORE``).
+
+    The assistant's span of turn i is found in the text: ``render(messages[:i], add_generation_prompt)`` is a
+    prefix of ``render(messages[:i + 1])`` for any sane template, and the difference is the assistant's reply
+    with its end-of-turn marker (the model must learn to stop). Tokens are assigned by their character
+    offsets, which works for every template, with or without ``{% generation %}`` markers."""
+    def render(msgs: list[dict], prompt: bool) -> str:
+        return tok.apply_chat_template(msgs, chat_template=template, tokenize=False, add_generation_prompt=prompt)
+
+    full = render(messages, False)
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        start, end = render(messages[:i], True), render(messages[:i + 1], False)
+        if not (full.startswith(end) and end.startswith(start)):
+            raise UserError("data.chat_template", "(this template)", "Rendering a conversation turn by turn does not "
+                            "give prefixes of the whole, so the assistant's tokens cannot be told apart.",
+                            "Use a template that renders turn by turn (e.g. data.chat_template=plain or chatml).")
+        spans.append((len(start), len(end)))
+    enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids = list(enc["input_ids"])
+    labels = [IGNORE] * len(ids)
+    for k, (a, _) in enumerate(enc["offset_mapping"]):
+        if any(s <= a < e for s, e in spans):
+            labels[k] = ids[k]
+    return ids, labels
+
+
+def pack(docs: list[tuple[list[int], list[int]]], seq_len: int, pad: int, packing: bool) -> dict[str, np.ndarray]:
+    """Rows of ``seq_len``: conversations in order, as many per row as fit (``packing``) or one per row, the
+    rest padding (targets ``IGNORE``, positions restarting at 0 so the padding is a segment of its own)."""
+    rows: list[tuple[list[int], list[int], list[int]]] = []
+    cur: tuple[list[int], list[int], list[int]] = ([], [], [])
+    for ids, targets in docs:
+        if cur[0] and (not packing or len(cur[0]) + len(ids) > seq_len):
+            rows.append(cur)
+            cur = ([], [], [])
+        cur[0].extend(ids)
+        cur[1].extend(targets)
+        cur[2].extend(range(len(ids)))
+    if cur[0]:
+        rows.append(cur)
+    n = len(rows)
+    out = {"input_ids": np.full((n, seq_len), pad, np.int32), "targets": np.full((n, seq_len), IGNORE, np.int32),
+           "position_ids": np.zeros((n, seq_len), np.int32)}
+    for r, (ids, targets, pos) in enumerate(rows):
+        k = len(ids)
+        out["input_ids"][r, :k], out["targets"][r, :k], out["position_ids"][r, :k] = ids, targets, pos
+        out["position_ids"][r, k:] = np.arange(seq_len - k)
+    return out
+
+
+@dataclass
+class SFTRows:
+    """Rows of one split, read like ``data.PackedSequences``: ``get(indices)`` returns the model's inputs
+    (``input_ids``, ``position_ids``) and the targets."""
+
+    path: str
+
+    def __post_init__(self):
+        z = np.load(self.path)
+        self.input_ids, self.targets, self.position_ids = z["input_ids"], z["targets"], z["position_ids"]
+        self.n = len(self.input_ids)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def get(self, indices):
+        import torch
+
+        idx = np.asarray(indices, dtype=np.int64)
+        inputs = {"input_ids": torch.from_numpy(self.input_ids[idx].astype(np.int64)),
+                  "position_ids": torch.from_numpy(self.position_ids[idx].astype(np.int64))}
+        return inputs, torch.from_numpy(self.targets[idx].astype(np.int64))
