@@ -243,9 +243,10 @@ def load_tokenizer(path: str):
 def token_dir(d: DictConfig, src: DocumentSource, tok_dir: str) -> str:
     tok_hash = hashlib.sha256(Path(tok_dir, "tokenizer.json").read_bytes()).hexdigest()[:12]
     rows = hasattr(src, "tokenize_rows")
-    if rows:  # SFT rows depend on the row length and on the tokenizer's chat template (tokenizer_config.json)
-        config = Path(tok_dir, "tokenizer_config.json")
-        tok_hash += f"|rows{d.seq_len}|" + hashlib.sha256(config.read_bytes() if config.is_file() else b"").hexdigest()[:8]
+    if rows:  # SFT rows depend on the row length and on the tokenizer's chat template and special tokens
+        extra = b"".join(Path(tok_dir, f).read_bytes() for f in ("tokenizer_config.json", "chat_template.jinja",
+                                                                "special_tokens_map.json") if Path(tok_dir, f).is_file())
+        tok_hash += f"|rows-v2|{d.seq_len}|" + hashlib.sha256(extra).hexdigest()[:8]  # v2: one .npy per array
     out = os.path.join(d.cache_dir, "tokens", _cache_key(d, src, f"tok|{tok_hash}"))
     if os.path.exists(out):
         return out
@@ -262,7 +263,8 @@ def _tokenize_rows(d: DictConfig, src, tok_dir: str, out: str) -> None:
     built = src.tokenize_rows(tok, d.seq_len, lambda name: is_val(name, d.val_fraction))
     tmp = tempfile.mkdtemp(dir=os.path.dirname(out), prefix=".tmp-tokens-")
     for split in ("train", "val"):
-        np.savez(os.path.join(tmp, f"{split}.npz"), **built[split])
+        for name, array in built[split].items():  # one .npy per array: every rank memory-maps them
+            np.save(os.path.join(tmp, f"{split}.{name}.npy"), array)
     with open(os.path.join(tmp, "meta.json"), "w") as f:
         json.dump({"rows": {s: int(len(built[s]["input_ids"])) for s in ("train", "val")}, "stats": built["stats"],
                    "tokenizer": tok_dir, "vocab_size": len(tok)}, f, indent=1)
@@ -318,8 +320,10 @@ def tokenizer_path(cfg: DictConfig) -> str | None:
     if cfg.data.tokenizer.path is not None:
         return cfg.data.tokenizer.path
     for model_dir in (cfg.model.get("path"), cfg.model.get("weights")):  # a pretrained model brings its tokenizer
-        if isinstance(model_dir, str) and os.path.isdir(model_dir) and has_tokenizer(model_dir):
-            return model_dir
+        if isinstance(model_dir, str) and model_dir != "auto":
+            model_dir = os.path.expanduser(model_dir)
+            if os.path.isdir(model_dir) and has_tokenizer(model_dir):
+                return model_dir
     return None
 
 
@@ -351,11 +355,10 @@ def prepare(cfg: DictConfig, embedding_rows: int | None = None) -> Prepared:
 
 def open_split(prepared: Prepared, split: str, seq_len: int):
     """The rows of ``split``: packed text windows (``PackedSequences``) or a source's own rows (``SFTRows``)."""
-    rows = os.path.join(prepared.token_dir, f"{split}.npz")
-    if os.path.exists(rows):
+    if os.path.exists(os.path.join(prepared.token_dir, f"{split}.input_ids.npy")):
         from shardyard.sft import SFTRows
 
-        return SFTRows(rows)
+        return SFTRows(os.path.join(prepared.token_dir, split))
     return PackedSequences(os.path.join(prepared.token_dir, f"{split}.npy"), seq_len)
 
 

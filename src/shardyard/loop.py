@@ -54,10 +54,11 @@ class Health:
     * ``train.early_stopping_patience``: stop when the eval loss has not improved for that many evaluations.
     """
 
-    def __init__(self, cfg: DictConfig, rank0: bool):
+    def __init__(self, cfg: DictConfig, rank0: bool, history: dict | None = None):
         self.tr, self.rank0 = cfg.train, rank0
-        self.evals: list[float] = []
-        self.train: list[float] = []
+        history = history or {}  # a resumed run goes on from its own curves (the checkpoint carries them)
+        self.evals: list[float] = [v for _, v in history.get("eval_losses", [])]
+        self.train: list[float] = [v for _, v in history.get("train_losses", [])]
         self.said: set[str] = set()
         self.warnings: list[str] = []
 
@@ -113,7 +114,7 @@ def evaluate(backend: Backend, val: PackedSequences, cfg: DictConfig, plan: Plan
 
 def train(cfg: DictConfig, plan: Plan, backend: Backend, stream: TrainStream, val: PackedSequences,
           monitors: Monitors, start_step: int = 0, after_step: Callable[[int], None] | None = None,
-          after_eval: Callable[[int, dict], bool] | None = None) -> LoopResult:
+          after_eval: Callable[[int, dict], bool] | None = None, history: dict | None = None) -> LoopResult:
     """Steps ``start_step .. train.steps``; ``after_step(done)`` runs after each (checkpointing), and
     ``after_eval(step, metrics)`` after each evaluation: True stops the run there (a sweep's pruner; every
     rank must return the same). The plan's FLOPs per token turn throughput into TFLOP/s and MFU."""
@@ -125,7 +126,7 @@ def train(cfg: DictConfig, plan: Plan, backend: Backend, stream: TrainStream, va
     profiler = StepProfiler(cfg, backend.rank, dev)
     peak = peak_tflops(dev, cfg.precision.name, cfg.metrics.peak_tflops)
 
-    health = Health(cfg, backend.rank == 0)
+    health = Health(cfg, backend.rank == 0, history)
     res.warnings = health.warnings
 
     def run_eval(step: int) -> bool:

@@ -215,7 +215,7 @@ def load_weights(model: torch.nn.Module, path: str) -> None:
 
     tensors: dict[str, torch.Tensor] = dict(model.named_parameters())
     tensors.update((n, b) for n, b in model.named_buffers() if checkpoint_name(n) in where)
-    missing = []
+    missing, used = [], set()
     for name, p in tensors.items():
         key = checkpoint_name(name)
         if "lora_" in key:
@@ -223,7 +223,12 @@ def load_weights(model: torch.nn.Module, path: str) -> None:
         if key not in where:
             missing.append(key)
             continue
+        used.add(key)
         sl = reader(key)
+        if not sl.get_dtype().startswith(("F", "BF")) or sl.get_dtype().startswith("F8"):
+            raise UserError("model.weights", path, f"Its tensor {key} is stored as {sl.get_dtype()}: a quantised "
+                            "checkpoint (FP8 or integer blocks with scales), which is not loaded as plain weights.",
+                            "Use a bf16/fp16/fp32 checkpoint of the model (dequantise it once with its own tools).")
         shape = list(getattr(p, "ds_shape", p.shape))
         if list(sl.get_shape()) != shape:
             raise UserError("model.weights", path, f"Its tensor {key} has shape {list(sl.get_shape())}, and the model's "
@@ -246,6 +251,12 @@ def load_weights(model: torch.nn.Module, path: str) -> None:
                     p.data.copy_(sl[:] if p.dim() else sl[()])
         else:  # 3
             p.data.copy_(sl[:] if p.dim() else sl[()])
+    unused = sorted(set(where) - used)
+    if unused and int(os.environ.get("RANK", 0)) == 0:
+        import sys
+
+        print(f"shardyard | warning: model.weights={path} holds {len(unused)} tensor(s) the model does not have, "
+              f"e.g. {unused[:3]} (left unused)", file=sys.stderr, flush=True)
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
     missing = [k for k in missing if not (tied and k == "lm_head.weight")]
     if missing:
@@ -306,8 +317,18 @@ def inspect_model(m: DictConfig, seq_len: int, peft: DictConfig | None = None) -
     if peft is not None and peft.name != "none":  # the adapters, on the meta device too: their count for the plan
         from shardyard.adapters import apply, trainable_count
 
-        with torch.device("meta"):
-            trainable = trainable_count(apply(shape_model(m), peft, 0))
+        if not is_hf(model):
+            raise UserError("peft", peft.name, f"peft's LoRA wraps transformers models (PreTrainedModel), and model "
+                            f"{m.name} ({m._target_}) is a plain module.",
+                            "Use an HF model option (model=hf, deepseek_tiny, deepseek7b, ...) or peft=none.")
+        try:
+            with torch.device("meta"):
+                trainable = trainable_count(apply(shape_model(m), peft, 0))
+        except UserError:
+            raise
+        except (ValueError, TypeError, KeyError) as e:
+            raise UserError("peft", peft.name, f"peft refused these adapter settings: {type(e).__name__}: {e}",
+                            "Fix the peft.* values it names (python train.py --cfg job shows them).") from None
     return ModelFacts(params=param_count(model), flops_per_token=flops_per_token(model, seq_len),
                       embedding_rows=getattr(emb, "num_embeddings", None),
                       max_positions=getattr(config, "max_position_embeddings", None), shape=model_shape(model),
@@ -364,10 +385,12 @@ def build_model(m: DictConfig, seed: int, on_meta: bool = False) -> torch.nn.Mod
 
 
 def wants_meta(m: DictConfig, facts: ModelFacts) -> bool:
-    """Build on the meta device: big models, ``init_device: meta``, and models whose weights are loaded
-    (``model.weights``): a random init that the checkpoint overwrites would be wasted, and on the sharded
-    engines each rank then reads only its shards."""
-    return m.init_device == "meta" or (m.init_device == "auto" and (facts.big or weights_dir(m) is not None))
+    """Build on the meta device: big models, ``init_device: meta``, and HF models whose weights are loaded
+    (``model.weights``): a random init that the checkpoint overwrites would be wasted, and on FSDP each rank
+    then reads only its shards."""
+    loads = weights_dir(m) is not None and facts.attn is not None  # HF's init_weights recomputes rotary buffers;
+    # a plain module's non-persistent buffers would stay uninitialised on the meta device, and no checkpoint has them
+    return m.init_device == "meta" or (m.init_device == "auto" and (facts.big or loads))
 
 
 def materialize(model: Any, device: torch.device, seed: int, m: DictConfig | None = None) -> None:

@@ -34,7 +34,7 @@ IGNORE = -100
 
 TEMPLATES = {
     # Works with any vocabulary (no special tokens beyond EOS): the default when the tokenizer has no template.
-    "plain": ("{% for m in messages %}"
+    "plain": ("{% if bos_token %}{{ bos_token }}{% endif %}{% for m in messages %}"
               "{% if m['role'] == 'system' %}{{ m['content'] }}\n\n"
               "{% elif m['role'] == 'user' %}### Question:\n{{ m['content'] }}\n\n"
               "{% else %}### Answer:\n{{ m['content'] }}{{ eos_token }}\n\n{% endif %}"
@@ -264,11 +264,14 @@ class SFTRows:
     """Rows of one split, read like ``data.PackedSequences``: ``get(indices)`` returns the model's inputs
     (``input_ids``, ``position_ids``) and the targets."""
 
-    path: str
+    prefix: str
+    """``<token dir>/<split>``: ``<prefix>.input_ids.npy``, ``.targets.npy``, ``.position_ids.npy``."""
 
     def __post_init__(self):
-        z = np.load(self.path)
-        self.input_ids, self.targets, self.position_ids = z["input_ids"], z["targets"], z["position_ids"]
+        def load(name: str) -> np.ndarray:
+            return np.load(f"{self.prefix}.{name}.npy", mmap_mode="r")
+
+        self.input_ids, self.targets, self.position_ids = load("input_ids"), load("targets"), load("position_ids")
         self.n = len(self.input_ids)
 
     def __len__(self) -> int:

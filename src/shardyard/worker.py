@@ -160,7 +160,7 @@ def train(cfg: DictConfig, plan: Plan, backend: Backend) -> dict:
 
         trial = Trial(cfg, backend) if OmegaConf.select(cfg, "sweep.trial") is not None else None
         result = loop.train(cfg, plan, backend, stream, val, mon, start_step=start, after_step=after_step,
-                            after_eval=trial.should_stop if trial else None)
+                            after_eval=trial.should_stop if trial else None, history=ckpt.history)
         summary = _finish(cfg, plan, backend, prepared, result, history=ckpt.history)
     except BaseException as e:  # mark wandb/mlflow runs failed, flush the event files, then re-raise
         mon.fail(e.paragraph() if isinstance(e, UserError) else f"{type(e).__name__}: {e}")

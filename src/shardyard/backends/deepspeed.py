@@ -266,7 +266,7 @@ class DeepSpeedBackend:
         """DeepSpeed reduces and partitions gradients inside backward and clears them on an overflow, so the
         first non-finite gradient is recorded as it is produced: a flag per parameter, set by a tensor hook
         on this rank's own (pre-reduction) gradient, read only after a non-finite step."""
-        params = list(self.engine.module.parameters())
+        params = [p for p in self.engine.module.parameters() if p.requires_grad]  # as NonFiniteGuard.names
         flags = self._nonfinite = torch.zeros(len(params), dtype=torch.bool, device=self.device)
 
         def hook(i):
@@ -275,8 +275,7 @@ class DeepSpeedBackend:
             return flag
 
         for i, p in enumerate(params):
-            if p.requires_grad:
-                p.register_hook(hook(i))
+            p.register_hook(hook(i))
 
     @torch.no_grad()
     def eval_loss(self, inputs, targets) -> torch.Tensor:
@@ -310,6 +309,14 @@ class DeepSpeedBackend:
         if same_layout:  # each rank reads back exactly the partition it wrote
             self._load(path)
             return
+        from shardyard.adapters import frozen
+
+        if frozen(self.engine.module):  # ds_to_universal expects every parameter in the checkpoint
+            raise UserError("checkpoint.resume", path, f"It is an adapter-only checkpoint (the base is frozen) of "
+                            f"ZeRO-{saved_stage} x{meta['world_size']}; DeepSpeed's universal conversion, which "
+                            "reshards, is not proven for checkpoints without the frozen parameters.",
+                            f"Resume at the same world size and stage (ZeRO-{saved_stage}, {meta['world_size']} "
+                            "ranks), or use backend=fsdp/ddp, whose DCP checkpoints reshard.").on_every_rank()
         # ZeRO partitions are cut per rank and per stage, so another world size (or stage) cannot read them.
         # DeepSpeed's universal format stores every parameter whole (fp32 weights plus optimizer moments);
         # we convert once with its ds_to_universal and load that, so resharding needs no manual step.

@@ -181,13 +181,14 @@ def validate(cfg: DictConfig, env: DistEnv | None) -> Plan:
         raise UserError("model.attn_implementation", attn,
                         "FlashAttention-2 needs CUDA and the flash-attn package.",
                         "Use model.attn_implementation=sdpa (fast on every device), or install flash-attn on a GPU machine.")
+    _validate_weights_and_peft(cfg, p.device_type)
     facts = inspect_model(m, d.seq_len, cfg.peft)
     if facts.max_positions is not None and d.seq_len > facts.max_positions:
         key = "model.max_position_embeddings" if "max_position_embeddings" in m else "model.path"
         raise UserError("data.seq_len", d.seq_len, f"It exceeds the model's longest position ({key}={facts.max_positions}).",
                         f"Use data.seq_len<={facts.max_positions}" + (f" or raise {key}." if key != "model.path" else "."))
     src = _validate_data(cfg)
-    _validate_finetune(cfg, src, facts, p.device_type)
+    _validate_finetune(cfg, src, facts)
     _validate_precision(cfg.precision, p.device_type)
     if cfg.optim.lr <= 0:
         raise UserError("optim.lr", cfg.optim.lr, "The learning rate must be positive.", "Use e.g. optim.lr=3e-4.")
@@ -388,53 +389,78 @@ def _validate_data(cfg: DictConfig):
     return open_source(d)  # sources check their own arguments (paths exist, ...) when built
 
 
-def _validate_finetune(cfg: DictConfig, src, facts, device_type: str) -> None:
-    """Pretrained weights, adapters, SFT rows, early stopping."""
+def _validate_weights_and_peft(cfg: DictConfig, device_type: str) -> None:
+    """Pretrained weights and adapters: before the model is inspected (which builds the adapters)."""
+    import glob
     import importlib.util
 
-    from shardyard.model import has_weights
+    from hydra.utils import get_object
 
-    m, p, tr = cfg.model, cfg.peft, cfg.train
+    from shardyard.data import has_tokenizer
+    from shardyard.model import weights_dir
+
+    m, p = cfg.model, cfg.peft
     w = m.get("weights")
+    here = cfg.plan.hardware is None  # planning for other machines: their files are not here to check
     if w == "auto" and "path" not in m:
         raise UserError("model.weights", w, "`auto` means the model directory's own weights, and this model option "
                         "has no model.path.", "Give a directory: model.weights=/models/NAME, or null (fresh init).")
-    if w not in (None, "auto") and cfg.plan.hardware is None and not (os.path.isdir(os.path.expanduser(w)) and
-                                                                      has_weights(os.path.expanduser(w))):
-        raise UserError("model.weights", w, "No directory with *.safetensors weights is there.",
-                        "Point it at a local HF checkpoint (e.g. a run's hf/ export), or null to start from a fresh init.")
-    if p.name != "none":
-        if p.r < 1:
-            raise UserError("peft.r", p.r, "An adapter needs rank 1 or more.", "Use e.g. peft.r=16.")
-        if p.alpha <= 0:
-            raise UserError("peft.alpha", p.alpha, "The update is scaled by alpha / r, so alpha must be positive.",
-                            "Use e.g. peft.alpha=32 (2 x r).")
-        if not 0 <= p.dropout < 1:
-            raise UserError("peft.dropout", p.dropout, "A dropout probability lies in [0, 1).", "Use e.g. 0.05.")
-        if importlib.util.find_spec("peft") is None:
-            raise UserError("peft", p.name, "The peft library is not installed.",
-                            "Run `make setup` (or pip install 'shardyard[finetune]').")
-        if m.get("weights") is None:
-            print(f"shardyard | warning: peft={p.name} trains adapters on a base model with no pretrained weights "
-                  "(model.weights is null): the frozen base is a random init.", file=sys.stderr, flush=True)
-    elsewhere = cfg.plan.hardware is not None and "cpu" not in str(cfg.plan.hardware).lower()  # planning GPUs
-    from hydra.utils import get_object
-
-    if p.name == "qlora" and not getattr(get_object(cfg.backend._target_), "quantized_base", False):
+    wdir = weights_dir(m) if w != "auto" or "path" in m else None
+    if wdir is not None and here:
+        if not os.path.isdir(wdir):
+            raise UserError("model.weights", w, "No directory is there.",
+                            "Point it at a local HF checkpoint (e.g. a run's hf/ export), or null to start from a "
+                            "fresh init.")
+        if not glob.glob(os.path.join(wdir, "*.safetensors")):
+            raise UserError("model.weights", wdir, "It holds no *.safetensors weights (PyTorch .bin files are pickles, "
+                            "which shardyard does not load: unpickling runs code from the file).",
+                            "Convert it once: python -c \"from transformers import AutoModelForCausalLM as M; "
+                            f"M.from_pretrained('{wdir}').save_pretrained('{wdir}-safetensors')\" (copy the tokenizer "
+                            "files too), and point model.weights there.")
+        if cfg.data.tokenizer.path is None and not has_tokenizer(wdir) and not (
+                isinstance(m.get("path"), str) and has_tokenizer(os.path.expanduser(m.path))):
+            raise UserError("model.weights", wdir, "The pretrained weights come without their tokenizer, and a "
+                            "tokenizer trained on this data would give the model token ids that mean nothing to it.",
+                            "Put the model's tokenizer files in that directory, or give data.tokenizer.path=DIR.")
+    if p.name == "none":
+        return
+    if p.r < 1:
+        raise UserError("peft.r", p.r, "An adapter needs rank 1 or more.", "Use e.g. peft.r=16.")
+    if p.alpha <= 0:
+        raise UserError("peft.alpha", p.alpha, "The update is scaled by alpha / r, so alpha must be positive.",
+                        "Use e.g. peft.alpha=32 (2 x r).")
+    if not 0 <= p.dropout < 1:
+        raise UserError("peft.dropout", p.dropout, "A dropout probability lies in [0, 1).", "Use e.g. 0.05.")
+    if importlib.util.find_spec("peft") is None:
+        raise UserError("peft", p.name, "The peft library is not installed.",
+                        "Run `make setup` (or pip install 'shardyard[finetune]').")
+    if w is None:
+        print(f"shardyard | warning: peft={p.name} trains adapters on a base model with no pretrained weights "
+              "(model.weights is null): the frozen base is a random init.", file=sys.stderr, flush=True)
+    if p.name != "qlora":
+        return
+    if not getattr(get_object(cfg.backend._target_), "quantized_base", False):
         raise UserError("peft", "qlora", f"backend={cfg.backend.name} shards or partitions parameters itself, and "
                         "bitsandbytes' packed 4-bit weights cannot be sharded or all-gathered by it.",
                         "Use backend=single or backend=ddp with peft=qlora (each rank holds the 4-bit base), or "
                         "peft=lora on this engine.")
     from shardyard import drills
 
-    if p.name == "qlora" and not elsewhere:
-        if device_type != "cuda" and not drills.qlora_on_cpu():
-            raise UserError("peft", "qlora", "QLoRA keeps the frozen base in 4-bit NF4 through bitsandbytes, whose "
-                            "4-bit matmuls run on CUDA GPUs only; this run is on CPU.",
-                            "Use peft=lora on CPU (same adapters, fp32/bf16 base), or run on a GPU.")
-        if importlib.util.find_spec("bitsandbytes") is None:
-            raise UserError("peft", "qlora", "QLoRA needs the bitsandbytes package, which is not installed.",
-                            "pip install bitsandbytes (on the GPU machine), or use peft=lora.")
+    elsewhere = cfg.plan.hardware is not None and "cpu" not in str(cfg.plan.hardware).lower()  # planning GPUs
+    if elsewhere:
+        return
+    if device_type != "cuda" and not drills.qlora_on_cpu():
+        raise UserError("peft", "qlora", "QLoRA keeps the frozen base in 4-bit NF4 through bitsandbytes, a CUDA GPU "
+                        "method; this run is on CPU.",
+                        "Use peft=lora on CPU (same adapters, fp32/bf16 base), or run on a GPU.")
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise UserError("peft", "qlora", "QLoRA needs the bitsandbytes package, which is not installed.",
+                        "pip install bitsandbytes (on the GPU machine), or use peft=lora.")
+
+
+def _validate_finetune(cfg: DictConfig, src, facts) -> None:
+    """SFT rows and early stopping (after the model is inspected)."""
+    m, tr = cfg.model, cfg.train
     if hasattr(src, "tokenize_rows") and facts.attn is None:
         raise UserError("data", cfg.data._target_, "Its rows carry per-conversation positions and a block-diagonal "
                         "attention mask, passed as keyword arguments that only an HF model (PreTrainedModel) takes; "
