@@ -82,9 +82,9 @@ def quantize(model: torch.nn.Module, p: DictConfig, compute_dtype: torch.dtype) 
                 continue
             q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
                                   compute_dtype=compute_dtype, compress_statistics=p.double_quant,
-                                  quant_type=p.quant_type)
+                                  quant_type=str(p.quant_type))
             q.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, compress_statistics=p.double_quant,
-                                         quant_type=p.quant_type)
+                                         quant_type=str(p.quant_type))
             if child.bias is not None:
                 q.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
             setattr(parent, name, q)
@@ -178,6 +178,3 @@ def save_adapter(model: Any, state: dict[str, torch.Tensor], out_dir: str) -> No
     """The adapter in PEFT's own format (``adapter_config.json`` + ``adapter_model.safetensors``)."""
     model.save_pretrained(out_dir, state_dict={k: v for k, v in state.items() if ".lora_" in k})
 
-
-def trainable_count(model: torch.nn.Module) -> int:
-    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)

@@ -257,8 +257,8 @@ def token_dir(d: DictConfig, src: DocumentSource, tok_dir: str) -> str:
 
 
 def _tokenize_rows(d: DictConfig, src, tok_dir: str, out: str) -> None:
-    """A source that makes its own rows (``data=sft``: labels and positions per token): ``train.npz``,
-    ``val.npz`` and the counts it reports (conversations, truncated, dropped, label tokens)."""
+    """A source that makes its own rows (``data=sft``: labels and positions per token): ``<split>.<array>.npy``
+    for the train and val splits, and the counts it reports (conversations, truncated, dropped, label tokens)."""
     tok = load_tokenizer(tok_dir)
     built = src.tokenize_rows(tok, d.seq_len, lambda name: is_val(name, d.val_fraction))
     tmp = tempfile.mkdtemp(dir=os.path.dirname(out), prefix=".tmp-tokens-")

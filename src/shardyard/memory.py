@@ -121,9 +121,7 @@ def measure_engines(rank: int, world: int, ports: list[int], jobs: list[list[str
         backend.forward_backward(x, y, True)  # gradients of step 2 alive, optimizer state from step 1
         engine = getattr(backend, "engine", None)  # DeepSpeed's ZeRO optimizer, or the torch one of the stepper
         optimizer = engine.optimizer if engine is not None else getattr(backend, "stepper").optimizer
-        from shardyard.adapters import trainable_count
-
-        results.append({"overrides": overrides, "P": built["P"], "trainable": trainable_count(backend.hf_model()),
+        results.append({"overrides": overrides, "P": built["P"], "trainable": param_count(backend.hf_model(), trainable=True),
                         "plan": _planned(cfg, plan), **held_by(backend.hf_model(), optimizer)})
         backend.close()
     if rank == 0:

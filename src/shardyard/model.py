@@ -315,7 +315,7 @@ def inspect_model(m: DictConfig, seq_len: int, peft: DictConfig | None = None) -
     config = getattr(model, "config", None)
     trainable = None
     if peft is not None and peft.name != "none":  # the adapters, on the meta device too: their count for the plan
-        from shardyard.adapters import apply, trainable_count
+        from shardyard.adapters import apply
 
         if not is_hf(model):
             raise UserError("peft", peft.name, f"peft's LoRA wraps transformers models (PreTrainedModel), and model "
@@ -323,7 +323,7 @@ def inspect_model(m: DictConfig, seq_len: int, peft: DictConfig | None = None) -
                             "Use an HF model option (model=hf, deepseek_tiny, deepseek7b, ...) or peft=none.")
         try:
             with torch.device("meta"):
-                trainable = trainable_count(apply(shape_model(m), peft, 0))
+                trainable = param_count(apply(shape_model(m), peft, 0), trainable=True)
         except UserError:
             raise
         except (ValueError, TypeError, KeyError) as e:
@@ -467,9 +467,10 @@ def prepare_replica(model: torch.nn.Module, m: DictConfig, device: torch.device,
     return model.to(device)
 
 
-def param_count(model: torch.nn.Module) -> int:
-    """Full parameter count, also for DeepSpeed ZeRO-3 partitioned (``ds_numel``) or meta parameters."""
-    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+def param_count(model: torch.nn.Module, trainable: bool = False) -> int:
+    """Full parameter count (``trainable``: of those that train), also for DeepSpeed ZeRO-3 partitioned
+    (``ds_numel``), sharded (DTensor) or meta parameters."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad or not trainable)
 
 
 def signature(model: torch.nn.Module) -> dict[str, list[int]]:

@@ -17,7 +17,7 @@ library's functions and classes (their signatures), answered by the first paragr
 from __future__ import annotations
 
 import ast
-import hashlib
+import glob
 import json
 import os
 import sysconfig
@@ -122,12 +122,15 @@ class SFTData:
                             "Use truncate (keep the first data.seq_len tokens) or drop (leave the conversation out).")
         self.files: list[Path] = []
         for p in paths:
-            hits = sorted(Path(h) for h in __import__("glob").glob(os.path.expanduser(p), recursive=True))
+            hits = sorted(Path(h) for h in glob.glob(os.path.expanduser(p), recursive=True))
             if not hits:
                 raise UserError("data.paths", p, "Nothing exists at that path or pattern.",
                                 "Give existing .jsonl files (or none, for the embedded stdlib instruction set).")
             for h in hits:
                 self.files += sorted(h.rglob("*.jsonl")) if h.is_dir() else [h]
+        if max_examples < 1:
+            raise UserError("data.max_examples", max_examples, "It must be at least 1.", "Use e.g. 3000.")
+        named_template(chat_template)  # a bad name is refused at validation, not after the tokenizer is built
         self.chat_template, self.packing, self.truncation, self.max_examples = (chat_template, packing, truncation,
                                                                                 max_examples)
 
@@ -154,16 +157,12 @@ class SFTData:
             yield name, "\n\n".join(m["content"] for m in msgs)
 
     def fingerprint(self) -> str:
-        h = hashlib.sha256(f"sft|{self.chat_template}|{self.packing}|{self.truncation}|{self.max_examples}".encode())
-        if self.files:
-            for p in self.files:
-                st = p.stat()
-                h.update(f"{p}|{st.st_size}|{int(st.st_mtime)}".encode())
-        else:
-            import sys
+        import sys
 
-            h.update(f"stdlib|{sys.version}".encode())
-        return h.hexdigest()[:16]
+        from shardyard.data import _files_fingerprint
+
+        settings = f"sft|{self.chat_template}|{self.packing}|{self.truncation}|{self.max_examples}"
+        return _files_fingerprint(self.files, settings if self.files else f"{settings}|stdlib|{sys.version}")
 
     def tokenize_rows(self, tok, seq_len: int, is_val) -> dict:
         """Render, tokenize, label and pack every conversation: ``{"train": rows, "val": rows, "stats": ...}``."""
@@ -194,8 +193,13 @@ class SFTData:
 
 def template_for(tok, name: str | None) -> str:
     """``data.chat_template``: null = the tokenizer's own (else ``plain``), a built-in name, or a Jinja string."""
+    return named_template(name) or tok.chat_template or TEMPLATES["plain"]
+
+
+def named_template(name: str | None) -> str | None:
+    """The template ``data.chat_template`` names (a built-in or a Jinja string), or None for the tokenizer's."""
     if name is None:
-        return tok.chat_template or TEMPLATES["plain"]
+        return None
     if name in TEMPLATES:
         return TEMPLATES[name]
     if "{%" in name or "{{" in name:

@@ -127,16 +127,15 @@ def train(cfg: DictConfig, plan: Plan, backend: Backend) -> dict:
         weights = weights_dir(cfg.model)
         if weights is not None and not any(p.is_meta for p in model.parameters()):
             load_weights(model, weights)  # a model on the meta device loads them as it is materialised
-        model = adapters.apply(model, cfg.peft, cfg.seed,  # before the engine: it shards the adapters too
-                               COMPUTE_DTYPES[cfg.precision.name] if cfg.precision.name != "fp16" else torch.float16)
+        model = adapters.apply(model, cfg.peft, cfg.seed, COMPUTE_DTYPES[cfg.precision.name])  # before the engine
         drills.poison_gradient(model, backend.rank, lambda: step["now"])
         return model
 
     backend.prepare(build, cfg.train.steps)
     if rank0:
-        trainable = adapters.trainable_count(backend.hf_model())
+        trainable = plan.model.trainable  # counted on the meta build at validation
         tuned = (f" ({trainable:,} trainable: {cfg.peft.name} adapters, {100 * trainable / plan.model.params:.2f}%)"
-                 if cfg.peft.name != "none" else "")
+                 if trainable is not None else "")
         print(f"shardyard | model {cfg.model.name}: {plan.model.params:,} parameters{tuned}, "
               f"{plan.model.flops_per_token / 1e9:.4g} GFLOPs per training token | engine {cfg.backend.name} | "
               f"precision {cfg.precision.name} | {len(seqs):,} train / {len(val):,} val sequences "

@@ -357,6 +357,11 @@ class PeftMethod(Choice):
     qlora = "qlora"
 
 
+class QuantType(Choice):
+    nf4 = "nf4"
+    fp4 = "fp4"
+
+
 @dataclass
 class PeftConfig:
     name: PeftMethod = PeftMethod.none
@@ -371,7 +376,7 @@ class PeftConfig:
     target_modules: List[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                                 "up_proj", "down_proj"])
     """Names of the linear layers that get adapters (every attention and MLP projection of LLaMA/DeepSeek)."""
-    quant_type: str = "nf4"
+    quant_type: QuantType = QuantType.nf4
     """``qlora``: bitsandbytes' 4-bit type, ``nf4`` or ``fp4``."""
     double_quant: bool = True
     """``qlora``: quantise the quantisation constants too (QLoRA's double quantisation)."""
