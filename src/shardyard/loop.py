@@ -106,7 +106,7 @@ def evaluate(backend: Backend, val: PackedSequences, cfg: DictConfig, plan: Plan
     was_training = model.training
     model.eval()
     total = torch.zeros((), device=backend.device)
-    for x, y in eval_batches(val, cfg.train.eval_batches, plan.micro_batch_size, backend.rank, backend.world_size):
+    for x, y in eval_batches(val, cfg.train.eval_batches, plan.micro_batch_size, backend.dp_rank, backend.dp_size):
         total += backend.eval_loss(to_device(x, backend.device), y.to(backend.device)).float()
     model.train(was_training)
     return backend.all_reduce_mean(total / cfg.train.eval_batches).item()

@@ -474,7 +474,11 @@ def param_count(model: torch.nn.Module, trainable: bool = False) -> int:
 
 
 def signature(model: torch.nn.Module) -> dict[str, list[int]]:
-    """Parameter names and full shapes: what a checkpoint must match to be loaded into this model."""
+    """Parameter names and full shapes: what a checkpoint must match to be loaded into this model. A model
+    that holds only part of itself (a pipeline stage's) carries the whole model's as ``shardyard_signature``."""
+    whole = getattr(model, "shardyard_signature", None)
+    if whole is not None:
+        return whole
     return {n: list(getattr(p, "ds_shape", p.shape)) for n, p in model.named_parameters()}
 
 

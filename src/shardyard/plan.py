@@ -340,16 +340,18 @@ def estimate(cfg: DictConfig, batch: Any, hw: Hardware) -> Estimate:
     meta build. World size, micro batch and accumulation are those the hardware implies."""
     from hydra.utils import get_object
 
+    from shardyard.backends import model_parallel_size
+
     shape = batch.model.shape
     P, N = batch.model.params, hw.world
-    accum = _accumulation(cfg, batch, N)
+    accum = _accumulation(cfg, batch, max(1, N // model_parallel_size(cfg)))  # over the data-parallel replicas
     mbs = batch.micro_batch_size
     engine = get_object(cfg.backend._target_)
     states = engine.model_states(cfg, P, N, shape, optimizer_bytes_per_param(cfg.optim))
     if batch.model.trainable is not None:
         states = frozen_base(states, P, batch.model.trainable, shape, quantized=cfg.peft.name == "qlora")
     ckpt = bool(cfg.model.activation_checkpointing)
-    acts = _activations(shape, states.regime, mbs * batch.seq_len, ckpt)
+    acts = _activations(shape, states.regime, mbs * batch.seq_len, ckpt) * states.activation_factor
     device = dict(states.device)
     if accum > 1 and states.accumulation_bytes:
         device["grads"] = device.get("grads", 0.0) + states.accumulation_bytes
@@ -522,11 +524,15 @@ def engine_variants(cfg: DictConfig, world: int) -> list[tuple[str, DictConfig]]
 
     # With the primary config's name its hydra.searchpath counts: a project's options and shardyard's packaged ones.
     options = GlobalHydra.instance().config_loader().get_group_options("backend", config_name=HydraConfig.get().job.config_name)
+    from shardyard.backends import model_parallel_size
+
     out = [(cfg.backend.name, cfg)]
     for name in options:
         if name == cfg.backend.name or (name == "single" and world > 1):
             continue
-        out.append((name, compose_variant([f"backend={name}"], drop=("backend",))))
+        variant = compose_variant([f"backend={name}"], drop=("backend",))
+        if world % model_parallel_size(variant) == 0:  # tensor/pipeline parallel need a multiple of their degree
+            out.append((name, variant))
     return out
 
 

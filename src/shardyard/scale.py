@@ -32,9 +32,10 @@ def apply(cfg: DictConfig) -> str | None:
     with open_dict(cfg):
         _model(cfg.model)
         world = _world(cfg, s.world_size)
-        accum = _accumulation(cfg.train, cfg.launch, world)
+        accum = _accumulation(cfg, world)
         cfg.launch.nproc_per_node, cfg.launch.nnodes = world, 1
         cfg.train.micro_batch_size = min(cfg.train.micro_batch_size, 2)
+        _model_parallel(cfg, world)
         cfg.train.grad_accum_steps, cfg.train.global_batch_size = accum, None
         cfg.train.steps = s.steps
         cfg.train.eval_every_n_steps, cfg.train.eval_batches = 0, 1  # step 0 and the end, on the same batch
@@ -78,12 +79,32 @@ def _world(cfg: DictConfig, most: int) -> int:
     return max(1, min(wanted, most))
 
 
-def _accumulation(tr: DictConfig, launch: DictConfig, world_smoke: int) -> int:
-    """The recipe's own accumulation (from its global batch at its own world size), at most 2."""
+def _accumulation(cfg: DictConfig, world_smoke: int) -> int:
+    """The recipe's own accumulation (from its global batch over its own data-parallel ranks), at most 2."""
+    from shardyard.backends import model_parallel_size
+
+    tr, launch = cfg.train, cfg.launch
     if tr.global_batch_size is None:
         accum = tr.grad_accum_steps or 1
     else:
         n = launch.nproc_per_node
         world = (int(n) if str(n).isdigit() else 1) * max(int(launch.nnodes), 1)
-        accum = max(1, tr.global_batch_size // (tr.micro_batch_size * world))
+        dp = max(1, world // model_parallel_size(cfg))
+        accum = max(1, tr.global_batch_size // (tr.micro_batch_size * dp))
     return min(int(accum), 2)
+
+
+def _model_parallel(cfg: DictConfig, world: int) -> None:
+    """Tensor parallel and pipeline stages shrink to the smoke world (the largest degree that divides it, kept
+    at 2 or more where the world allows, so that the split itself is exercised); a pipeline keeps a layer per
+    chunk and splits the micro batch as often as it has stages."""
+    b = cfg.backend
+    for key in ("tp", "stages"):
+        if key in b:
+            b[key] = max(d for d in range(1, world + 1) if world % d == 0 and d <= max(int(b[key]), 1))
+    if "stages" in b:
+        chunks = b.stages * (b.virtual_stages if b.schedule == "interleaved" else 1)
+        if "num_layers" in cfg.model:
+            cfg.model.num_layers = max(int(cfg.model.num_layers), chunks)
+        b.microbatches = b.stages
+        cfg.train.micro_batch_size = max(cfg.train.micro_batch_size, b.stages)

@@ -113,8 +113,8 @@ def train(cfg: DictConfig, plan: Plan, backend: Backend) -> dict:
         print(f"shardyard | data: {st['conversations']:,} conversations, {st['truncated']:,} longer than data.seq_len="
               f"{cfg.data.seq_len} ({st['dropped']:,} dropped), {st['label_tokens']:,} of {st['tokens']:,} tokens "
               "carry a label (assistant tokens)", flush=True)
-    stream = data.TrainStream(seqs, cfg.seed, plan.global_batch_size, plan.micro_batch_size, backend.rank,
-                              backend.world_size)
+    stream = data.TrainStream(seqs, cfg.seed, plan.global_batch_size, plan.micro_batch_size, backend.dp_rank,
+                              backend.dp_size)
 
     # 2. Model, engine, optimizer, schedule. The engine calls `build` where and how it needs the model
     # (meta device, deepspeed.zero.Init); the model is seeded identically on every rank.

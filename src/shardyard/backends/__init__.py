@@ -50,6 +50,9 @@ class ModelStates:
     so the plan counts the larger, not both."""
     accumulation_bytes: float = 0.0
     """On the device only while gradients accumulate over micro-batches (grad_accum_steps > 1)."""
+    activation_factor: float = 1.0
+    """This rank's activations as a fraction of one micro-batch's through the whole model: 1/tp for tensor
+    parallel, (layers held / layers) x (micro-batches in flight / pipeline micro-batches) for a pipeline."""
     notes: list[str] = field(default_factory=list)
 
     def comm_bytes(self, accum: int) -> float:
@@ -58,6 +61,15 @@ class ModelStates:
 
 HALF = 2
 FP32 = 4
+
+
+def model_parallel_size(cfg: DictConfig) -> int:
+    """Ranks that together hold one replica of the model: ``backend.tp`` x ``backend.stages`` where the
+    engine has them (the convention every model-parallel engine's schema follows), else 1. The batch
+    arithmetic divides the world by it to find the data-parallel replicas."""
+    from omegaconf import OmegaConf
+
+    return int(OmegaConf.select(cfg, "backend.tp", default=1)) * int(OmegaConf.select(cfg, "backend.stages", default=1))
 
 
 class Backend(Protocol):
@@ -71,6 +83,11 @@ class Backend(Protocol):
     an engine of the same format."""
     rank: int
     world_size: int
+    dp_rank: int
+    """This rank's index among the data-parallel replicas: ranks that differ only in their tensor-parallel or
+    pipeline coordinate read the same batches (equal to ``rank`` on the data-parallel engines)."""
+    dp_size: int
+    """Number of data-parallel replicas (``world_size`` / (tensor-parallel x pipeline degree))."""
     device: torch.device
 
     def __init__(self, cfg: DictConfig, plan: Any) -> None: ...

@@ -32,6 +32,7 @@ class DDPBackend:
     def __init__(self, cfg: DictConfig, plan):
         self.cfg, self.plan, self.bcfg = cfg, plan, cfg.backend
         self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        self.dp_rank, self.dp_size = self.rank, self.world_size
 
     @staticmethod
     def validate(cfg: DictConfig, plan) -> None:

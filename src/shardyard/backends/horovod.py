@@ -62,6 +62,7 @@ class HorovodBackend:
         hvd.init()
         self.hvd = hvd
         self.rank, self.world_size = hvd.rank(), hvd.size()
+        self.dp_rank, self.dp_size = self.rank, self.world_size
         self.device = pick_device(self.plan, hvd.local_rank())
         if self.bcfg.timeline:
             # Every rank must call it (it is coordinated); rank 0 writes the Chrome-trace JSON.

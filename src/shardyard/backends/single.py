@@ -19,6 +19,7 @@ class SingleBackend:
     def __init__(self, cfg: DictConfig, plan):
         self.cfg, self.plan = cfg, plan
         self.rank, self.world_size = 0, 1
+        self.dp_rank, self.dp_size = 0, 1
 
     @staticmethod
     def validate(cfg: DictConfig, plan) -> None:

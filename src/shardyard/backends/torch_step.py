@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+import copy
+from typing import Any, Callable
 
 import torch
 from omegaconf import DictConfig
@@ -24,9 +25,13 @@ class TorchStepper:
                  scaler: torch.amp.GradScaler | None = None, autocast: bool = True,
                  wrap_optimizer: Callable[[torch.optim.Optimizer], torch.optim.Optimizer] | None = None,
                  before_unscale: Callable[[], None] | None = None,
-                 step_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
+                 step_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                 norm_group: Any = None):
         """``before_unscale`` / ``step_context``: an engine that reduces gradients inside its optimizer
-        (Horovod) finishes the reduction before unscale and clip, and keeps the step from waiting again."""
+        (Horovod) finishes the reduction before unscale and clip, and keeps the step from waiting again.
+        ``norm_group``: the process group over which the rest of the model lives (a pipeline's stages): the
+        global gradient norm sums the squared norms of every part."""
+        self.norm_group = norm_group
         pr = cfg.precision
         self.model, self.accum, self.device_type = model, accum, device.type
         self.max_norm = cfg.train.max_grad_norm
@@ -64,6 +69,10 @@ class TorchStepper:
         grad_norm = torch.nn.utils.get_total_norm(grads)
         if isinstance(grad_norm, torch.distributed.tensor.DTensor):
             grad_norm = grad_norm.full_tensor()
+        if self.norm_group is not None:
+            squared = grad_norm.float() ** 2
+            torch.distributed.all_reduce(squared, group=self.norm_group)
+            grad_norm = squared.sqrt()
         lr = self.optimizer.param_groups[0]["lr"]
         scale = self.scaler.get_scale() if self.scaler.is_enabled() else None
         # Under fp16 an overflow is routine: the scaler skips that step and lowers the scale by itself.
@@ -98,6 +107,10 @@ class TorchStepper:
 
     def load_training_state(self, state: dict) -> None:
         self.scheduler.load_state_dict({**self.scheduler.state_dict(), **state["scheduler"]})
+        # The learning rate the saved run would step with next (the same value its optimizer held; set here for
+        # engines whose param groups come from the fresh optimizer: load_dcp(own_param_groups=True)).
+        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+            group["lr"] = lr
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
 
@@ -110,8 +123,11 @@ class TorchStepper:
         model_sd, optim_sd = get_state_dict(model, self.optimizer, options=_dcp_options(model))
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
 
-    def load_dcp(self, path: str, model: torch.nn.Module) -> None:
-        """Loads into this run's layout, so a checkpoint resumes at another world size (DCP reshards)."""
+    def load_dcp(self, path: str, model: torch.nn.Module, own_param_groups: bool = False) -> None:
+        """Loads into this run's layout, so a checkpoint resumes at another world size (DCP reshards).
+        ``own_param_groups``: keep this optimizer's param groups (hyperparameters from the recipe, the learning
+        rate from the scheduler's state). DCP writes non-tensor values from rank 0 only, so a rank whose
+        parameters rank 0 does not hold (a later pipeline stage) finds no param groups of its own in the file."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -120,9 +136,12 @@ class TorchStepper:
         options = _dcp_options(model)
         model_sd, optim_sd = get_state_dict(model, self.optimizer, options=options)
         state: dict = {"model": model_sd, "optim": optim_sd}
+        groups = copy.deepcopy(optim_sd["param_groups"])
         check_dcp_metadata(path)  # a plain pickle: vetted before DCP unpickles it
         with weights_only_loads():  # DCP's planner reads non-tensor values with weights_only=False
             dcp.load(state, checkpoint_id=path)
+        if own_param_groups:
+            state["optim"]["param_groups"] = groups
         set_state_dict(model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=options)
 

@@ -133,6 +133,33 @@ class FSDPBackendConfig(BackendConfig):
 
 
 @dataclass
+class FSDPTPBackendConfig(FSDPBackendConfig):
+    tp: int = 2
+    """Tensor-parallel degree: ranks each block's matmuls are split across (consecutive ranks, so inside one
+    node). The world size must be a multiple; world / tp ranks are the FSDP (data-parallel) replicas."""
+
+
+# OmegaConf matches a choice by member *name*, and "1f1b" is not an identifier: the functional form allows it.
+PipelineSchedule = Choice("PipelineSchedule", {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved"})  # type: ignore[call-overload]
+
+
+@dataclass
+class PipelineBackendConfig(FSDPBackendConfig):
+    stages: int = 2
+    """Pipeline degree: ranks the layers are split across (the embedding on the first, the final norm and LM
+    head on the last). The world size must be a multiple; world / stages ranks are each stage's FSDP replicas."""
+    schedule: PipelineSchedule = PipelineSchedule["1f1b"]  # type: ignore[valid-type]
+    """``gpipe`` (all forwards, then all backwards: every micro-batch's activations alive at once), ``1f1b``
+    (at most ``stages`` micro-batches in flight) or ``interleaved`` (1F1B over ``virtual_stages`` chunks per
+    rank: a smaller bubble for more point-to-point messages)."""
+    microbatches: int = 2
+    """Pipeline micro-batches each ``train.micro_batch_size`` batch is split into (it must divide it). The bubble
+    is (stages - 1) / (microbatches + stages - 1) of the step for gpipe and 1f1b."""
+    virtual_stages: int = 2
+    """``schedule=interleaved``: model chunks per rank (stage i holds chunks i, i + stages, ...)."""
+
+
+@dataclass
 class ZeroBackendConfig(BackendConfig):
     stage: int = MISSING
     """ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters."""
@@ -726,6 +753,8 @@ SCHEMAS = {
     "schema_backend_base": BackendConfig,
     "schema_backend_ddp": DDPBackendConfig,
     "schema_backend_fsdp": FSDPBackendConfig,
+    "schema_backend_fsdp_tp": FSDPTPBackendConfig,
+    "schema_backend_pipeline": PipelineBackendConfig,
     "schema_backend_zero": ZeroBackendConfig,
     "schema_backend_horovod": HorovodBackendConfig,
     "schema_model_llama": LlamaModelConfig,

@@ -29,6 +29,9 @@ class Plan:
     global_batch_size: int
     seq_len: int
     nnodes: int = 1
+    model_parallel: int = 1
+    """Ranks holding one model replica together (tensor parallel x pipeline stages); 1 on the data-parallel
+    engines."""
     model: Any = None
     """``shardyard.model.ModelFacts`` from one meta-device build (parameters, FLOPs/token, ...)."""
     memory: Any = None
@@ -40,11 +43,18 @@ class Plan:
     def tokens_per_step(self) -> int:
         return self.global_batch_size * self.seq_len
 
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel replicas: the ranks that read different batches."""
+        return self.world_size // self.model_parallel
+
     def describe(self) -> str:
         nodes = f" x {self.nnodes} nodes" if self.nnodes > 1 else ""
+        replicas = (f"data-parallel {self.dp_size} (world {self.world_size} / model-parallel {self.model_parallel})"
+                    if self.model_parallel > 1 else f"world {self.world_size}")
         return (f"world size {self.world_size} ({self.nproc_per_node}/node{nodes} on {self.device_type}) | "
                 f"global batch {self.global_batch_size} = micro {self.micro_batch_size} x accumulation "
-                f"{self.grad_accum_steps} x world {self.world_size} | seq_len {self.seq_len} | "
+                f"{self.grad_accum_steps} x {replicas} | seq_len {self.seq_len} | "
                 f"tokens/step {self.tokens_per_step:,}")
 
 
@@ -92,6 +102,8 @@ def plan(cfg: DictConfig, env: DistEnv | None) -> Plan:
         raise UserError("launch.socket_ifname", launch.socket_ifname,
                         f"This node has no network interface of that name (it has: {have}).",
                         "Name one of them (`ip addr` shows their addresses), or leave launch.socket_ifname unset.")
+    mp = _model_parallel(cfg, world)
+    dp = world // mp  # the replicas that read different batches
     mbs = tr.micro_batch_size
     if mbs < 1:
         raise UserError("train.micro_batch_size", mbs, "It must be at least 1.", "Use train.micro_batch_size=1 or more.")
@@ -100,23 +112,39 @@ def plan(cfg: DictConfig, env: DistEnv | None) -> Plan:
         accum = accum or 1
         if accum < 1:
             raise UserError("train.grad_accum_steps", accum, "It must be at least 1.", "Use train.grad_accum_steps=1 or more.")
-        gbs = mbs * accum * world
+        gbs = mbs * accum * dp
     else:
-        per_step = mbs * world
+        per_step = mbs * dp
+        replicas = f"data-parallel size {dp}" if mp > 1 else f"world size {world}"
         if gbs % per_step:
             raise UserError("train.global_batch_size", gbs,
-                            f"The global batch must be micro batch x accumulation x world size, but {gbs} is not a "
-                            f"multiple of micro batch {mbs} x world size {world} = {per_step}.",
+                            f"The global batch must be micro batch x accumulation x {replicas.split(' size')[0]} size, "
+                            f"but {gbs} is not a multiple of micro batch {mbs} x {replicas} = {per_step}.",
                             f"Use a global batch that is a multiple of {per_step} (e.g. {per_step * max(1, round(gbs / per_step))}), "
                             "or change train.micro_batch_size / launch.nproc_per_node.")
         derived = gbs // per_step
         if accum is not None and accum != derived:
             raise UserError("train.grad_accum_steps", accum,
-                            f"global_batch_size {gbs} / (micro batch {mbs} x world size {world}) = {derived} "
+                            f"global_batch_size {gbs} / (micro batch {mbs} x {replicas}) = {derived} "
                             "accumulation steps, which contradicts it.",
                             "Set only one of train.grad_accum_steps and train.global_batch_size.")
         accum = derived
-    return Plan(dev, nproc, world, mbs, accum, gbs, cfg.data.seq_len, nnodes=max(1, world // nproc))
+    return Plan(dev, nproc, world, mbs, accum, gbs, cfg.data.seq_len, nnodes=max(1, world // nproc), model_parallel=mp)
+
+
+def _model_parallel(cfg: DictConfig, world: int) -> int:
+    """``backend.tp`` x ``backend.stages``, checked against the world size."""
+    from shardyard.backends import model_parallel_size
+
+    mp = model_parallel_size(cfg)
+    if world % mp:
+        key = "backend.tp" if OmegaConf.select(cfg, "backend.tp") not in (None, 1) else "backend.stages"
+        raise UserError(key, OmegaConf.select(cfg, key),
+                        f"The world size {world} must be a multiple of the ranks holding one model replica "
+                        f"(tensor parallel x pipeline stages = {mp}); the quotient is the data-parallel size.",
+                        f"Use a world size (launch.nproc_per_node x launch.nnodes) that is a multiple of {mp}, "
+                        f"or a {key} that divides {world}.")
+    return mp
 
 
 def _nodes(launch: DictConfig) -> int:

@@ -1,0 +1,213 @@
+"""``backend=fsdp_tp``: tensor parallel inside a node (Megatron-style, ``torch.distributed.tensor.parallel``)
+and FSDP2 over the data-parallel replicas, on one 2D DeviceMesh (dp x tp)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate, distribute_module
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from shardyard.backends import ModelStates, StepStats
+from shardyard.backends.fsdp import FSDPBackend
+from shardyard.backends.process_group import all_reduce_mean, init_process_group, teardown
+from shardyard.backends.torch_step import COMPUTE_DTYPES, TorchStepper, pick_device
+from shardyard.errors import UserError
+from shardyard.model import apply_activation_checkpointing, apply_compile, materialize, transformer_blocks
+
+BLOCK_PLAN = {  # the Megatron split of a LLaMA block: one all-reduce after attention, one after the MLP
+    "self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
+    "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise",
+}
+NORMS = ("input_layernorm", "post_attention_layernorm")
+
+
+def parallelize_fsdp_tp(model: torch.nn.Module, cfg: DictConfig, mesh: DeviceMesh, device: torch.device) -> torch.nn.Module:
+    """Tensor parallel -> activation checkpointing -> compile -> FSDP2 over dp -> materialise. In this order because:
+
+    1. Tensor parallel first, on the tp sub-mesh: it replaces each linear's weight with its DTensor shard, and
+       FSDP2 applied afterwards shards those shards again over dp (a 2D DTensor, dp x tp). The reverse order is
+       not supported by FSDP2.
+       - q/k/v and gate/up are column-parallel: each tp rank computes its own heads and its own slice of the
+         MLP's hidden units, with no communication (HF's attention reshapes with -1 heads, so it sees local
+         heads only).
+       - o and down are row-parallel: each rank multiplies its slice and one all-reduce sums them, so every
+         block costs two all-reduces of the activations in forward and two in backward.
+       - the embedding is row-parallel over the vocabulary (one all-reduce) and the LM head column-parallel
+         with its logits gathered: the loss sees full logits, as on every other engine.
+       - RMSNorm weights are replicated over tp (DTensors, so that every parameter lives on the same 2D mesh
+         and the gradient norm and the optimizer see one kind of tensor). Sequence parallelism for the norms
+         is not applied: HF's models derive positions and the causal mask from the embedding output's
+         length, which sequence parallelism would shard (docs/architecture.md).
+    2-3. As in ``parallelize_fsdp``: checkpointing and compile wrap each block before FSDP's hooks.
+    4. FSDP2 per block, then the root, over the dp sub-mesh; parameters all-gathered in the compute dtype,
+       gradients reduce-scattered in fp32 (averaged over dp; the tp ranks' gradients of a replicated norm are
+       identical, since their inputs are).
+    5. A model built on the meta device gets storage for this rank's shards only.
+    """
+    tp, dp = mesh["tp"], mesh["dp"]
+    style = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    inner = model.model  # type: ignore[union-attr]
+    parallelize_module(model, tp, {  # 1
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+        "lm_head": ColwiseParallel(output_layouts=Replicate()),
+    })
+    for block in inner.layers:
+        parallelize_module(block, tp, {name: style[kind]() for name, kind in BLOCK_PLAN.items()})
+        for norm in NORMS:
+            _replicate(getattr(block, norm), tp)
+    _replicate(inner.norm, tp)
+    apply_activation_checkpointing(model, cfg.model)  # 2
+    apply_compile(model, cfg.model)  # 3
+    pr = cfg.precision
+    mp = MixedPrecisionPolicy(param_dtype=COMPUTE_DTYPES[pr.name], reduce_dtype=torch.float32) \
+        if pr.name != "fp32" else MixedPrecisionPolicy()
+    for block in transformer_blocks(model):  # 4
+        fully_shard(block, mesh=dp, reshard_after_forward=cfg.backend.reshard_after_forward, mp_policy=mp)
+    fully_shard(model, mesh=dp, reshard_after_forward=False, mp_policy=mp)
+    materialize(model, device, cfg.seed, cfg.model)  # 5
+    return model.to(device)
+
+
+def _replicate(module: torch.nn.Module, tp: DeviceMesh) -> None:
+    """Parameters as replicated DTensors on the tp mesh; plain tensors in and out."""
+    distribute_module(
+        module, tp,
+        input_fn=lambda mod, inputs, mesh: tuple(
+            DTensor.from_local(t, mesh, [Replicate()], run_check=False) if isinstance(t, torch.Tensor) else t
+            for t in inputs),
+        output_fn=lambda mod, out, mesh: out.to_local())
+
+
+def check_tp_model(model: torch.nn.Module, tp: int) -> None:
+    """The block layout ``parallelize_fsdp_tp`` splits, and dimensions that tp divides; refused naming why."""
+    blocks = transformer_blocks(model)
+    names = {n for n, _ in blocks[0].named_modules()} if blocks else set()
+    inner = getattr(model, "model", None)
+    missing = [n for n in [*BLOCK_PLAN, *NORMS] if n not in names]
+    if missing or inner is None or not hasattr(inner, "embed_tokens") or not hasattr(model, "lm_head"):
+        moe = any("expert" in n for n in names)
+        raise UserError("backend", "fsdp_tp",
+                        f"Tensor parallelism splits LLaMA-style blocks (q/k/v/o and gate/up/down projections); this "
+                        f"model's blocks ({type(blocks[0]).__name__ if blocks else 'none found'}) lack "
+                        f"{', '.join(missing) or 'the embedding or LM head'}"
+                        + (". Its mixture-of-experts layers would need expert parallelism, which shardyard does not "
+                           "implement" if moe else "") + ".",
+                        "Use backend=pipeline (layers split across ranks, FSDP over the rest: works for any block), "
+                        "or backend=fsdp.")
+    c = model.config  # type: ignore[union-attr]
+    dims = {"model.num_heads": c.num_attention_heads, "model.num_kv_heads": c.num_key_value_heads,
+            "model.intermediate_size": c.intermediate_size, "model.vocab_size": c.vocab_size}
+    for key, value in dims.items():
+        if value % tp:
+            raise UserError("backend.tp", tp, f"Tensor parallelism splits {key.split('.')[1]} evenly across the tp "
+                            f"ranks, and {key}={value} is not a multiple of {tp}.",
+                            f"Use a backend.tp that divides {value}, or change {key}.")
+    if getattr(c, "tie_word_embeddings", False):
+        raise UserError("model.tie_word_embeddings", True, "The embedding is split by vocabulary rows and the LM "
+                        "head by output columns under tensor parallelism, so one tensor cannot serve as both.",
+                        "Use model.tie_word_embeddings=false, or backend=fsdp.")
+
+
+class FSDPTPBackend:
+    launcher = "elastic"
+    checkpoint_format = "dcp"
+
+    def __init__(self, cfg: DictConfig, plan):
+        self.cfg, self.plan, self.bcfg = cfg, plan, cfg.backend
+        self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        self.tp = int(cfg.backend.tp)
+        # The mesh is (dp, tp), tp innermost: the tp ranks of a replica are consecutive, i.e. on one node,
+        # where their per-block all-reduces use NVLink; only FSDP's traffic crosses nodes.
+        self.dp_rank, self.dp_size = self.rank // self.tp, self.world_size // self.tp
+
+    @staticmethod
+    def validate(cfg: DictConfig, plan) -> None:
+        from shardyard.model import shape_model
+
+        FSDPBackend.validate(cfg, plan)
+        tp = int(cfg.backend.tp)
+        if tp < 1:
+            raise UserError("backend.tp", tp, "It is the number of ranks one layer is split across.",
+                            "Use backend.tp=2 (or the GPUs of a node, 8), dividing the world size.")
+        if cfg.backend.cpu_offload:
+            raise UserError("backend.cpu_offload", True, "CPU offload is not supported with tensor parallelism here.",
+                            "Use backend=fsdp_offload, or backend.cpu_offload=false.")
+        if cfg.peft.name != "none":
+            raise UserError("peft", cfg.peft.name, "LoRA wraps the very projections tensor parallelism splits; the "
+                            "combination is not implemented.", "Use backend=fsdp (or ddp, zero2) with adapters.")
+        if plan.nproc_per_node % tp and plan.nnodes > 1:
+            raise UserError("backend.tp", tp, f"A tensor-parallel group must sit inside one node, and "
+                            f"{plan.nproc_per_node} ranks per node are not a multiple of {tp}.",
+                            f"Use a backend.tp that divides launch.nproc_per_node={plan.nproc_per_node}.")
+        check_tp_model(shape_model(cfg.model), tp)
+
+    @staticmethod
+    def model_states(cfg: DictConfig, n_params: int, world: int, shape: dict, optim_bytes: float) -> ModelStates:
+        """FSDP2's states of a 1/tp slice of the model over dp = world/tp ranks (``FSDPBackend.model_states``),
+        and 1/tp of the activations. Approximations: the replicated norms (under 0.01% of a LLaMA) count as
+        split; the block inputs and norm outputs, which are replicated without sequence parallelism, count as
+        split too, and the tp all-reduces of activations (4 per block per micro-batch) are not in the
+        communication figure."""
+        tp = int(cfg.backend.tp)
+        sliced = {**shape, **{k: shape[k] / tp for k in ("block_params", "max_block_params", "root_params")}}
+        states = FSDPBackend.model_states(cfg, n_params // tp, max(world // tp, 1), sliced, optim_bytes)
+        return dataclasses.replace(states, activation_factor=1 / tp, notes=states.notes + [
+            f"tensor parallel {tp}: parameters, gradients, optimizer state and activations split {tp} ways, then "
+            f"FSDP over {max(world // tp, 1)} data-parallel ranks"])
+
+    def init(self) -> None:
+        self.device = pick_device(self.plan, int(os.environ.get("LOCAL_RANK", 0)))
+        init_process_group(self.cfg, self.device)
+        self.mesh = init_device_mesh(self.device.type, (self.dp_size, self.tp), mesh_dim_names=("dp", "tp"))
+
+    def prepare(self, build, total_steps: int) -> None:
+        self.model = parallelize_fsdp_tp(build(allow_meta=True), self.cfg, self.mesh, self.device)
+        self.stepper = TorchStepper(self.model, self.cfg, self.device, self.plan.grad_accum_steps, total_steps,
+                                    autocast=False)  # the MixedPrecisionPolicy casts instead
+
+    def forward_backward(self, inputs, targets, is_last_micro: bool) -> torch.Tensor:
+        self.model.set_requires_gradient_sync(is_last_micro or self.bcfg.reduce_every_micro_batch)  # type: ignore[operator]
+        return self.stepper.forward_backward(inputs, targets)
+
+    def step(self, guard: bool = False) -> StepStats:
+        return self.stepper.step(guard)  # every gradient is a (dp, tp) DTensor: one global norm
+
+    def eval_loss(self, inputs, targets) -> torch.Tensor:
+        return self.stepper.eval_loss(inputs, targets)
+
+    def save_checkpoint(self, path: str) -> None:
+        self.stepper.save_dcp(path, self.model)  # keys are the HF names: any dp x tp layout loads them
+
+    def load_checkpoint(self, path: str, meta: dict) -> None:
+        self.stepper.load_dcp(path, self.model)
+
+    def training_state(self) -> dict:
+        return self.stepper.training_state()
+
+    def load_training_state(self, state: dict) -> None:
+        self.stepper.load_training_state(state)
+
+    def all_reduce_mean(self, t: torch.Tensor) -> torch.Tensor:
+        return all_reduce_mean(t)  # the tp ranks of a replica hold the same value: the mean is dp's
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def hf_model(self) -> torch.nn.Module:
+        return self.model
+
+    def full_state_dict(self) -> dict | None:
+        # Each (dp, tp) DTensor gathered in full, tensor by tensor, into rank 0's CPU memory.
+        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return sd if self.rank == 0 else None
+
+    def close(self) -> None:
+        teardown(self, "stepper", "model")

@@ -1,0 +1,300 @@
+"""``backend=pipeline``: the layers split into stages across ranks (``torch.distributed.pipelining``: GPipe,
+1F1B or interleaved 1F1B), and FSDP2 over each stage's data-parallel replicas, on one 2D DeviceMesh (pp x dp)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from omegaconf import DictConfig
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from shardyard.backends import ModelStates, StepStats
+from shardyard.backends.fsdp import FSDPBackend
+from shardyard.backends.process_group import all_reduce_mean, init_process_group, teardown
+from shardyard.backends.torch_step import COMPUTE_DTYPES, TorchStepper, pick_device
+from shardyard.errors import UserError
+from shardyard.model import apply_activation_checkpointing, apply_compile, materialize, signature
+
+
+class Hole(torch.nn.Module):
+    """Stands where a layer held by another stage was: no parameters, never called."""
+
+
+class Stage(torch.nn.Module):
+    """One pipeline stage of an HF decoder-only model: the embedding (first stage), layers ``lo..hi-1``,
+    the final norm and LM head (last stage). Positions, rotary embeddings and the causal mask are rebuilt
+    from the sequence length in every stage, exactly as the HF model builds them once."""
+
+    def __init__(self, hf: Any, lo: int, hi: int, first: bool, last: bool):
+        super().__init__()
+        inner = hf.model
+        self.lo, self.hi, self.first, self.last = lo, hi, first, last
+        self.embed = inner.embed_tokens if first else None
+        self.layers = torch.nn.ModuleDict({str(i): inner.layers[i] for i in range(lo, hi)})
+        self.norm, self.head = (inner.norm, hf.lm_head) if last else (None, None)
+        # Shared by every stage of this rank and without parameters: kept out of the module tree (and FSDP).
+        object.__setattr__(self, "_hf", hf)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask
+
+        inner = self._hf.model
+        h = self.embed(x) if self.embed is not None else x
+        pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        mask = create_causal_mask(config=inner.config, inputs_embeds=h, attention_mask=None, past_key_values=None,
+                                  position_ids=pos)
+        rope = inner.rotary_emb(h, position_ids=pos)
+        for layer in self.layers.values():
+            h = layer(h, attention_mask=mask, position_embeddings=rope, position_ids=pos)
+        if self.last:
+            h = self.head(self.norm(h))
+        return h
+
+
+def layer_split(layers: int, chunks: int) -> list[tuple[int, int]]:
+    """``layers`` split into ``chunks`` consecutive ranges, the earlier ones one longer when it does not divide
+    (the first and last chunks also hold the embedding and the head, so a remainder lands there is no better)."""
+    base, extra = divmod(layers, chunks)
+    out, lo = [], 0
+    for c in range(chunks):
+        hi = lo + base + (c < extra)
+        out.append((lo, hi))
+        lo = hi
+    return out
+
+
+def parallelize_pipeline(model: Any, cfg: DictConfig, mesh: DeviceMesh, device: torch.device) -> list[Stage]:
+    """Checkpointing -> compile -> cut into stages -> FSDP2 per stage over dp -> materialise. In this order because:
+
+    1. Activation checkpointing and compile wrap each block first (as in ``parallelize_fsdp``); a stage then
+       calls its blocks directly.
+    2. The model is cut into ``stages x virtual_stages`` chunks by layer counts; this rank keeps chunks
+       ``pp_rank, pp_rank + stages, ...`` (one chunk unless interleaved) and every other layer is replaced
+       by a ``Hole``, so the full model never gets storage here. Parameter names stay those of the whole
+       model ("model.layers.17..."), so checkpoints and the export read the same at any stage count.
+    3. FSDP2 over the stage's dp replicas: per block, then each stage's root (embedding or norm + head).
+       ``torch.distributed.pipelining`` drives FSDP itself: it defers the reduce-scatter to the last
+       micro-batch of each schedule step.
+    4. Only now does a meta-built model get storage, for this rank's shards of this rank's layers.
+    """
+    b = cfg.backend
+    apply_activation_checkpointing(model, cfg.model)  # 1
+    apply_compile(model, cfg.model)
+    model.shardyard_signature = signature(model)  # the whole model's names and shapes, before the cut
+    pp, dp = mesh["pp"], mesh["dp"]
+    chunks = b.stages * (b.virtual_stages if b.schedule == "interleaved" else 1)
+    spans = layer_split(len(model.model.layers), chunks)
+    mine = list(range(pp.get_local_rank(), chunks, b.stages))  # 2
+    keep = {i for c in mine for i in range(*spans[c])}
+    for i in range(len(model.model.layers)):
+        if i not in keep:
+            model.model.layers[i] = Hole()
+    if 0 not in mine:
+        model.model.embed_tokens = Hole()
+    if chunks - 1 not in mine:
+        model.model.norm, model.lm_head = Hole(), Hole()
+    stages = [Stage(model, *spans[c], first=c == 0, last=c == chunks - 1) for c in mine]
+    pr = cfg.precision
+    mp = MixedPrecisionPolicy(param_dtype=COMPUTE_DTYPES[pr.name], reduce_dtype=torch.float32) \
+        if pr.name != "fp32" else MixedPrecisionPolicy()
+    for stage in stages:  # 3
+        for layer in stage.layers.values():
+            fully_shard(layer, mesh=dp, reshard_after_forward=b.reshard_after_forward, mp_policy=mp)
+        fully_shard(stage, mesh=dp, reshard_after_forward=False, mp_policy=mp)
+    materialize(model, device, cfg.seed, cfg.model)  # 4
+    model.to(device)
+    return stages
+
+
+def check_pipeline_model(model: Any, cfg: DictConfig) -> None:
+    b = cfg.backend
+    inner = getattr(model, "model", None)
+    needed = ["embed_tokens", "layers", "norm", "rotary_emb"]
+    if inner is None or not hasattr(model, "lm_head") or any(not hasattr(inner, n) for n in needed):
+        raise UserError("backend", "pipeline", f"The pipeline cuts HF decoder-only models (model.embed_tokens, "
+                        f"model.layers, model.norm, model.rotary_emb, lm_head); {type(model).__name__} is not laid "
+                        "out so.", "Use backend=fsdp, or an HF causal LM (LLaMA, Qwen2, Mistral, DeepSeek-V3 ...).")
+    chunks = b.stages * (b.virtual_stages if b.schedule == "interleaved" else 1)
+    layers = len(inner.layers)
+    if layers < chunks:
+        raise UserError("backend.stages", b.stages, f"The model has {layers} layers, fewer than the {chunks} pipeline "
+                        f"chunks (stages x virtual stages) that each need at least one.",
+                        f"Use backend.stages<={layers // max(chunks // b.stages, 1)} or more model.num_layers.")
+    if getattr(model.config, "tie_word_embeddings", False):
+        raise UserError("model.tie_word_embeddings", True, "The embedding lives on the first stage and the LM head "
+                        "on the last, so one tensor cannot serve as both.",
+                        "Use model.tie_word_embeddings=false, or backend=fsdp.")
+
+
+class PipelineBackend:
+    launcher = "elastic"
+    checkpoint_format = "dcp"
+
+    def __init__(self, cfg: DictConfig, plan):
+        self.cfg, self.plan, self.bcfg = cfg, plan, cfg.backend
+        self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        self.pp = int(cfg.backend.stages)
+        # The mesh is (pp, dp), dp innermost: a stage's FSDP replicas are consecutive ranks (one node), and
+        # only the stages' point-to-point activations cross nodes.
+        self.dp_size = self.world_size // self.pp
+        self.pp_rank, self.dp_rank = divmod(self.rank, self.dp_size)
+        self.chunks = self.pp * (cfg.backend.virtual_stages if cfg.backend.schedule == "interleaved" else 1)
+
+    @staticmethod
+    def validate(cfg: DictConfig, plan) -> None:
+        from shardyard.model import shape_model
+
+        FSDPBackend.validate(cfg, plan)
+        b = cfg.backend
+        for key in ("stages", "microbatches", "virtual_stages"):
+            if b[key] < 1:
+                raise UserError(f"backend.{key}", b[key], "It must be at least 1.", f"Use backend.{key}=2 or more.")
+        if plan.micro_batch_size % b.microbatches:
+            raise UserError("backend.microbatches", b.microbatches, f"Each micro batch of train.micro_batch_size="
+                            f"{plan.micro_batch_size} sequences is split into backend.microbatches pipeline "
+                            "micro-batches, so it must divide it.",
+                            f"Use a divisor of {plan.micro_batch_size}, or raise train.micro_batch_size.")
+        if b.schedule != "gpipe" and b.microbatches % b.stages:
+            raise UserError("backend.microbatches", b.microbatches, f"The {b.schedule} schedule runs its micro-batches "
+                            f"in rounds of backend.stages={b.stages}, so it needs a multiple of it.",
+                            f"Use backend.microbatches={b.stages} (or a multiple), or backend.schedule=gpipe.")
+        for key, problem in (("cpu_offload", "CPU offload"), ("peft", "Adapters (peft)"), ("data", "Packed SFT rows")):
+            on = {"cpu_offload": b.cpu_offload, "peft": cfg.peft.name != "none",
+                  "data": cfg.data._target_ == "shardyard.sft.SFTData"}[key]
+            if on:
+                raise UserError(f"backend.{key}" if key == "cpu_offload" else key, "on" if key != "peft" else cfg.peft.name,
+                                f"{problem} with pipeline stages is not implemented (stages pass one tensor, the "
+                                "hidden states, between them).", "Use backend=fsdp (or fsdp_tp) for this run.")
+        if not b.reduce_every_micro_batch:
+            raise UserError("backend.reduce_every_micro_batch", False, "The pipeline schedule decides when FSDP "
+                            "reduces (at the last pipeline micro-batch of each micro batch).",
+                            "Leave backend.reduce_every_micro_batch=true with backend=pipeline.")
+        check_pipeline_model(shape_model(cfg.model), cfg)
+
+    @staticmethod
+    def model_states(cfg: DictConfig, n_params: int, world: int, shape: dict, optim_bytes: float) -> ModelStates:
+        """FSDP2's states of the busiest stage over dp = world/stages ranks (``FSDPBackend.model_states``):
+
+        1. The parameters of 1/stages of the blocks, plus the embedding or the head (half the root: untied, they
+           are the same size; the first and last stages hold one each).
+        2. Activations: 1/stages of the layers, for the micro-batches in flight, each 1/microbatches of the
+           micro batch: GPipe keeps all of them (factor 1/stages), 1F1B at most ``stages`` (min(stages, m)/m
+           of that); interleaved is counted as 1F1B. The logits count as split too (an underestimate for the
+           last stage) and the point-to-point activations are not in the communication figure.
+        """
+        b = cfg.backend
+        pp, m = int(b.stages), int(b.microbatches)
+        stage_params = shape["block_params"] / pp + shape["root_params"] / 2
+        sliced = {**shape, "block_params": shape["block_params"] / pp, "root_params": shape["root_params"] / 2}
+        states = FSDPBackend.model_states(cfg, int(stage_params), max(world // pp, 1), sliced, optim_bytes)
+        in_flight = m if b.schedule == "gpipe" else min(pp, m)
+        return dataclasses.replace(states, activation_factor=in_flight / m / pp, notes=states.notes + [
+            f"pipeline {pp} stages ({b.schedule}, {m} micro-batches, {in_flight} in flight): the busiest stage's "
+            f"layers, then FSDP over {max(world // pp, 1)} data-parallel ranks"])
+
+    def init(self) -> None:
+        self.device = pick_device(self.plan, int(os.environ.get("LOCAL_RANK", 0)))
+        init_process_group(self.cfg, self.device)
+        self.mesh = init_device_mesh(self.device.type, (self.pp, self.dp_size), mesh_dim_names=("pp", "dp"))
+        self.pp_group = self.mesh["pp"].get_group()
+
+    def prepare(self, build, total_steps: int) -> None:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+        b = self.bcfg
+        self.model = build(allow_meta=True)
+        self.stages = parallelize_pipeline(self.model, self.cfg, self.mesh, self.device)
+        self.mine = list(range(self.pp_rank, self.chunks, self.pp))
+        pipe = [PipelineStage(s, c, self.chunks, self.device, group=self.pp_group) for s, c in zip(self.stages, self.mine)]
+        self.accum = self.plan.grad_accum_steps
+        schedule: Any = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}[b.schedule]
+        # scale_grads=False: the loss function divides by micro-batches x accumulation itself, so gradients add
+        # up across the several schedule steps of one optimizer step (the schedule's own scaling would divide
+        # what earlier micro-batches accumulated again).
+        self.schedule = schedule(pipe if b.schedule == "interleaved" else pipe[0], n_microbatches=b.microbatches,
+                                 loss_fn=self._scaled_loss, scale_grads=False)
+        self.stepper = TorchStepper(self.model, self.cfg, self.device, self.accum, total_steps, autocast=False,
+                                    norm_group=self.pp_group)  # the norm over every stage's gradients
+        self.model.forward = self._forward_whole  # type: ignore[method-assign]  # for sampling (hf_model())
+
+    def _scaled_loss(self, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(out.float().reshape(-1, out.size(-1)), targets.reshape(-1), ignore_index=-100)
+        return loss / (self.bcfg.microbatches * self.accum)
+
+    def forward_backward(self, inputs, targets, is_last_micro: bool) -> torch.Tensor:
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if 0 in self.mine else ()
+        self.schedule.step(*args, target=targets, losses=losses)
+        # Only the last stage computed the loss: it sends the micro batch's mean to the others of its pipeline.
+        loss = (torch.stack(losses).sum() * self.accum).detach() if losses else torch.zeros((), device=self.device)
+        dist.broadcast(loss, group=self.pp_group, group_src=self.pp - 1)
+        return loss
+
+    def step(self, guard: bool = False) -> StepStats:
+        return self.stepper.step(guard)
+
+    @torch.no_grad()
+    def eval_loss(self, inputs, targets) -> torch.Tensor:
+        out = self._forward_whole(inputs)
+        return F.cross_entropy(out.reshape(-1, out.size(-1)), targets.reshape(-1), ignore_index=-100)
+
+    def _forward_whole(self, ids: torch.Tensor) -> torch.Tensor:
+        """The whole model's logits on every rank, outside the schedule (evaluation, sampling): chunk by chunk,
+        each computed by its stage's ranks and broadcast over the pipeline group (fp32)."""
+        c = self.model.config
+        h = ids
+        for chunk in range(self.chunks):
+            owner = chunk % self.pp
+            width = c.vocab_size if chunk == self.chunks - 1 else c.hidden_size
+            if owner == self.pp_rank:
+                out = self.stages[self.mine.index(chunk)](h).float().contiguous()
+            else:
+                out = torch.empty(*ids.shape, width, device=self.device)
+            dist.broadcast(out, group=self.pp_group, group_src=owner)
+            h = out
+        return h
+
+    def save_checkpoint(self, path: str) -> None:
+        self.stepper.save_dcp(path, self.model)  # this rank's layers under the whole model's names
+
+    def load_checkpoint(self, path: str, meta: dict) -> None:
+        self.stepper.load_dcp(path, self.model, own_param_groups=True)
+
+    def training_state(self) -> dict:
+        return self.stepper.training_state()
+
+    def load_training_state(self, state: dict) -> None:
+        self.stepper.load_training_state(state)
+
+    def all_reduce_mean(self, t: torch.Tensor) -> torch.Tensor:
+        return all_reduce_mean(t)  # every stage holds its pipeline's (broadcast) value: the mean is dp's
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def hf_model(self) -> torch.nn.Module:
+        return self.model
+
+    def full_state_dict(self) -> dict | None:
+        """Each stage's tensors gathered over its dp replicas one at a time (a full tensor at a time on the
+        device) into its first replica's CPU memory, then sent to rank 0, which holds the whole model."""
+        part = {}
+        for name, t in self.model.state_dict().items():
+            full = t.full_tensor() if isinstance(t, DTensor) else t
+            if self.dp_rank == 0:
+                part[name] = full.detach().cpu()
+        parts: list = [None] * self.world_size if self.rank == 0 else []
+        dist.gather_object(part if self.dp_rank == 0 else None, parts if self.rank == 0 else None, dst=0)
+        if self.rank != 0:
+            return None
+        return {k: v for p in parts if p for k, v in p.items()}
+
+    def close(self) -> None:
+        teardown(self, "stepper", "schedule", "stages", "model")
