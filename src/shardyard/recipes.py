@@ -134,8 +134,13 @@ def planned(r: Recipe) -> tuple[str, bool]:
     from shardyard import plan
     from shardyard.config.validate import validate
 
+    from shardyard.dist_env import DistEnv
+
     cfg = compose(r, [f"plan.hardware={r.hardware}", f"plan.nodes={r.nodes}"])
-    batch = validate(cfg, None)
+    per_node = plan.named(r.hardware, r.nodes).ranks_per_node
+    # As its launch command starts it: the header's nodes of the header's ranks (the batch arithmetic and a
+    # pipeline's or tensor-parallel split need the whole world).
+    batch = validate(cfg, DistEnv("elastic", 0, 0, per_node * r.nodes, per_node) if r.nodes > 1 else None)
     hw = plan.hardware(cfg, batch)
     e = plan.estimate(cfg, batch, hw)
     text = f"{_gib(e.device_peak)} GiB per {'GPU' if hw.device == 'cuda' else 'rank'}"

@@ -23,6 +23,8 @@ def test_every_option_composes_and_validates(group, option, tmp_path):
         extra = [f"data.paths=[{tmp_path}/a.txt]"]
     if option == "zero_infinity":  # needs the user's NVMe directory
         extra = [f"backend.nvme_path={tmp_path}"]
+    if option in ("fsdp_tp", "pipeline"):  # a model split 2 ways needs 2 ranks (4 layers: 2 per pipeline stage)
+        extra = ["launch.nproc_per_node=2", "train.micro_batch_size=2"]
     if option == "hf":  # needs a local HF model directory
         from transformers import LlamaConfig
 
@@ -42,8 +44,8 @@ def test_every_option_composes_and_validates(group, option, tmp_path):
         return
     tr = cfg.train  # the plan keeps what the recipe fixed and derives the rest
     assert p.micro_batch_size == tr.micro_batch_size
-    assert p.global_batch_size == (tr.global_batch_size or p.micro_batch_size * p.grad_accum_steps * p.world_size)
-    assert p.grad_accum_steps == (tr.grad_accum_steps or p.global_batch_size // (p.micro_batch_size * p.world_size))
+    assert p.global_batch_size == (tr.global_batch_size or p.micro_batch_size * p.grad_accum_steps * p.dp_size)
+    assert p.grad_accum_steps == (tr.grad_accum_steps or p.global_batch_size // (p.micro_batch_size * p.dp_size))
 
 
 @pytest.mark.parametrize("monitors", ["[console]", "[tensorboard]", "[console,tensorboard]", "[]",

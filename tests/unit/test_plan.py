@@ -155,3 +155,29 @@ def test_fsdp_gradients_overlap_activations_or_accumulate_unsharded():
     assert every.overlap == 0 and every.device["grads"] == one.device["grads"] == 4 * P / 8
     assert once.device["grads"] - every.device["grads"] == 4 * P
     assert once.comm_bytes < every.comm_bytes
+
+
+def test_tensor_and_pipeline_parallel_divide_what_they_split():
+    """fsdp_tp: FSDP's figures for a 1/tp slice over world/tp ranks, and 1/tp of the activations. pipeline: the
+    busiest stage's layers (1/stages of the blocks plus the embedding or the head) over world/stages ranks, and
+    the activations of the micro-batches in flight: every one under GPipe, at most `stages` under 1F1B."""
+    hw = memory_plan.named("8xH100-80GB", 1)
+    mbs = ["train.micro_batch_size=4", "train.global_batch_size=32", "launch.nproc_per_node=8"]
+    fsdp_cfg, batch = deepseek7b("backend=fsdp", *mbs)
+    fsdp = memory_plan.estimate(fsdp_cfg, batch, hw)
+    P, shape = batch.model.params, batch.model.shape
+    for tp in (2, 8):
+        e = memory_plan.estimate(deepseek7b("backend=fsdp_tp", f"backend.tp={tp}", *mbs)[0], batch, hw)
+        assert e.device["params"] == pytest.approx(4 * P / 8, rel=1e-6)  # 1/tp of the model on 8/tp ranks
+        assert e.device["activations"] == pytest.approx(fsdp.device["activations"] / tp, rel=1e-9)
+        assert e.grad_accum == 32 // (4 * (8 // tp))  # accumulation over the data-parallel ranks only
+    stage = shape["block_params"] / 2 + shape["root_params"] / 2
+    acts = {}
+    for schedule in ("gpipe", "1f1b"):
+        cfg, _ = deepseek7b("backend=pipeline", "backend.stages=2", f"backend.schedule={schedule}",
+                            "backend.microbatches=4", *mbs)
+        e = memory_plan.estimate(cfg, batch, hw)
+        assert e.device["params"] == pytest.approx(4 * int(stage) / 4, rel=1e-6)  # FSDP over 4 ranks per stage
+        acts[schedule] = e.device["activations"]
+    assert acts["gpipe"] == pytest.approx(fsdp.device["activations"] / 2, rel=1e-9)  # half the layers, all 4 in flight
+    assert acts["1f1b"] == pytest.approx(acts["gpipe"] / 2, rel=1e-9)  # 2 of the 4 micro-batches in flight

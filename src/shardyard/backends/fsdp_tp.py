@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,7 +30,7 @@ BLOCK_PLAN = {  # the Megatron split of a LLaMA block: one all-reduce after atte
 NORMS = ("input_layernorm", "post_attention_layernorm")
 
 
-def parallelize_fsdp_tp(model: torch.nn.Module, cfg: DictConfig, mesh: DeviceMesh, device: torch.device) -> torch.nn.Module:
+def parallelize_fsdp_tp(model: Any, cfg: DictConfig, mesh: DeviceMesh, device: torch.device) -> torch.nn.Module:
     """Tensor parallel -> activation checkpointing -> compile -> FSDP2 over dp -> materialise. In this order because:
 
     1. Tensor parallel first, on the tp sub-mesh: it replaces each linear's weight with its DTensor shard, and
@@ -54,7 +55,7 @@ def parallelize_fsdp_tp(model: torch.nn.Module, cfg: DictConfig, mesh: DeviceMes
     """
     tp, dp = mesh["tp"], mesh["dp"]
     style = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    inner = model.model  # type: ignore[union-attr]
+    inner = model.model
     parallelize_module(model, tp, {  # 1
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
         "lm_head": ColwiseParallel(output_layouts=Replicate()),
@@ -80,20 +81,20 @@ def _replicate(module: torch.nn.Module, tp: DeviceMesh) -> None:
     """Parameters as replicated DTensors on the tp mesh; plain tensors in and out."""
     distribute_module(
         module, tp,
-        input_fn=lambda mod, inputs, mesh: tuple(
+        input_fn=lambda mod, inputs, mesh: tuple(  # type: ignore[arg-type]  # typed as returning None; the result is used
             DTensor.from_local(t, mesh, [Replicate()], run_check=False) if isinstance(t, torch.Tensor) else t
             for t in inputs),
         output_fn=lambda mod, out, mesh: out.to_local())
 
 
-def check_tp_model(model: torch.nn.Module, tp: int) -> None:
+def check_tp_model(model: Any, tp: int) -> None:
     """The block layout ``parallelize_fsdp_tp`` splits, and dimensions that tp divides; refused naming why."""
     blocks = transformer_blocks(model)
     names = {n for n, _ in blocks[0].named_modules()} if blocks else set()
     inner = getattr(model, "model", None)
     missing = [n for n in [*BLOCK_PLAN, *NORMS] if n not in names]
     if missing or inner is None or not hasattr(inner, "embed_tokens") or not hasattr(model, "lm_head"):
-        moe = any("expert" in n for n in names)
+        moe = any("expert" in n for n, _ in model.named_modules())
         raise UserError("backend", "fsdp_tp",
                         f"Tensor parallelism splits LLaMA-style blocks (q/k/v/o and gate/up/down projections); this "
                         f"model's blocks ({type(blocks[0]).__name__ if blocks else 'none found'}) lack "
@@ -102,7 +103,7 @@ def check_tp_model(model: torch.nn.Module, tp: int) -> None:
                            "implement" if moe else "") + ".",
                         "Use backend=pipeline (layers split across ranks, FSDP over the rest: works for any block), "
                         "or backend=fsdp.")
-    c = model.config  # type: ignore[union-attr]
+    c = model.config
     dims = {"model.num_heads": c.num_attention_heads, "model.num_kv_heads": c.num_key_value_heads,
             "model.intermediate_size": c.intermediate_size, "model.vocab_size": c.vocab_size}
     for key, value in dims.items():
@@ -141,7 +142,7 @@ class FSDPTPBackend:
             raise UserError("backend.cpu_offload", True, "CPU offload is not supported with tensor parallelism here.",
                             "Use backend=fsdp_offload, or backend.cpu_offload=false.")
         if cfg.peft.name != "none":
-            raise UserError("peft", cfg.peft.name, "LoRA wraps the very projections tensor parallelism splits; the "
+            raise UserError("peft", str(cfg.peft.name), "LoRA wraps the very projections tensor parallelism splits; the "
                             "combination is not implemented.", "Use backend=fsdp (or ddp, zero2) with adapters.")
         if plan.nproc_per_node % tp and plan.nnodes > 1:
             raise UserError("backend.tp", tp, f"A tensor-parallel group must sit inside one node, and "
@@ -164,6 +165,11 @@ class FSDPTPBackend:
             f"FSDP over {max(world // tp, 1)} data-parallel ranks"])
 
     def init(self) -> None:
+        import logging
+
+        # DTensor logs at every 2D gradient norm and every export that it reduces over dp and tp one after the
+        # other ("flatten mesh dimensions"): correct, and a flattened 1-D group would not change the numbers.
+        logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
         self.device = pick_device(self.plan, int(os.environ.get("LOCAL_RANK", 0)))
         init_process_group(self.cfg, self.device)
         self.mesh = init_device_mesh(self.device.type, (self.dp_size, self.tp), mesh_dim_names=("dp", "tp"))

@@ -36,16 +36,17 @@ class Stage(torch.nn.Module):
         super().__init__()
         inner = hf.model
         self.lo, self.hi, self.first, self.last = lo, hi, first, last
-        self.embed = inner.embed_tokens if first else None
+        self.embed: Any = inner.embed_tokens if first else None
         self.layers = torch.nn.ModuleDict({str(i): inner.layers[i] for i in range(lo, hi)})
-        self.norm, self.head = (inner.norm, hf.lm_head) if last else (None, None)
+        self.norm: Any = inner.norm if last else None
+        self.head: Any = hf.lm_head if last else None
         # Shared by every stage of this rank and without parameters: kept out of the module tree (and FSDP).
         object.__setattr__(self, "_hf", hf)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from transformers.masking_utils import create_causal_mask
 
-        inner = self._hf.model
+        inner: Any = self._hf.model  # type: ignore[union-attr]  # set with object.__setattr__, not a submodule
         h = self.embed(x) if self.embed is not None else x
         pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
         mask = create_causal_mask(config=inner.config, inputs_embeds=h, attention_mask=None, past_key_values=None,
@@ -124,9 +125,12 @@ def check_pipeline_model(model: Any, cfg: DictConfig) -> None:
     chunks = b.stages * (b.virtual_stages if b.schedule == "interleaved" else 1)
     layers = len(inner.layers)
     if layers < chunks:
-        raise UserError("backend.stages", b.stages, f"The model has {layers} layers, fewer than the {chunks} pipeline "
-                        f"chunks (stages x virtual stages) that each need at least one.",
-                        f"Use backend.stages<={layers // max(chunks // b.stages, 1)} or more model.num_layers.")
+        virtual = chunks // b.stages
+        key, value, most = (("backend.virtual_stages", b.virtual_stages, layers // b.stages) if virtual > 1
+                            else ("backend.stages", b.stages, layers))
+        raise UserError(key, value, f"The model has {layers} layers, fewer than the {chunks} pipeline chunks "
+                        f"(backend.stages x virtual stages) that each need at least one.",
+                        f"Use {key}<={max(most, 1)}, or a model with more layers (model.num_layers).")
     if getattr(model.config, "tie_word_embeddings", False):
         raise UserError("model.tie_word_embeddings", True, "The embedding lives on the first stage and the LM head "
                         "on the last, so one tensor cannot serve as both.",
@@ -165,13 +169,14 @@ class PipelineBackend:
             raise UserError("backend.microbatches", b.microbatches, f"The {b.schedule} schedule runs its micro-batches "
                             f"in rounds of backend.stages={b.stages}, so it needs a multiple of it.",
                             f"Use backend.microbatches={b.stages} (or a multiple), or backend.schedule=gpipe.")
-        for key, problem in (("cpu_offload", "CPU offload"), ("peft", "Adapters (peft)"), ("data", "Packed SFT rows")):
-            on = {"cpu_offload": b.cpu_offload, "peft": cfg.peft.name != "none",
-                  "data": cfg.data._target_ == "shardyard.sft.SFTData"}[key]
+        unsupported = [("backend.cpu_offload", True, b.cpu_offload, "CPU offload"),
+                       ("peft", str(cfg.peft.name), cfg.peft.name != "none", "Adapters (peft)"),
+                       ("data", "sft", cfg.data._target_ == "shardyard.sft.SFTData", "Packed SFT rows (positions "
+                        "restarting per conversation travel beside the hidden states)")]
+        for key, value, on, what in unsupported:
             if on:
-                raise UserError(f"backend.{key}" if key == "cpu_offload" else key, "on" if key != "peft" else cfg.peft.name,
-                                f"{problem} with pipeline stages is not implemented (stages pass one tensor, the "
-                                "hidden states, between them).", "Use backend=fsdp (or fsdp_tp) for this run.")
+                raise UserError(key, value, f"{what} with pipeline stages is not implemented: stages pass one tensor, "
+                                "the hidden states, between them.", "Use backend=fsdp (or fsdp_tp) for this run.")
         if not b.reduce_every_micro_batch:
             raise UserError("backend.reduce_every_micro_batch", False, "The pipeline schedule decides when FSDP "
                             "reduces (at the last pipeline micro-batch of each micro batch).",
@@ -222,7 +227,7 @@ class PipelineBackend:
                                  loss_fn=self._scaled_loss, scale_grads=False)
         self.stepper = TorchStepper(self.model, self.cfg, self.device, self.accum, total_steps, autocast=False,
                                     norm_group=self.pp_group)  # the norm over every stage's gradients
-        self.model.forward = self._forward_whole  # type: ignore[method-assign]  # for sampling (hf_model())
+        self.model.forward = self._forward_whole  # for sampling through hf_model(): the whole model's logits
 
     def _scaled_loss(self, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss = F.cross_entropy(out.float().reshape(-1, out.size(-1)), targets.reshape(-1), ignore_index=-100)
