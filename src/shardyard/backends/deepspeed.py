@@ -44,8 +44,14 @@ def ds_config(cfg: DictConfig, plan) -> dict:
     for what in ("optimizer", "param"):
         device = b[f"offload_{what}"]
         if device != "none":
-            zero[f"offload_{what}"] = {"device": device, "pin_memory": b.pin_memory,
-                                       **({"nvme_path": b.nvme_path} if device == "nvme" else {})}
+            zero[f"offload_{what}"] = {"device": device, "pin_memory": b.pin_memory}
+        if device == "nvme":
+            # ZeRO-Infinity swaps into a directory of this run's own (two runs sharing a disk never read each
+            # other's files); the buffers are the pinned host memory tensors pass through on their way.
+            zero[f"offload_{what}"].update(nvme_path=swap_dir(cfg), buffer_count=b.nvme_buffer_count if what == "param"
+                                           else b.nvme_optimizer_buffer_count)
+            if what == "param":
+                zero[f"offload_{what}"]["buffer_size"] = int(b.nvme_buffer_size)
     config = {
         "train_batch_size": plan.global_batch_size,
         "train_micro_batch_size_per_gpu": plan.micro_batch_size,
@@ -63,6 +69,10 @@ def ds_config(cfg: DictConfig, plan) -> dict:
         "steps_per_print": cfg.train.log_every_n_steps if b.wall_clock_breakdown else 10 ** 9,
         "wall_clock_breakdown": b.wall_clock_breakdown,
     }
+    if "nvme" in (b.offload_optimizer, b.offload_param):  # DeepSpeed's async I/O to the swap files (libaio)
+        config["aio"] = {"block_size": b.aio_block_size, "queue_depth": b.aio_queue_depth,
+                         "intra_op_parallelism": b.aio_thread_count, "single_submit": b.aio_single_submit,
+                         "overlap_events": b.aio_overlap_events, "use_gds": False}
     if b.flops_profiler:
         # DeepSpeed counts steps from 0 (global_steps before the step); ours are 1-based.
         config["flops_profiler"] = {"enabled": True, "profile_step": b.flops_profiler_step - 1, "module_depth": -1,
@@ -74,6 +84,32 @@ def ds_config(cfg: DictConfig, plan) -> dict:
     if optimizer is not None:
         config["optimizer"] = optimizer
     return config
+
+
+def swap_dir(cfg: DictConfig) -> str:
+    """This run's ZeRO-Infinity swap directory under ``backend.nvme_path``: named after the run directory
+    (the same on every rank and node, and again when the run resumes)."""
+    import hashlib
+
+    run = os.path.abspath(cfg.run_dir)
+    return os.path.join(cfg.backend.nvme_path, f"shardyard-swap-{os.path.basename(run)}-"
+                        f"{hashlib.sha256(run.encode()).hexdigest()[:8]}")
+
+
+def remove_swap_files(cfg: DictConfig, rank: int) -> None:
+    """This rank's swap files (DeepSpeed writes them under ``.../rank<N>/``), then whatever directories were
+    left empty: no collective, so a rank whose peers died still cleans up after itself."""
+    import shutil
+
+    root = swap_dir(cfg)
+    for dirpath, dirnames, _ in os.walk(root):
+        if f"rank{rank}" in dirnames:
+            shutil.rmtree(os.path.join(dirpath, f"rank{rank}"), ignore_errors=True)
+    for dirpath, _, _ in sorted(os.walk(root), key=lambda w: -len(w[0])):  # deepest first
+        try:
+            os.rmdir(dirpath)
+        except OSError:
+            pass  # another rank's files are still there: that rank removes the directory
 
 
 def ds_optimizer(o: DictConfig) -> dict | None:
@@ -124,8 +160,9 @@ class DeepSpeedBackend:
             if not AsyncIOBuilder().is_compatible(verbose=False):
                 raise UserError("backend", b.name, "ZeRO-Infinity needs DeepSpeed's async I/O op, and this machine "
                                 "lacks its system library (libaio).",
-                                "Install it (apt-get install libaio-dev) and reinstall deepspeed, or use "
-                                "backend=zero3_offload (CPU offload).")
+                                "Install it (as root: apt-get install libaio-dev; `make test` does so where it "
+                                "can; elsewhere ask for the libaio development package, or build libaio into a "
+                                "prefix and set CFLAGS/LDFLAGS to it), or use backend=zero3_offload (CPU offload).")
         target = cfg.optim._target_
         if b.offload_optimizer != "none" and ds_optimizer(cfg.optim) is None and not target.startswith("deepspeed.ops."):
             raise UserError("optim._target_", target, f"{b.name} runs the optimizer step on the CPU (ZeRO-Offload), "
@@ -401,6 +438,8 @@ class DeepSpeedBackend:
         # DeepSpeed's own teardown also drops its cached groups, so a later engine in this process (the
         # next job of an in-process sweep) starts from a clean slate.
         teardown(self, "engine", "_hf_ds", destroy=deepspeed.comm.destroy_process_group)
+        if "nvme" in (self.bcfg.offload_optimizer, self.bcfg.offload_param):  # after the engine closed its files
+            remove_swap_files(self.cfg, self.rank)
 
 
 def _safe_globals() -> list:

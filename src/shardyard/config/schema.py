@@ -192,7 +192,26 @@ class ZeroBackendConfig(BackendConfig):
     pin_memory: bool = True
     """Page-locked CPU buffers for offloaded tensors (faster host-device copies)."""
     nvme_path: Optional[str] = None
-    """ZeRO-Infinity: a directory on fast local storage for swapped tensors."""
+    """ZeRO-Infinity: a directory on fast local storage for swapped tensors. Each run swaps into its own
+    subdirectory (``shardyard-swap-<run>``), removed when the run ends."""
+    nvme_buffer_count: int = 5
+    """ZeRO-Infinity: pinned host buffers for parameters in flight between disk and device (DeepSpeed's
+    ``offload_param.buffer_count``); more buffers overlap more reads with compute."""
+    nvme_buffer_size: float = 1e8
+    """ZeRO-Infinity: elements per parameter swap buffer (``offload_param.buffer_size``); must hold the largest
+    parameter."""
+    nvme_optimizer_buffer_count: int = 4
+    """ZeRO-Infinity: pinned buffers for optimizer state being swapped (``offload_optimizer.buffer_count``)."""
+    aio_block_size: int = 1048576
+    """Async I/O: bytes per read/write request to the disk."""
+    aio_queue_depth: int = 8
+    """Async I/O: requests kept in flight per thread (NVMe drives want deep queues)."""
+    aio_thread_count: int = 1
+    """Async I/O: threads submitting requests per rank (DeepSpeed's ``intra_op_parallelism``)."""
+    aio_single_submit: bool = False
+    """Async I/O: submit requests one at a time instead of in batches."""
+    aio_overlap_events: bool = True
+    """Async I/O: overlap submitting new requests with waiting for finished ones."""
     dump_config: bool = False
     """Print the generated DeepSpeed JSON at start (it is always written to ``<run_dir>/deepspeed_config.json``)."""
     wall_clock_breakdown: bool = False
