@@ -1,6 +1,7 @@
 """ZeRO-Infinity really swaps to disk on this machine (DeepSpeed's async I/O over libaio, which `make test`
-installs): 2 ranks with `backend.nvme_path` in a temp dir equal ZeRO-3 within 1e-4 over 6 steps, resume bit
-for bit, swap files appear under the path while training and are gone when the run ends."""
+installs): 2 ranks with `backend.nvme_path` in a temp dir equal ZeRO-3 within 1e-4 over 6 steps, swap files
+appear under the path while training and are gone when the run ends. Its checkpoints do not resume with
+DeepSpeed 0.19 (DeepSpeedBackend.load_checkpoint says what was measured), so a resume is refused."""
 
 import os
 import threading
@@ -45,12 +46,12 @@ def runs(tmp_path_factory):
     watcher.start()
     try:
         results = run_many(2, [([*STEPS, "backend=zero3"], str(d / "zero3")),
-                               ([*inf, "checkpoint.every_n_steps=3"], str(d / "a")),
-                               ([*inf, f"checkpoint.resume={d}/a/checkpoints/step-00000003"], str(d / "b"))])
+                               ([*inf, "checkpoint.every_n_steps=3"], str(d / "a"))])
     finally:
         done.set()
         watcher.join()
-    return {"zero3": results[0], "a": results[1], "b": results[2], "nvme": nvme, "seen": seen}
+    return {"zero3": results[0], "a": results[1], "nvme": nvme, "seen": seen, "dir": d,
+            "inf": inf}
 
 
 def test_zero_infinity_matches_zero3(runs):
@@ -60,19 +61,22 @@ def test_zero_infinity_matches_zero3(runs):
             assert len(got) == 6 and max(abs(a - b) / abs(b) for a, b in zip(got, want)) <= 1e-4, (key, got, want)
 
 
-def test_resume_is_bitwise_exact(runs):
-    a, b = runs["a"][0], runs["b"][0]
-    assert [s for s, _ in b["summary"]["train_losses"]] == [1, 2, 3, 4, 5, 6]
-    assert len(b["summary"]["step_wall_s"]) == 3
-    assert curve(b) == curve(a) and curve(b, "grad_norms") == curve(a, "grad_norms")
-
-
 def test_swap_files_appear_while_training_and_are_removed_at_the_end(runs):
     files = runs["seen"]["files"]
-    # Parameters and optimizer state of both ranks, each in the run's own directory under the path.
-    for kind in ("params", "optimizer"):
-        for rank in (0, 1):
-            assert any(kind in f and f"rank{rank}" in f and f.startswith("shardyard-swap-") for f in files), \
-                (kind, rank, sorted(files)[:10])
+    # Both ranks' fp32 master weights and Adam moments, in the run's own directory under the path. (No parameter
+    # swap file was seen for this tiny model, at fp32 or bf16, whatever the buffer settings: see the README.)
+    for rank in (0, 1):
+        for state in ("exp_avg-", "exp_avg_sq-", ""):
+            assert any(f.startswith("shardyard-swap-") and f"/optimizer/rank{rank}/{state}" in f for f in files), \
+                (rank, state, sorted(files))
     assert runs["seen"]["bytes"] > 0
     assert list(runs["nvme"].iterdir()) == []  # every run removed its swap directory
+
+
+def test_resuming_its_checkpoint_is_refused(runs):
+    """Not silently from other weights, and not with a traceback from inside DeepSpeed: named, with the way out."""
+    d = runs["dir"]
+    assert (d / "a/checkpoints/step-00000003/zero/offloaded_tensors").is_dir()  # it did save the swapped state
+    with pytest.raises(Exception, match="do not resume"):
+        run_many(2, [([*STEPS, "backend=zero3_offload", f"checkpoint.resume={d}/a/checkpoints/step-00000003"],
+                      str(d / "c"))])

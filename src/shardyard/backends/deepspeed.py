@@ -334,6 +334,17 @@ class DeepSpeedBackend:
             exclude_frozen_parameters=frozen(self.engine.module))  # adapters: the base is re-read from model.weights
 
     def load_checkpoint(self, path: str, meta: dict) -> None:
+        if meta["training_state"].get("nvme") or "nvme" in (self.bcfg.offload_optimizer, self.bcfg.offload_param):
+            # Measured with DeepSpeed 0.19 on CPU (tests/dist/test_zero_infinity.py): resumed as ZeRO-Infinity, the
+            # next step trained from other weights than the saved run's (loss 8.336 where the run had 8.301;
+            # copying the fp32 masters into the parameter partitions after the load changed nothing); resumed as
+            # ZeRO-3, the checkpoint's fp32 partitions are empty (the state lives only in its offloaded_tensors
+            # files). A resume that would continue from other weights, or fail deep in DeepSpeed, is refused.
+            raise UserError("checkpoint.resume", path, "Checkpoints with NVMe offload (ZeRO-Infinity) do not resume "
+                            "exactly with DeepSpeed 0.19: resumed as ZeRO-Infinity the first step does not see the "
+                            "saved weights, and other engines find its fp32 partitions empty.",
+                            "Start a new run from the run's HF export (model.weights=<run>/hf), or train with "
+                            "backend=zero3_offload where resuming matters.").on_every_rank()
         saved_stage = meta["training_state"].get("zero_stage", self.bcfg.stage)
         if (saved_stage == 3) != (self.bcfg.stage == 3):
             # ds_to_universal keeps ZeRO-3's per-rank model files, which stages 1-2 do not read (and back).
@@ -402,7 +413,8 @@ class DeepSpeedBackend:
         return out
 
     def training_state(self) -> dict:
-        return {"zero_stage": self.bcfg.stage}  # the rest is inside DeepSpeed's own files
+        # The rest is inside DeepSpeed's own files.
+        return {"zero_stage": self.bcfg.stage, "nvme": "nvme" in (self.bcfg.offload_optimizer, self.bcfg.offload_param)}
 
     def load_training_state(self, state: dict) -> None:
         pass
