@@ -23,7 +23,13 @@ class NonFiniteGuard:
         self.policy, self.max_skipped = cfg.debug.nan_policy, cfg.debug.max_skipped
         self.fp16 = cfg.precision.name == "fp16"
         self.backend = backend
-        self.names = [n for n, p in backend.hf_model().named_parameters() if p.requires_grad]
+        from shardyard.model import signature
+
+        model = backend.hf_model()
+        # A rank reports its first non-finite gradient by its index among the *whole* model's parameters, the
+        # same list on every rank even where a rank holds only part of the model (a pipeline stage).
+        self.local_names = [n for n, p in model.named_parameters() if p.requires_grad]
+        self.names = list(signature(model))
         self.skipped = 0
         self.in_a_row = 0
 
@@ -65,7 +71,7 @@ class NonFiniteGuard:
         b, world = self.backend, self.backend.world_size
         row = torch.zeros(world, 2, dtype=torch.float64, device=b.device)  # only our own row is non-zero
         row[b.rank, 0] = float(local_bad)
-        row[b.rank, 1] = -1 if local_param is None else local_param
+        row[b.rank, 1] = -1 if local_param is None else self.names.index(self.local_names[local_param])
         table = (b.all_reduce_mean(row) * world).round().cpu().tolist()
         loss_ranks = [r for r, (lb, _) in enumerate(table) if lb > 0]
         grad_ranks = [r for r, (_, p) in enumerate(table) if p >= 0]

@@ -113,7 +113,7 @@ def measure_engines(rank: int, world: int, ports: list[int], jobs: list[list[str
         backend.prepare(build, 2)
         prep = data.prepare(cfg)
         stream = data.TrainStream(data.open_split(prep, "train", cfg.data.seq_len), 0,
-                                  plan.global_batch_size, plan.micro_batch_size, rank, world)
+                                  plan.global_batch_size, plan.micro_batch_size, backend.dp_rank, backend.dp_size)
         x, y = stream.micro_batch(0, 0)
         backend.forward_backward(x, y, True)
         backend.step()

@@ -344,7 +344,9 @@ def estimate(cfg: DictConfig, batch: Any, hw: Hardware) -> Estimate:
 
     shape = batch.model.shape
     P, N = batch.model.params, hw.world
-    accum = _accumulation(cfg, batch, max(1, N // model_parallel_size(cfg)))  # over the data-parallel replicas
+    mp = model_parallel_size(cfg)
+    dp = max(1, N // mp)  # the data-parallel replicas
+    accum = _accumulation(cfg, batch, dp)
     mbs = batch.micro_batch_size
     engine = get_object(cfg.backend._target_)
     states = engine.model_states(cfg, P, N, shape, optimizer_bytes_per_param(cfg.optim))
@@ -365,10 +367,10 @@ def estimate(cfg: DictConfig, batch: Any, hw: Hardware) -> Estimate:
         host: dict[str, float] = {}
     else:
         host = dict(states.host)
-    tokens = mbs * batch.seq_len * accum
+    tokens = mbs * batch.seq_len * accum / mp  # a tensor-parallel or pipeline rank computes its part of each token
     compute = None if hw.peak_flops is None else batch.model.flops_per_token * tokens * (4 / 3 if ckpt else 1) / (
         hw.peak_flops * cfg.plan.mfu)
-    comm_bytes = states.comm_bytes(accum) * (N - 1) / max(N, 1)
+    comm_bytes = states.comm_bytes(accum) * (dp - 1) / dp  # the engine's collectives run over its replicas
     bw = hw.intra_bw if hw.nodes == 1 else hw.inter_bw
     e = Estimate(cfg.backend.name, N, mbs, accum, ckpt, device, host, states.nvme, comm_bytes, compute,
                  comm_bytes / bw if N > 1 else 0.0, list(states.notes), overlap)

@@ -340,6 +340,11 @@ class DeepSpeedBackend:
             # copying the fp32 masters into the parameter partitions after the load changed nothing); resumed as
             # ZeRO-3, the checkpoint's fp32 partitions are empty (the state lives only in its offloaded_tensors
             # files). A resume that would continue from other weights, or fail deep in DeepSpeed, is refused.
+            if not meta["training_state"].get("nvme"):  # a plain checkpoint, resumed into ZeRO-Infinity
+                raise UserError("backend", self.bcfg.name, "ZeRO-Infinity (NVMe offload) does not resume a checkpoint "
+                                "exactly with DeepSpeed 0.19: the resumed run's first step does not see the saved "
+                                "weights.", f"Resume {path} with the ZeRO-3 variant that saved it (backend=zero3 or "
+                                "zero3_offload).").on_every_rank()
             raise UserError("checkpoint.resume", path, "Checkpoints with NVMe offload (ZeRO-Infinity) do not resume "
                             "exactly with DeepSpeed 0.19: resumed as ZeRO-Infinity the first step does not see the "
                             "saved weights, and other engines find its fp32 partitions empty.",

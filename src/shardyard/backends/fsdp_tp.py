@@ -134,6 +134,9 @@ class FSDPTPBackend:
         from shardyard.model import shape_model
 
         FSDPBackend.validate(cfg, plan)
+        if cfg.precision.name == "fp16":  # the loss scaler's found-inf would have to agree across every split rank
+            raise UserError("precision", "fp16", "fp16 loss scaling is not implemented with tensor parallel here (it is "
+                            "untested on GPUs, and CPUs cannot run fp16).", "Use precision=bf16 (or fp32).")
         tp = int(cfg.backend.tp)
         if tp < 1:
             raise UserError("backend.tp", tp, "It is the number of ranks one layer is split across.",

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Any
 
@@ -145,8 +146,8 @@ class PipelineBackend:
         self.cfg, self.plan, self.bcfg = cfg, plan, cfg.backend
         self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         self.pp = int(cfg.backend.stages)
-        # The mesh is (pp, dp), dp innermost: a stage's FSDP replicas are consecutive ranks (one node), and
-        # only the stages' point-to-point activations cross nodes.
+        # The mesh is (pp, dp), dp innermost: a stage's FSDP replicas are consecutive ranks (within a node when
+        # they fit in one), and the stages' point-to-point activations cross between those groups.
         self.dp_size = self.world_size // self.pp
         self.pp_rank, self.dp_rank = divmod(self.rank, self.dp_size)
         self.chunks = self.pp * (cfg.backend.virtual_stages if cfg.backend.schedule == "interleaved" else 1)
@@ -155,7 +156,16 @@ class PipelineBackend:
     def validate(cfg: DictConfig, plan) -> None:
         from shardyard.model import shape_model
 
+        import transformers
+
         FSDPBackend.validate(cfg, plan)
+        if int(transformers.__version__.split(".")[0]) < 5:  # Stage.forward builds the mask as transformers 5 does
+            raise UserError("backend", "pipeline", f"The pipeline stages call transformers 5's masking API, and "
+                            f"transformers {transformers.__version__} is installed.",
+                            "Install transformers>=5 (pip install -U transformers), or use backend=fsdp.")
+        if cfg.precision.name == "fp16":  # the loss scaler's found-inf would have to agree across every split rank
+            raise UserError("precision", "fp16", "fp16 loss scaling is not implemented with pipeline here (it is "
+                            "untested on GPUs, and CPUs cannot run fp16).", "Use precision=bf16 (or fp32).")
         b = cfg.backend
         for key in ("stages", "microbatches", "virtual_stages"):
             if b[key] < 1:
@@ -187,22 +197,26 @@ class PipelineBackend:
     def model_states(cfg: DictConfig, n_params: int, world: int, shape: dict, optim_bytes: float) -> ModelStates:
         """FSDP2's states of the busiest stage over dp = world/stages ranks (``FSDPBackend.model_states``):
 
-        1. The parameters of 1/stages of the blocks, plus the embedding or the head (half the root: untied, they
-           are the same size; the first and last stages hold one each).
-        2. Activations: 1/stages of the layers, for the micro-batches in flight, each 1/microbatches of the
-           micro batch: GPipe keeps all of them (factor 1/stages), 1F1B at most ``stages`` (min(stages, m)/m
-           of that); interleaved is counted as 1F1B. The logits count as split too (an underestimate for the
+        1. The busiest rank's layers (ceil(layers / chunks) per chunk, counted at the largest block's size: a
+           MoE block, not the average), plus the embedding or the head (half the root: untied, they are the same
+           size; the first and last stages hold one each).
+        2. Activations: those layers, for the micro-batches in flight, each 1/microbatches of the micro batch:
+           GPipe keeps all of them, 1F1B at most ``stages`` (min(stages, m)/m); interleaved is counted as 1F1B. The logits count as split too (an underestimate for the
            last stage) and the point-to-point activations are not in the communication figure.
         """
         b = cfg.backend
         pp, m = int(b.stages), int(b.microbatches)
-        stage_params = shape["block_params"] / pp + shape["root_params"] / 2
-        sliced = {**shape, "block_params": shape["block_params"] / pp, "root_params": shape["root_params"] / 2}
-        states = FSDPBackend.model_states(cfg, int(stage_params), max(world // pp, 1), sliced, optim_bytes)
+        virtual = int(b.virtual_stages) if b.schedule == "interleaved" else 1
+        layers = max(int(shape["blocks"]), 1)
+        held = min(math.ceil(layers / (pp * virtual)) * virtual, layers)  # the first chunks take the remainder
+        blocks = min(held * shape["max_block_params"], shape["block_params"])  # its largest blocks, at most all
+        sliced = {**shape, "block_params": blocks, "root_params": shape["root_params"] / 2}
+        states = FSDPBackend.model_states(cfg, int(blocks + shape["root_params"] / 2), max(world // pp, 1), sliced,
+                                          optim_bytes)
         in_flight = m if b.schedule == "gpipe" else min(pp, m)
-        return dataclasses.replace(states, activation_factor=in_flight / m / pp, notes=states.notes + [
+        return dataclasses.replace(states, activation_factor=in_flight / m * held / layers, notes=states.notes + [
             f"pipeline {pp} stages ({b.schedule}, {m} micro-batches, {in_flight} in flight): the busiest stage's "
-            f"layers, then FSDP over {max(world // pp, 1)} data-parallel ranks"])
+            f"{held} layers, then FSDP over {max(world // pp, 1)} data-parallel ranks"])
 
     def init(self) -> None:
         self.device = pick_device(self.plan, int(os.environ.get("LOCAL_RANK", 0)))

@@ -136,6 +136,10 @@ def _model_parallel(cfg: DictConfig, world: int) -> int:
     """``backend.tp`` x ``backend.stages``, checked against the world size."""
     from shardyard.backends import model_parallel_size
 
+    for key in ("backend.tp", "backend.stages"):
+        value = OmegaConf.select(cfg, key)
+        if value is not None and value < 1:
+            raise UserError(key, value, "It is a number of ranks, at least 1.", f"Use {key}=2 (or 1 for none).")
     mp = model_parallel_size(cfg)
     if world % mp:
         key = "backend.tp" if OmegaConf.select(cfg, "backend.tp") not in (None, 1) else "backend.stages"
