@@ -544,9 +544,15 @@ def compose_variant(extra: list[str], drop: tuple[str, ...] = ()) -> DictConfig:
     from hydra import compose
     from hydra.core.hydra_config import HydraConfig
 
+    from hydra.errors import ConfigCompositionException
+
     task = [o for o in HydraConfig.get().overrides.task
             if not any(o.lstrip("+~").split("=")[0].split(".")[0] == d for d in drop) or "nvme_path" in o]
-    return compose(config_name=HydraConfig.get().job.config_name, overrides=task + extra)  # train.py's, or a project's
+    name = HydraConfig.get().job.config_name  # train.py's, or a project's
+    try:
+        return compose(config_name=name, overrides=task + extra)
+    except ConfigCompositionException:  # an engine without backend.nvme_path (ddp, fsdp, ...): without it
+        return compose(config_name=name, overrides=[o for o in task if "nvme_path" not in o] + extra)
 
 
 def alternatives(cfg: DictConfig, batch: Any, hw: Hardware, limit: int = 6) -> list[tuple[str, Estimate, int]]:

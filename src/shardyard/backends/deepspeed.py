@@ -155,6 +155,12 @@ class DeepSpeedBackend:
                 raise UserError("backend.nvme_path", path, "ZeRO-Infinity swaps tensors to a directory on fast local "
                                 "storage, and this one is missing or not writable.",
                                 "Use backend.nvme_path=/local_nvme/swap (an existing, writable directory).")
+            for key in ("aio_block_size", "aio_queue_depth", "aio_thread_count", "nvme_buffer_count",
+                        "nvme_buffer_size", "nvme_optimizer_buffer_count"):
+                if b[key] < 1:
+                    raise UserError(f"backend.{key}", b[key], "It is a size or a count, at least 1.",
+                                    f"Use a positive backend.{key} (python train.py backend={b.name} --cfg job shows "
+                                    "the defaults).")
             from deepspeed.ops.op_builder import AsyncIOBuilder
 
             if not AsyncIOBuilder().is_compatible(verbose=False):
