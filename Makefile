@@ -1,6 +1,7 @@
 # make train   -- set up (idempotent) and run the default recipe
-# make test    -- set up (idempotent; the cluster tier's apt packages too, as root), type-check src/ (mypy), run the
-#                whole test suite (unit, dist, e2e, cluster, recipes; gpu tests skip without CUDA)
+# make test    -- the cluster tier's apt packages (as root; Open MPI among them, before setup, so that Horovod is
+#                built with MPI), set up (idempotent), type-check src/ (mypy), run the whole test suite (unit,
+#                dist, e2e, cluster, recipes; gpu tests skip without CUDA)
 PY := .venv/bin/python
 
 .PHONY: setup train test bench clean
@@ -10,8 +11,9 @@ setup:
 train: setup
 	$(PY) train.py $(ARGS)
 
-test: setup
+test:
 	@bash scripts/cluster_deps.sh
+	@bash scripts/setup.sh
 	MYPY_CACHE_DIR=$${SHARDYARD_CACHE:-$$HOME/.cache/shardyard}/mypy $(PY) -m mypy
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 

@@ -5,8 +5,10 @@
 #
 # Horovod 0.28.1 is the last release and its CMake asks for C++14, which current torch headers reject.
 # We take PyPI's sdist, raise CMAKE_CXX_STANDARD to 17 in the two CMakeLists that set it, and build a
-# wheel with PyTorch + Gloo (MPI used when present, never required; NCCL ops when CUDA is present).
-# The wheel is cached under $SHARDYARD_CACHE/wheels keyed by Horovod, torch and Python versions.
+# wheel with PyTorch + Gloo, plus the MPI controller when an MPI compiler wrapper (mpicc) is present (never
+# required; `make test` installs Open MPI first, as root), and NCCL ops when CUDA is present.
+# The wheel is cached under $SHARDYARD_CACHE/wheels keyed by Horovod, torch and Python versions and by MPI:
+# a machine that gains MPI later gets an MPI build, once.
 set -euo pipefail
 HVD_VERSION=0.28.1
 PY=${PYTHON:-python}
@@ -18,13 +20,16 @@ fail() {
   exit 1
 }
 
-if $PY -c "import horovod.torch" 2>/dev/null; then
-  step "already installed: $($PY -c 'import horovod; print(horovod.__version__)')"; exit 0
+MPI=nompi
+if command -v mpicc >/dev/null 2>&1; then MPI=mpi; fi
+# Installed already, and with MPI whenever MPI is here (a build from before MPI came is replaced).
+if $PY -c "import horovod.torch as h, sys; sys.exit(0 if '$MPI' == 'nompi' or h.mpi_built() else 1)" 2>/dev/null; then
+  step "already installed: $($PY -c 'import horovod; print(horovod.__version__)') ($MPI)"; exit 0
 fi
 TORCH_V=$($PY -c "import torch; print(torch.__version__.replace('+', '_'))") || fail "import torch (install the project first)"
 PY_V=$($PY -c "import sys; print(f'cp{sys.version_info.major}{sys.version_info.minor}')")
 CUDA=$($PY -c "import torch; print('cuda' if torch.version.cuda else 'cpu')")
-KEY="horovod-${HVD_VERSION}-torch-${TORCH_V}-${PY_V}-${CUDA}"
+KEY="horovod-${HVD_VERSION}-torch-${TORCH_V}-${PY_V}-${CUDA}-${MPI}"
 WHEEL_DIR="$CACHE/wheels/$KEY"
 if ! ls "$WHEEL_DIR"/horovod-*.whl >/dev/null 2>&1; then
   work=$(mktemp -d)
@@ -41,7 +46,8 @@ if ! ls "$WHEEL_DIR"/horovod-*.whl >/dev/null 2>&1; then
   export CMAKE_POLICY_VERSION_MINIMUM=3.5
   export HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 HOROVOD_WITH_GLOO=1
   if [ "$CUDA" = cuda ]; then export HOROVOD_GPU_OPERATIONS=NCCL; fi
-  command -v mpicc >/dev/null 2>&1 || export HOROVOD_WITHOUT_MPI=1
+  # MPI: required when mpicc is here (a failed MPI build should say so, not quietly drop the controller).
+  if [ "$MPI" = mpi ]; then export HOROVOD_WITH_MPI=1; else export HOROVOD_WITHOUT_MPI=1; fi
   export MAKEFLAGS="-j$(nproc)"
   step "compiling the wheel ($KEY); this takes about 6 minutes on 2 cores"
   $PY -m pip wheel -v --no-deps --no-build-isolation "$src" -w "$work/dist" > "$work/build.log" 2>&1 \
@@ -49,7 +55,7 @@ if ! ls "$WHEEL_DIR"/horovod-*.whl >/dev/null 2>&1; then
   mkdir -p "$WHEEL_DIR.tmp" && cp "$work"/dist/horovod-*.whl "$WHEEL_DIR.tmp/" && mv "$WHEEL_DIR.tmp" "$WHEEL_DIR"
 fi
 step "installing the cached wheel from $WHEEL_DIR"
-$PY -m pip install -q --no-deps "$WHEEL_DIR"/horovod-*.whl || fail "install wheel"
+$PY -m pip install -q --force-reinstall --no-deps "$WHEEL_DIR"/horovod-*.whl || fail "install wheel"
 $PY -m pip install -q cloudpickle psutil pyyaml packaging 'cffi>=1.4.0' || fail "install runtime deps"
 $PY -c "import horovod.torch" || fail "import horovod.torch"
 # horovodrun may not be on PATH (venv not activated): ask the runner module through this interpreter.

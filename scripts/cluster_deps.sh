@@ -5,6 +5,8 @@
 #   openssh-server, pdsh  an sshd per namespace host for horovodrun -H and DeepSpeed's pdsh runner (sshd.py)
 #   libaio-dev          DeepSpeed's async I/O op, which ZeRO-Infinity (backend=zero_infinity) swaps with
 #                       (the op itself compiles on first use: about 4.5 minutes on 2 cores)
+#   openmpi-bin, libopenmpi-dev  mpirun, and the MPI controller of Horovod (backend.controller=mpi), which
+#                       setup.sh builds in when mpicc is present (make test runs this script before setup)
 # Debian packages, so root and apt-get are needed; without them (or with SHARDYARD_SKIP_APT=1) nothing is
 # installed and those tests skip, printing why.
 set -uo pipefail
@@ -16,6 +18,8 @@ command -v ip >/dev/null || need+=(iproute2)
 command -v sshd >/dev/null || [ -x /usr/sbin/sshd ] || need+=(openssh-server)
 command -v pdsh >/dev/null || need+=(pdsh)
 [ -e /usr/include/libaio.h ] || need+=(libaio-dev)
+command -v mpirun >/dev/null || need+=(openmpi-bin)
+command -v mpicc >/dev/null || need+=(libopenmpi-dev)
 [ ${#need[@]} -eq 0 ] && exit 0
 if [ "${SHARDYARD_SKIP_APT:-0}" = 1 ] || [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
   say "not installing ${need[*]} (needs root and apt-get, or SHARDYARD_SKIP_APT=1 was set): the cluster tests that need them skip"

@@ -21,7 +21,8 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 VPY="$VENV/bin/python"
 stamp="$VENV/.shardyard-setup"
-want=$(cat pyproject.toml scripts/setup.sh scripts/build_horovod.sh | sha256sum | cut -c1-16)
+# Redo when the requirements or these scripts change, or when MPI appears (Horovod is then rebuilt with it).
+want=$( (cat pyproject.toml scripts/setup.sh scripts/build_horovod.sh; command -v mpicc || true) | sha256sum | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && $VPY -c "import torch, shardyard" 2>/dev/null; then
   say "up to date ($VENV)"; exit 0
 fi

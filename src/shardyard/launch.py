@@ -75,8 +75,9 @@ def interface_address(ifname: str | None) -> str | None:
     return socket.inet_ntoa(packed[20:24])
 
 
-def elastic(run_dir: str, plan: Plan, launch_cfg: DictConfig) -> None:
+def elastic(run_dir: str, plan: Plan, cfg: DictConfig) -> None:
     """``torchrun`` in-process: torch's elastic agent starts, watches and restarts this node's workers."""
+    launch_cfg = cfg.launch
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -133,15 +134,21 @@ def _without_child_failure_reports(record: logging.LogRecord) -> bool:
     return not record.getMessage().startswith("failed (exitcode")
 
 
-def horovod(run_dir: str, plan: Plan, launch_cfg: DictConfig) -> None:
-    """``horovodrun -np N --gloo``: Horovod's own runner starts and watches the workers."""
+def horovod(run_dir: str, plan: Plan, cfg: DictConfig) -> None:
+    """``horovodrun -np N --gloo`` (or ``--mpi`` with ``backend.controller=mpi``): Horovod's own runner starts
+    and watches the workers. Under ``--mpi`` it runs ``mpirun --allow-run-as-root --tag-output``, so each output
+    line carries its rank (``[1,0]<stdout>:``)."""
     import subprocess
 
     n = plan.nproc_per_node
     runner = [sys.executable, "-c", "import sys; from horovod.runner.launch import run_commandline; "
               "sys.argv[0] = 'horovodrun'; run_commandline()"]
-    cmd = [*runner, "-np", str(n), "-H", f"localhost:{n}", "--gloo", "--gloo-timeout-seconds",
-           str(launch_cfg.timeout_s), sys.executable, "-m", "shardyard.worker", run_dir]
+    if cfg.backend.controller == "mpi":
+        controller = ["--mpi"] + (["--mpi-args=--oversubscribe"] if n > (os.cpu_count() or 1) else [])
+    else:  # gloo and auto: Gloo is always built
+        controller = ["--gloo", "--gloo-timeout-seconds", str(cfg.launch.timeout_s)]
+    cmd = [*runner, "-np", str(n), "-H", f"localhost:{n}", *controller, sys.executable, "-m", "shardyard.worker",
+           run_dir]
     env = dict(os.environ)
     if plan.device_type == "cpu" and "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // n))
@@ -155,6 +162,7 @@ def horovod(run_dir: str, plan: Plan, launch_cfg: DictConfig) -> None:
 
 
 LAUNCHERS: dict[str, Callable[[str, Plan, DictConfig], None]] = {"elastic": elastic, "horovod": horovod}
+"""Each takes the run dir, the plan and the whole config (``launch`` and the engine's own keys)."""
 
 
 def for_backend(backend_cfg: DictConfig) -> Callable[[str, Plan, DictConfig], None]:

@@ -88,7 +88,7 @@ def _run_parent(cfg: DictConfig, plan: Plan) -> None:
         launch.single_process_env()
         worker.main(rundir.resolved(cfg), plan)
     else:
-        launch.for_backend(cfg.backend)(run_dir, plan, cfg.launch)
+        launch.for_backend(cfg.backend)(run_dir, plan, cfg)
 
 
 def _run_external_worker(cfg: DictConfig, env: dist_env.DistEnv, plan: Plan) -> None:

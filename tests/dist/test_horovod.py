@@ -1,12 +1,20 @@
-"""2 Horovod workers (gloo), started by Horovod's runner through ``python train.py``, equal the single-process run."""
+"""2 Horovod workers equal the single-process run: under the Gloo controller (our launcher, ``horovodrun --gloo``)
+and under MPI (our launcher with ``backend.controller=mpi``, the user's own ``mpirun`` and ``horovodrun --mpi``)."""
 
 import json
+import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 
-from conftest import TINY, train_py
+from conftest import ROOT, TINY, train_py
 
-pytest.importorskip("horovod.torch", reason="Horovod is built by `make setup` (SHARDYARD_SKIP_HOROVOD=1 skips it)")
+hvd = pytest.importorskip("horovod.torch", reason="Horovod is built by `make setup` (SHARDYARD_SKIP_HOROVOD=1 skips it)")
+needs_mpi = pytest.mark.skipif(not (hvd.mpi_built() and shutil.which("mpirun")),
+                               reason="Open MPI and a Horovod built with it: `make test` installs openmpi-bin and "
+                                      "libopenmpi-dev (apt, as root) before setup builds Horovod")
 
 STEPS = [*TINY, "train.steps=5", "train.eval_every_n_steps=0", "train.global_batch_size=8"]
 
@@ -23,12 +31,28 @@ def reference(tmp_path_factory):
     return losses(d), losses(d, "grad_norms"), d
 
 
-def run_horovod(tmp_path, *extra):
+def run_horovod(tmp_path, *extra, controller="GLOO"):
     proc = train_py(*STEPS, "backend=horovod", "launch.nproc_per_node=2", *extra, run_dir=tmp_path)
+    return finished(proc, tmp_path, controller)
+
+
+def finished(proc, run_dir, controller):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summary = json.load(open(tmp_path / "summary.json"))
+    assert f"horovod: 2 workers, {controller} controller" in proc.stdout, proc.stdout[-3000:]  # hvd.mpi_enabled()
+    summary = json.load(open(run_dir / "summary.json"))
     assert summary["world_size"] == 2 and summary["backend"] == "horovod"
-    return losses(tmp_path)
+    return losses(run_dir)
+
+
+def mpi_launch(launcher, run_dir, *overrides):
+    """The user's own launch: ``mpirun -np 2 python train.py ...`` or ``horovodrun --mpi -np 2 python train.py``."""
+    if launcher == "mpirun":  # as root, Open MPI asks for --allow-run-as-root (horovodrun --mpi passes it itself)
+        cmd = ["mpirun", "-np", "2", *(["--allow-run-as-root"] if os.geteuid() == 0 else [])]
+    else:
+        cmd = [os.path.join(os.path.dirname(sys.executable), "horovodrun"), "--mpi", "-np", "2", "-H", "localhost:2"]
+    cmd += [sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={run_dir}", *STEPS, "backend=horovod", *overrides]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
 
 
 @pytest.mark.parametrize("micro", [4, 2])  # accumulation 1 and 2 (backward_passes_per_step)
@@ -46,3 +70,38 @@ def test_fp16_compression_trains_close_to_fp32(reference, tmp_path):
     assert got[-1] < got[0] - 0.05, got  # it trains (the fp32 reference falls by 0.09 in these 5 steps)
     assert got != reference[0]  # the gradients really travelled in fp16
     assert max(abs(a - b) / b for a, b in zip(got, reference[0])) <= 2e-2, (got, reference[0])
+
+
+@needs_mpi
+@pytest.mark.parametrize("micro", [4, 2])  # accumulation 1 and 2
+def test_horovod_over_mpi_matches_single_process(micro, reference, tmp_path):
+    """Our launcher with ``backend.controller=mpi``: ``horovodrun --mpi``, which runs ``mpirun``."""
+    got = run_horovod(tmp_path, f"train.micro_batch_size={micro}", "backend.controller=mpi", controller="MPI")
+    assert max(abs(a - b) / b for a, b in zip(got, reference[0])) <= 1e-4, (got, reference[0])
+    norms = losses(tmp_path, "grad_norms")
+    assert max(abs(a - b) / b for a, b in zip(norms, reference[1])) <= 1e-5, (norms, reference[1])
+
+
+@needs_mpi
+def test_users_own_mpirun_matches_single_process(reference, tmp_path):
+    """``mpirun -np 2 python train.py backend=horovod``: no controller named (auto), MPI used, accumulation 2."""
+    got = finished(mpi_launch("mpirun", tmp_path, "train.micro_batch_size=2"), tmp_path, "MPI")
+    assert max(abs(a - b) / b for a, b in zip(got, reference[0])) <= 1e-4, (got, reference[0])
+
+
+@needs_mpi
+def test_horovodrun_mpi_with_fp16_compression_and_timeline(reference, tmp_path):
+    """``horovodrun --mpi``: fp16 on the wire trains close to fp32, and the timeline is a Chrome trace whose
+    events name the all-reduces."""
+    proc = mpi_launch("horovodrun", tmp_path, "backend.compression=fp16", "backend.timeline=true")
+    got = finished(proc, tmp_path, "MPI")
+    assert got != reference[0] and max(abs(a - b) / b for a, b in zip(got, reference[0])) <= 2e-2, (got, reference[0])
+    trace = json.load(open(tmp_path / "horovod_timeline.json"))
+    assert any("ALLREDUCE" in str(e.get("name", "")) for e in trace), trace[:20]
+
+
+@needs_mpi
+def test_gloo_controller_under_mpirun_is_a_user_error(tmp_path):
+    proc = mpi_launch("mpirun", tmp_path, "backend.controller=gloo")
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "backend.controller" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]

@@ -1,4 +1,5 @@
-"""``backend=horovod``: Horovod 0.28.1 (gloo controller; MPI when present), launched by Horovod's runner."""
+"""``backend=horovod``: Horovod 0.28.1, launched by Horovod's runner (``horovodrun --gloo`` or ``--mpi``) or by a
+plain ``mpirun``; ``backend.controller`` says which controller coordinates the workers."""
 
 from __future__ import annotations
 
@@ -25,24 +26,48 @@ class HorovodBackend:
         from shardyard.dist_env import detect
 
         try:
-            import horovod.torch  # noqa: F401
+            import horovod.torch as hvd
         except ImportError as e:
             raise UserError("backend", "horovod", f"Horovod is not installed or not built for this torch ({e}).",
-                            "Run `make setup` (it builds Horovod 0.28.1 with PyTorch + Gloo), or pick another "
-                            "backend.") from None
+                            "Run `make setup` (it builds Horovod 0.28.1 with PyTorch + Gloo, and MPI when Open MPI "
+                            "is installed), or pick another backend.") from None
         if cfg.backend.compression not in ("none", "fp16"):
             raise UserError("backend.compression", cfg.backend.compression, "Unknown gradient compression.",
                             "Use none or fp16.")
         env = detect()
         if env is not None and env.launcher == "elastic" and env.world_size > 1:
-            raise UserError("backend", "horovod", "Horovod workers must be started by Horovod's runner, not by "
-                            "torchrun/deepspeed.", "Use `python train.py backend=horovod launch.nproc_per_node=N` "
-                            "or `horovodrun -np N python train.py backend=horovod`.")
+            raise UserError("backend", "horovod", "Horovod workers must be started by Horovod's runner or mpirun, "
+                            "not by torchrun/deepspeed.", "Use `python train.py backend=horovod launch.nproc_per_node=N`, "
+                            "`horovodrun -np N python train.py backend=horovod` or `mpirun -np N python train.py "
+                            "backend=horovod`.")
         if env is None and plan.nnodes > 1:
             raise UserError("launch.nnodes", plan.nnodes, "Horovod's runner reaches other hosts over ssh (or MPI), "
                             "not through launch.rdzv_endpoint.", "Start it on the first host with `horovodrun -np N "
                             "-H host1:n,host2:n python train.py backend=horovod` (README, 'Clusters'), leaving "
                             "launch.nnodes=1.")
+        controller = cfg.backend.controller
+        wants_mpi = controller == "mpi" or (env is not None and env.launcher == "mpi")
+        if wants_mpi and not hvd.mpi_built():
+            raise UserError("backend.controller", controller, "This Horovod was built without MPI"
+                            + (" but the workers were started by mpirun." if env is not None else "."),
+                            "Install Open MPI (`apt-get install openmpi-bin libopenmpi-dev`) and run `make setup` "
+                            "again: it rebuilds Horovod with the MPI controller (about 6 minutes, once). Or use "
+                            "backend.controller=gloo with launch.nproc_per_node=N.")
+        if env is None and controller == "mpi" and plan.world_size > 1:
+            import shutil
+
+            if shutil.which("mpirun") is None:
+                raise UserError("backend.controller", "mpi", "mpirun is not on PATH; `horovodrun --mpi` runs it.",
+                                "Put Open MPI's bin directory on PATH, or use backend.controller=gloo.")
+        if env is not None and env.launcher == "mpi" and controller == "gloo":
+            raise UserError("backend.controller", "gloo", "The workers were started by mpirun (or horovodrun "
+                            "--mpi), whose processes coordinate over MPI; Horovod's Gloo controller needs the "
+                            "rendezvous that `horovodrun --gloo` provides.", "Leave backend.controller=auto (or set "
+                            "mpi) under mpirun, or start the workers with `horovodrun --gloo` or our own "
+                            "launch.nproc_per_node=N.")
+        if env is not None and env.launcher == "horovod" and controller == "mpi":
+            raise UserError("backend.controller", "mpi", "The workers were started by `horovodrun --gloo`.",
+                            "Start them with `horovodrun --mpi` or `mpirun`, or leave backend.controller=auto.")
 
     @staticmethod
     def model_states(cfg: DictConfig, n_params: int, world: int, shape: dict, optim_bytes: float):
@@ -61,6 +86,11 @@ class HorovodBackend:
             os.environ.setdefault("HOROVOD_TIMELINE", "DYNAMIC")  # lets us start it from here, on every rank
         hvd.init()
         self.hvd = hvd
+        # Which controller Horovod really runs (mpirun's workers: MPI; horovodrun --gloo's: Gloo); the summary and
+        # the first log line name it.
+        self.controller = "mpi" if hvd.mpi_enabled() else "gloo"
+        if hvd.rank() == 0:
+            print(f"shardyard | horovod: {hvd.size()} workers, {self.controller.upper()} controller", flush=True)
         self.rank, self.world_size = hvd.rank(), hvd.size()
         self.dp_rank, self.dp_size = self.rank, self.world_size
         self.device = pick_device(self.plan, hvd.local_rank())

@@ -48,6 +48,12 @@ class Compression(Choice):
     fp16 = "fp16"
 
 
+class HorovodController(Choice):
+    auto = "auto"
+    gloo = "gloo"
+    mpi = "mpi"
+
+
 class AttnImplementation(Choice):
     sdpa = "sdpa"
     eager = "eager"
@@ -230,6 +236,11 @@ class HorovodBackendConfig(BackendConfig):
     """Gradient compression on the wire: ``none`` or ``fp16`` (halves all-reduce bytes)."""
     timeline: bool = False
     """Write Horovod's timeline (Chrome-trace JSON) to ``<run_dir>/horovod_timeline.json``."""
+    controller: HorovodController = HorovodController.auto
+    """How Horovod's workers coordinate. ``gloo``: our launcher starts them with ``horovodrun --gloo`` (always
+    built). ``mpi``: with ``horovodrun --mpi`` (needs Open MPI and a Horovod built with it; ``make setup``
+    builds it so when ``mpicc`` is present). ``auto``: MPI when the workers were started by ``mpirun`` or
+    ``horovodrun --mpi``, Gloo otherwise (our launcher, ``horovodrun --gloo``)."""
 
 
 # ----------------------------------------------------------------------------------------------- model
