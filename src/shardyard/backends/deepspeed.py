@@ -246,6 +246,13 @@ class DeepSpeedBackend:
         logging.getLogger("DeepSpeed").setLevel(logging.INFO if self.bcfg.wall_clock_breakdown else logging.WARNING)
         self.device = pick_device(self.plan, int(os.environ.get("LOCAL_RANK", 0)))
         init_process_group(self.cfg, self.device)  # restart-safe; DeepSpeed adopts the existing group
+        if self.device.type == "cpu":
+            # DeepSpeed's CPU communication backend compiles its shared-memory op (about 2 minutes on 2 cores,
+            # on first use) for `inference_all_reduce`, which only inference and AutoTP call; training's
+            # collectives go through torch.distributed. Marking the op unavailable skips that build.
+            import deepspeed.ops
+
+            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo",
                                    timeout=datetime.timedelta(seconds=self.cfg.launch.timeout_s))
 
