@@ -90,7 +90,8 @@ class HorovodBackend:
         # the first log line name it.
         self.controller = "mpi" if hvd.mpi_enabled() else "gloo"
         if hvd.rank() == 0:
-            print(f"shardyard | horovod: {hvd.size()} workers, {self.controller.upper()} controller", flush=True)
+            print(f"shardyard | horovod: {hvd.size()} worker{'s' * (hvd.size() != 1)}, {self.controller.upper()} "
+                  "controller", flush=True)
         self.rank, self.world_size = hvd.rank(), hvd.size()
         self.dp_rank, self.dp_size = self.rank, self.world_size
         self.device = pick_device(self.plan, hvd.local_rank())
