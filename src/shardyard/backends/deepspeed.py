@@ -112,6 +112,31 @@ def remove_swap_files(cfg: DictConfig, rank: int) -> None:
             pass  # another rank's files are still there: that rank removes the directory
 
 
+def _zero3_keeps_the_given_dtype() -> None:
+    """Make ZeRO-3's ``Init`` use the dtype the engine passes it (idempotent).
+
+    DeepSpeed 0.19's ``Init._set_dtype`` reads ``dtype or torch.float16 if <fp16 supported> else torch.bfloat16
+    if ...``, which Python parses as ``(dtype or float16) if <fp16 supported> else bfloat16 ...``: on an
+    accelerator without fp16 (the CPU) the dtype the engine passes is ignored and every ZeRO-3 conversion
+    gets bfloat16. Training is unaffected until ZeRO-Infinity swaps parameters: its swapper takes that dtype
+    and stored fp32 weights as bf16 (measured on 1 rank: first loss 8.351967 against ZeRO-3's 8.351947).
+    Upstream PR deepspeedai/DeepSpeed#8428 adds the missing ``()`` after ``is_bf16_supported`` but keeps the
+    precedence. A dtype that is given is kept; without one DeepSpeed's own choice stands."""
+    from deepspeed.runtime.zero.partition_parameters import Init
+
+    original = Init._set_dtype
+    if getattr(original, "shardyard", False):
+        return
+
+    def _set_dtype(self, ds_config, dtype):
+        original(self, ds_config, dtype)
+        if dtype is not None:
+            self.dtype = dtype
+
+    _set_dtype.shardyard = True  # type: ignore[attr-defined]
+    Init._set_dtype = _set_dtype
+
+
 def ds_optimizer(o: DictConfig) -> dict | None:
     """The JSON ``optimizer`` section for ``optim._target_``, or None when DeepSpeed is handed the built
     optimizer object instead (a client optimizer).
@@ -259,8 +284,17 @@ class DeepSpeedBackend:
     def prepare(self, build, total_steps: int) -> None:
         import deepspeed
 
+        from deepspeed.runtime.zero.partition_parameters import Init as ZeroInit
+
         self.config = ds_config(self.cfg, self.plan)
         self._write_config()
+        # ZeRO-3 numbers parameters with a process-wide counter (ds_id), and ZeRO-Infinity names its swap files
+        # by those numbers: a resumed run finds its checkpoint's files only if it numbers its parameters as the
+        # saving run did. Start from 0 as a fresh process does, also after an earlier engine in this process
+        # (an in-process sweep job, a test's shared workers); that engine is closed, so no two live ids clash.
+        ZeroInit.param_id = 0
+        if self.bcfg.stage == 3:
+            _zero3_keeps_the_given_dtype()
         m = self.cfg.model
         if self.bcfg.stage == 3 and wants_meta(m, self.plan.model):
             # HF sees the live ZeRO-3 config and builds under deepspeed.zero.Init: every parameter is
@@ -347,22 +381,26 @@ class DeepSpeedBackend:
             exclude_frozen_parameters=frozen(self.engine.module))  # adapters: the base is re-read from model.weights
 
     def load_checkpoint(self, path: str, meta: dict) -> None:
-        if meta["training_state"].get("nvme") or "nvme" in (self.bcfg.offload_optimizer, self.bcfg.offload_param):
-            # Measured with DeepSpeed 0.19 on CPU (tests/dist/test_zero_infinity.py): resumed as ZeRO-Infinity, the
-            # next step trained from other weights than the saved run's (loss 8.336 where the run had 8.301;
-            # copying the fp32 masters into the parameter partitions after the load changed nothing); resumed as
-            # ZeRO-3, the checkpoint's fp32 partitions are empty (the state lives only in its offloaded_tensors
-            # files). A resume that would continue from other weights, or fail deep in DeepSpeed, is refused.
-            if not meta["training_state"].get("nvme"):  # a plain checkpoint, resumed into ZeRO-Infinity
-                raise UserError("backend", self.bcfg.name, "ZeRO-Infinity (NVMe offload) does not resume a checkpoint "
-                                "exactly with DeepSpeed 0.19: the resumed run's first step does not see the saved "
-                                "weights.", f"Resume {path} with the ZeRO-3 variant that saved it (backend=zero3 or "
-                                "zero3_offload).").on_every_rank()
-            raise UserError("checkpoint.resume", path, "Checkpoints with NVMe offload (ZeRO-Infinity) do not resume "
-                            "exactly with DeepSpeed 0.19: resumed as ZeRO-Infinity the first step does not see the "
-                            "saved weights, and other engines find its fp32 partitions empty.",
-                            "Start a new run from the run's HF export (model.weights=<run>/hf), or train with "
-                            "backend=zero3_offload where resuming matters.").on_every_rank()
+        saved_nvme, nvme = bool(meta["training_state"].get("nvme")), self._swaps_optimizer()
+        if self.bcfg.offload_param == "nvme" and not nvme:
+            raise UserError("backend.offload_optimizer", self.bcfg.offload_optimizer, "A resume with the parameters on "
+                            "NVMe restores them from the fp32 masters, which shardyard does (and has tested) only "
+                            "with the optimizer state swapped to NVMe too.", "Use backend.offload_optimizer=nvme "
+                            "(zero_infinity's default), or backend.offload_param=cpu.").on_every_rank()
+        if saved_nvme or nvme:
+            # ZeRO-Infinity keeps its fp32 masters and Adam moments in per-rank swap files, which the checkpoint
+            # copies (offloaded_tensors/rank<N>/), not in the partitions every other ZeRO layout reads.
+            if not (saved_nvme and nvme and meta["world_size"] == self.world_size):
+                raise UserError("checkpoint.resume", path, f"It was saved by {meta['engine']} x{meta['world_size']} "
+                                f"and this run is {self.bcfg.name} x{self.world_size}. A ZeRO-Infinity checkpoint "
+                                "holds its optimizer state in per-rank swap files, so it resumes only with the "
+                                "optimizer on NVMe at the same world size, and other ZeRO checkpoints do not resume "
+                                "into ZeRO-Infinity.",
+                                f"Resume with backend={meta['engine']} on {meta['world_size']} ranks, or start a new "
+                                "run from the checkpointed run's HF export (model.weights=<run>/hf).").on_every_rank()
+            self._load(path)
+            self._restore_swapped_optimizer(path)
+            return
         saved_stage = meta["training_state"].get("zero_stage", self.bcfg.stage)
         if (saved_stage == 3) != (self.bcfg.stage == 3):
             # ds_to_universal keeps ZeRO-3's per-rank model files, which stages 1-2 do not read (and back).
@@ -408,6 +446,49 @@ class DeepSpeedBackend:
                                                        load_module_strict=not frozen(self.engine.module))
         assert load_path is not None, f"DeepSpeed found no checkpoint under {path}"
 
+    def _swaps_optimizer(self) -> bool:
+        return self.bcfg.offload_optimizer == "nvme"
+
+    def _restore_swapped_optimizer(self, path: str) -> None:
+        """Finish DeepSpeed 0.19's resume of an NVMe-offloaded optimizer (read from runtime/engine.py
+        ``load_checkpoint`` and runtime/zero/stage3.py; measured by tests/dist/test_zero_infinity.py).
+
+        DeepSpeed copies the checkpoint's swap files back and refreshes the parameters from the swapped fp32
+        masters, but skips the optimizer's own checkpoint file. Three things are lost without this:
+
+        1. Sub-groups below DeepSpeed's 1 MiB swap floor (the norms' group here) are never swapped: their fp32
+           masters and Adam moments live in RAM and exist only in that file; they restarted from the fresh init.
+        2. The swapped Adam moments: the swapper reads a state tensor's file (``<key>-<ds_id>.tensor.swp``)
+           only once the optimizer holds that state, and a fresh optimizer holds none, so the first step
+           started the moments from zero and overwrote the copied files.
+        3. Adam's step counts (bias correction) and the loss scaler.
+
+        So this rank's optimizer file is loaded into the base optimizer (step counts, RAM sub-groups'
+        moments), RAM sub-groups get their fp32 masters and then their parameters, and swapped sub-groups get
+        placeholders the size of their swap files (zero-stride views: no memory) so that the next swap-in
+        reads the checkpoint's moments."""
+        from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS, LOSS_SCALER, OPTIMIZER_STATE_DICT
+
+        zero = self.engine.optimizer  # DeepSpeedZeroOptimizer_Stage3; .optimizer is the base (CPU Adam)
+        with weights_only_loads(_safe_globals()):
+            sd = torch.load(self.engine._get_zero_ckpt_name(path, "zero"), map_location="cpu")["optimizer_state_dict"]
+        zero.loss_scaler, zero.dynamic_loss_scale, zero.overflow = sd[LOSS_SCALER], sd["dynamic_loss_scale"], sd["overflow"]
+        zero.checkpoint_event_prologue()  # every parameter partitioned, as DeepSpeed's own load starts
+        zero._set_fp32_optimizer_param_groups()
+        zero.optimizer.load_state_dict(sd[OPTIMIZER_STATE_DICT])
+        zero._clear_fp32_optimizer_param_groups()
+        for i, master in enumerate(zero.fp32_partitioned_groups_flat):
+            if zero._swappable_optimizer_subgroup(i):
+                numel = zero.optimizer_swapper.swap_params_info[master.ds_id].numel()
+                state = zero.optimizer.state[master]
+                for key, value in state.items():
+                    if torch.is_tensor(value) and value.numel() == 0:  # released at save: its bytes are on disk
+                        state[key] = torch.zeros(1, dtype=master.dtype).expand(numel)
+            else:
+                master.data.copy_(sd[FP32_FLAT_GROUPS][i])
+                zero._reassign_or_swap_out_partitioned_parameters(i)  # the parameters from their fp32 masters
+        zero.checkpoint_event_epilogue()  # unpartitioned (persistent) parameters gathered again
+
     def _to_universal(self, path: str) -> str:
         """Rank 0 converts ``path`` into ``<run_dir>/universal/<name>`` (under a temporary name first)."""
         out = os.path.join(self.cfg.run_dir, "universal", os.path.basename(os.path.normpath(path)))
@@ -432,7 +513,7 @@ class DeepSpeedBackend:
 
     def training_state(self) -> dict:
         # The rest is inside DeepSpeed's own files.
-        return {"zero_stage": self.bcfg.stage, "nvme": "nvme" in (self.bcfg.offload_optimizer, self.bcfg.offload_param)}
+        return {"zero_stage": self.bcfg.stage, "nvme": self._swaps_optimizer()}
 
     def load_training_state(self, state: dict) -> None:
         pass
