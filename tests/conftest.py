@@ -8,14 +8,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from shardyard.testing import TINY  # noqa: E402,F401  (re-exported to the tests)
+from shardyard.testing import TINY, run_python  # noqa: E402,F401  (TINY is re-exported to the tests)
 
 
 def train_py(*overrides: str, run_dir: Path, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run ``python train.py`` exactly as a user would, in its own run dir."""
-    cmd = [sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={run_dir}", *overrides]
+    """Run ``python train.py`` as a user would, in its own run dir: forked from a server that has imported torch
+    and transformers once (``shardyard.testing.run_python``), or a cold interpreter with SHARDYARD_TEST_COLD=1."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=full_env)
+    return run_python([str(ROOT / "train.py"), f"hydra.run.dir={run_dir}", *overrides], str(ROOT), full_env, timeout)
 
 
 

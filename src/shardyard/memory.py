@@ -130,16 +130,14 @@ def measure_engines(rank: int, world: int, ports: list[int], jobs: list[list[str
 
 
 def run_measurements(world: int, jobs: list[list[str]]) -> list[dict]:
-    """``measure_engines`` on ``world`` spawned gloo ranks; one result per job."""
+    """``measure_engines`` on ``world`` gloo ranks (``testing.on_ranks``' pool); one result per job."""
     import json
     import tempfile
 
-    import torch.multiprocessing as mp
-
     from shardyard.launch import free_port
+    from shardyard.testing import on_ranks
 
     out = tempfile.mktemp(suffix=".json", prefix=f"shardyard-memory-w{world}-")
-    mp.start_processes(measure_engines, args=(world, [free_port() for _ in jobs], jobs, out), nprocs=world,
-                       start_method="spawn")
+    on_ranks(world, measure_engines, [free_port() for _ in jobs], jobs, out)
     with open(out) as f:
         return json.load(f)

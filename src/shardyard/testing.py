@@ -1,9 +1,24 @@
-"""Helpers for shardyard's own tests: compose configs and run real multi-process (gloo) workers."""
+"""Helpers for shardyard's own tests: compose configs, run real multi-process (gloo) workers from a kept pool
+(``run_many``, ``on_ranks``), and run ``python train.py`` from a fork server (``run_python``)."""
 
 from __future__ import annotations
 
+import atexit
+import json
+# Imported before _close_pools is registered, so that atexit runs multiprocessing's own handler (which joins
+# live child processes) after ours (which stops the pools' ranks): the other order waits forever.
+import multiprocessing.util  # noqa: F401
 import os
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
 from pathlib import Path
+from typing import Any, Callable
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -32,20 +47,7 @@ def compose(overrides: list[str], run_dir: str | None = None) -> DictConfig:
     return cfg
 
 
-def _rank_main(rank: int, world: int, ports: list[int], jobs: list[tuple[list[str], str]]) -> None:
-    import torch
-
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1")
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    # Several runs in one set of processes: each with its own process group (on its own port) and run
-    # dir; only interpreter start-up and imports are shared.
-    for port, (overrides, run_dir) in zip(ports, jobs):
-        os.environ["MASTER_PORT"] = str(port)
-        _one_run(rank, overrides, run_dir)
-
-
-def _one_run(rank: int, overrides: list[str], run_dir: str) -> None:
+def _one_run(rank: int, world: int, overrides: list[str], run_dir: str) -> None:
     import torch
 
     from shardyard import worker
@@ -69,19 +71,177 @@ def _one_run(rank: int, overrides: list[str], run_dir: str) -> None:
     torch.save(out, os.path.join(run_dir, f"rank{rank}.pt"))
 
 
-def run_many(world: int, jobs: list[tuple[list[str], str]]) -> list[list[dict]]:
-    """Run each (overrides, run_dir) job on ``world`` real worker processes (spawned once, gloo), one job
-    after another; return, per job, each rank's summary, gathered full params and local tensors."""
+class RankFailed(RuntimeError):
+    """A call on the ranks of a pool raised (the message holds the failing ranks' tracebacks) or a rank died."""
+
+
+class _Pool:
+    """``world`` spawned worker processes, started once and kept (a test session's, a benchmark's): each call
+    runs on every rank with the caller's environment and working directory of that moment and its own
+    ``MASTER_PORT``, so each run gets its own process group and run dir; only interpreter start-up and
+    imports (torch, transformers, DeepSpeed: about 10 s per process set on 2 cores) are shared. A call that
+    fails on some ranks while others are left waiting in a collective ends the pool; the next call starts a
+    new one."""
+
+    def __init__(self, world: int):
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")  # a fresh interpreter per rank, never a fork of the caller (pytest)
+        self.world = world
+        pipes = [ctx.Pipe() for _ in range(world)]
+        self.conns = [parent for parent, _ in pipes]
+        self.procs = [ctx.Process(target=_serve, args=(rank, world, child), name=f"shardyard-rank{rank}")
+                      for rank, (_, child) in enumerate(pipes)]
+        for proc in self.procs:
+            proc.start()
+        for _, child in pipes:
+            child.close()
+
+    def call(self, fn: Callable[..., None], args: tuple, timeout: float) -> None:
+        from shardyard.launch import free_port
+
+        message = (fn, args, dict(os.environ), os.getcwd(), free_port())
+        for conn in self.conns:
+            conn.send(message)
+        try:
+            errors, pending = self._replies(timeout)
+        except BaseException:  # interrupted (pytest's timeout, Ctrl-C) with the ranks mid-call: they cannot be reused
+            self.close()
+            raise
+        if pending or errors:
+            if pending:  # stuck or dead ranks: this pool is done
+                self.close()
+                errors.update({r: f"rank {r} did not finish ({'after a failure on another rank' if errors else f'timeout {timeout:.0f} s'})"
+                               for r in pending})
+            raise RankFailed("\n".join(f"-- rank {r}:\n{text}" for r, text in sorted(errors.items())))
+
+    def _replies(self, timeout: float) -> tuple[dict[int, str], list[int]]:
+        """Each rank's reply to the call just sent: the failing ranks' tracebacks, and the ranks that never
+        replied."""
+        from multiprocessing.connection import wait
+
+        pending: dict[int, Any] = dict(enumerate(self.conns))
+        errors: dict[int, str] = {}
+        deadline = time.monotonic() + timeout
+        while pending:
+            # Once a rank has failed, the others get a minute to fail too (a user error raised on every rank)
+            # before they are taken for stuck in a collective with it.
+            left = deadline - time.monotonic() if not errors else min(deadline - time.monotonic(), 60.0)
+            ready = wait([*pending.values(), *(self.procs[r].sentinel for r in pending)], timeout=max(left, 0))
+            if not ready:
+                break
+            for rank, conn in list(pending.items()):
+                if conn in ready or self.procs[rank].sentinel in ready:
+                    try:
+                        error = conn.recv()
+                    except EOFError:
+                        error = f"rank {rank} died (exit code {self.procs[rank].exitcode})"
+                    del pending[rank]
+                    if error is not None:
+                        errors[rank] = error
+        return errors, list(pending)
+
+    def alive(self) -> bool:
+        return all(proc.is_alive() for proc in self.procs)
+
+    def close(self) -> None:
+        for conn in self.conns:
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+        for proc in self.procs:
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        _POOLS.pop(self.world, None)
+
+
+_POOLS: dict[int, _Pool] = {}
+
+
+def _serve(rank: int, world: int, conn) -> None:
+    """A pool rank: run each call it is sent, reply None or the traceback, until told to stop."""
+    import traceback
+
     import torch
-    import torch.multiprocessing as mp
 
-    from shardyard.launch import free_port
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:  # the caller went away
+            return
+        if message is None:
+            return
+        fn, args, env, cwd, port = message
+        os.environ.clear()
+        os.environ.update(env)
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        os.chdir(cwd)
+        added = _put_pythonpath_on_sys_path()
+        try:
+            fn(rank, world, *args)
+            reply = None
+        except BaseException:
+            reply = traceback.format_exc()
+        finally:
+            _forget_pythonpath(added)
+        conn.send(reply)
 
-    for _, run_dir in jobs:
+
+def _put_pythonpath_on_sys_path() -> list[str]:
+    """``$PYTHONPATH``'s directories where a fresh interpreter puts them (after the script's), for a call or a
+    forked run whose environment names a user's package; returns those that were not on sys.path yet."""
+    import importlib
+
+    entries = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    added = [p for p in entries if p not in sys.path]
+    sys.path[1:1] = added
+    importlib.invalidate_caches()
+    return added
+
+
+def _forget_pythonpath(added: list[str]) -> None:
+    """After a pool call: those directories off sys.path and their modules out of sys.modules, so that the next
+    call that names a package of the same name (another test's temp project) imports its own."""
+    for p in added:
+        sys.path.remove(p)
+    roots = tuple(os.path.join(os.path.abspath(p), "") for p in added)
+    for name, module in list(sys.modules.items()):
+        if roots and os.path.abspath(getattr(module, "__file__", None) or "/").startswith(roots):
+            del sys.modules[name]
+
+
+def on_ranks(world: int, fn: Callable[..., None], *args, timeout: float = 1800) -> None:
+    """``fn(rank, world, *args)`` on every rank of this process's pool of ``world`` workers (started on first
+    use and kept), with RANK/WORLD_SIZE/MASTER_* set and this process's environment; ``RankFailed`` names the
+    failing ranks. ``fn`` must be importable (a module-level function)."""
+    pool = _POOLS.get(world)
+    if pool is None or not pool.alive():
+        if pool is not None:
+            pool.close()
+        pool = _POOLS[world] = _Pool(world)
+    pool.call(fn, args, timeout)
+
+
+@atexit.register
+def _close_pools() -> None:
+    for pool in list(_POOLS.values()):
+        pool.close()
+
+
+def run_many(world: int, jobs: list[tuple[list[str], str]]) -> list[list[dict]]:
+    """Run each (overrides, run_dir) job on ``world`` real worker processes (gloo), one job after another, each
+    with its own process group and run dir; return, per job, each rank's summary, gathered full params and
+    local tensors."""
+    import torch
+
+    for overrides, run_dir in jobs:
         os.makedirs(run_dir, exist_ok=True)
-    ports = [free_port() for _ in jobs]
-    mp.start_processes(_rank_main, args=(world, ports, [(list(o), d) for o, d in jobs]), nprocs=world,
-                       start_method="spawn")
+        on_ranks(world, _one_run, list(overrides), run_dir)
     return [[torch.load(os.path.join(d, f"rank{r}.pt"), weights_only=False) for r in range(world)] for _, d in jobs]
 
 
@@ -107,3 +267,178 @@ def hf_eval_loss(hf_dir: str, cfg: DictConfig, world: int) -> float:
             for x, y in data.eval_batches(val, cfg.train.eval_batches, cfg.train.micro_batch_size, rank, world):
                 losses.append(causal_lm_loss(model, x, y).item())
     return sum(losses) / len(losses)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# `python train.py ...` for the e2e tier, from a fork server
+#
+# Every `python train.py` pays about 4-5 s on 2 cores importing torch and transformers (and the default model's
+# modeling code, which validation's meta-device build needs) before it reads a single override. The e2e tier
+# runs train.py some seventy times, so tests ask a server that has imported exactly those modules once to fork
+# a child per run: the child gets the run's argv, working directory, environment and stdio (by fd passing), a
+# new session, fresh Python and NumPy random states, and runs train.py as `__main__` (runpy), as the
+# interpreter would. What is shared is only import work that every real run does anyway. Tests that are about
+# the interpreter itself (`--help` time, lazy imports, the launchers torchrun/deepspeed/horovodrun/srun, a
+# wheel in a fresh venv) start real processes; SHARDYARD_TEST_COLD=1 makes every run a real process.
+
+def _zygote_main(sock_path: str) -> None:
+    """The fork server: import what every ``python train.py`` imports, then fork one child per request."""
+    import torch  # noqa: F401
+    import transformers.models.llama.modeling_llama  # noqa: F401  (validation's meta build of the default model)
+
+    import shardyard.cli  # noqa: F401
+    import shardyard.run  # noqa: F401
+    import shardyard.worker  # noqa: F401
+
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(sock_path)
+    server.listen(4)
+    print("ready", flush=True)
+    while True:
+        conn, _ = server.accept()
+        with conn:
+            first, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
+            if not first:
+                continue
+            (size,) = struct.unpack("!I", first[:4])
+            payload = first[4:]
+            while len(payload) < size:
+                payload += conn.recv(size - len(payload))
+            request = json.loads(payload)
+            if request.get("stop"):
+                return
+            pid = os.fork()
+            if pid == 0:
+                server.close()
+                conn.detach()
+                _zygote_child(request, fds)
+            for fd in fds:
+                os.close(fd)
+            conn.sendall(f"{pid}\n".encode())
+            _, status = os.waitpid(pid, 0)
+            try:
+                conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
+            except OSError:
+                pass  # the client gave up (a timeout) and killed the child itself
+
+
+def _zygote_child(request: dict, fds: list[int]) -> None:
+    """In the forked child: become ``python <argv>`` in ``cwd`` with ``env`` and the given stdio, run it, exit."""
+    import io
+    import random
+    import runpy
+    import traceback
+
+    code = 1
+    try:
+        os.setsid()  # its own process group: a timeout kills the run and every worker it started
+        for target, fd in zip((0, 1, 2), fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
+        sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
+        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False) if unbuffered else open(1, "wb", closefd=False),
+                                      write_through=unbuffered, line_buffering=unbuffered)
+        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), errors="backslashreplace",
+                                      write_through=True, line_buffering=True)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        random.seed()  # a fresh interpreter seeds these from the OS, not from the server's state
+        import numpy as np
+
+        np.random.seed()
+        sys.argv = list(request["argv"])
+        sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
+        _put_pythonpath_on_sys_path()
+        runpy.run_path(sys.argv[0], run_name="__main__")
+        code = 0
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        os._exit(code)
+
+
+class _Zygote:
+    """The client's handle on the fork server (one per test session, started on first use)."""
+
+    def __init__(self) -> None:
+        self.dir = tempfile.mkdtemp(prefix="shardyard-zygote-")
+        self.path = os.path.join(self.dir, "sock")
+        self.proc = subprocess.Popen([sys.executable, "-c", f"from shardyard.testing import _zygote_main; "
+                                      f"_zygote_main({self.path!r})"], stdout=subprocess.PIPE, text=True,
+                                     start_new_session=True)
+        line = self.proc.stdout.readline() if self.proc.stdout else ""
+        if line.strip() != "ready":
+            self.proc.kill()
+            raise RuntimeError(f"the train.py fork server did not start (exit code {self.proc.wait()})")
+
+    def _send(self, s: socket.socket, request: dict, fds: list[int]) -> None:
+        payload = json.dumps(request).encode()
+        socket.send_fds(s, [struct.pack("!I", len(payload)) + payload], fds)
+
+    def run(self, argv: list[str], cwd: str, env: dict, timeout: float) -> subprocess.CompletedProcess:
+        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, open(os.devnull, "rb") as null, \
+                socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect(self.path)
+            self._send(s, {"argv": argv, "cwd": cwd, "env": env}, [null.fileno(), out.fileno(), err.fileno()])
+            reader = s.makefile("r")
+            pid = int(reader.readline())
+            s.settimeout(timeout)
+            try:
+                line = reader.readline()  # the exit code, once the child is gone
+            except BaseException as e:  # a timeout, or pytest's own (an interrupt): the run and its workers go
+                os.killpg(pid, signal.SIGKILL)
+                if isinstance(e, TimeoutError):
+                    raise subprocess.TimeoutExpired([sys.executable, *argv], timeout) from None
+                raise
+            if not line:
+                raise RuntimeError(f"the train.py fork server lost the run of {argv}")
+            texts = []
+            for f in (out, err):
+                f.seek(0)
+                texts.append(f.read().decode(errors="replace"))
+            return subprocess.CompletedProcess([sys.executable, *argv], int(line), texts[0], texts[1])
+
+    def close(self) -> None:
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s, open(os.devnull, "rb") as null:
+                s.connect(self.path)
+                self._send(s, {"stop": True}, [null.fileno()] * 3)
+            self.proc.wait(10)
+        except Exception:
+            self.proc.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+_ZYGOTE: list[_Zygote] = []
+
+
+def run_python(argv: list[str], cwd: str, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """``subprocess.run([python, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)``,
+    forked by the server above (started on first use and kept); a real process with SHARDYARD_TEST_COLD=1."""
+    if os.environ.get("SHARDYARD_TEST_COLD") == "1":
+        return subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+    if not _ZYGOTE or _ZYGOTE[0].proc.poll() is not None:
+        _ZYGOTE[:] = [_Zygote()]
+    return _ZYGOTE[0].run(argv, cwd, env, timeout)
+
+
+@atexit.register
+def _close_zygote() -> None:
+    for zygote in _ZYGOTE:
+        zygote.close()
