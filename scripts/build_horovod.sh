@@ -49,7 +49,7 @@ if ! ls "$WHEEL_DIR"/horovod-*.whl >/dev/null 2>&1; then
   # MPI: required when mpicc is here (a failed MPI build should say so, not quietly drop the controller).
   if [ "$MPI" = mpi ]; then export HOROVOD_WITH_MPI=1; else export HOROVOD_WITHOUT_MPI=1; fi
   export MAKEFLAGS="-j$(nproc)"
-  step "compiling the wheel ($KEY); this takes about 6 minutes on 2 cores"
+  step "compiling the wheel ($KEY); this takes about 3 minutes on 2 cores"
   $PY -m pip wheel -v --no-deps --no-build-isolation "$src" -w "$work/dist" > "$work/build.log" 2>&1 \
     || { grep -A20 -m3 -E 'CMake Error|error:' "$work/build.log" >&2; tail -30 "$work/build.log" >&2; fail "compile (pip wheel)"; }
   mkdir -p "$WHEEL_DIR.tmp" && cp "$work"/dist/horovod-*.whl "$WHEEL_DIR.tmp/" && mv "$WHEEL_DIR.tmp" "$WHEEL_DIR"

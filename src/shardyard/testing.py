@@ -308,9 +308,9 @@ def _zygote_main(sock_path: str) -> None:
             if request.get("stop"):
                 return
             pid = os.fork()
-            if pid == 0:
+            if pid == 0:  # the child keeps only the run's stdio
                 server.close()
-                conn.detach()
+                conn.close()
                 _zygote_child(request, fds)
             for fd in fds:
                 os.close(fd)
