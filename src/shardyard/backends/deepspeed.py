@@ -578,7 +578,7 @@ def _release_zero3(module: torch.nn.Module) -> None:
     for cell in wrapped.__closure__ or ():  # DeepSpeed's NVTX wrapper around the lru_cache
         if hasattr(cell.cell_contents, "cache_clear"):
             cell.cell_contents.cache_clear()
-    swapper = next((p.nvme_swapper for p in module.parameters() if getattr(p, "nvme_swapper", None)), None)
+    swapper = next((getattr(p, "nvme_swapper") for p in module.parameters() if getattr(p, "nvme_swapper", None)), None)
     if swapper is not None:
         for handle, name in ((swapper.aio_read_handle, "buffers"), (swapper.aio_write_handle, "partitioned_swap_buffer")):
             if getattr(swapper, name, None) is not None:
