@@ -3,6 +3,7 @@ choices are Enums, every key is read by a schema or a plug-in, every schema fiel
 
 import ast
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -67,6 +68,18 @@ def test_the_restated_value_check_can_fail(tmp_path):
     child = tmp_path / "child.yaml"
     child.write_text("defaults:\n  - fsdp\n  - _self_\nname: child\nreshard_after_forward: true\ndevice: auto\n")
     assert sorted(_restated(_body(child), _inherited(child))) == ["device='auto'", "reshard_after_forward=True"]
+
+
+def test_zero_infinity_comments_quote_the_schema_defaults():
+    """zero_infinity.yaml lists the drive's knobs as comments, `key (default)`: those defaults are the schema's."""
+    text = (Path(CONF_DIR) / "backend" / "zero_infinity.yaml").read_text()
+    quoted = dict(re.findall(r"(aio_\w+|nvme_\w+) \(([^)]+)\)", text))
+    defaults = schema.ZeroBackendConfig()
+    assert len(quoted) == 8, quoted
+    for key, value in quoted.items():
+        parsed = yaml.safe_load(value)
+        parsed = float(parsed) if isinstance(parsed, str) else parsed  # YAML 1.1 reads "1e8" as a string
+        assert parsed == getattr(defaults, key), (key, value, getattr(defaults, key))
 
 
 def test_the_primary_config_only_chooses_options():
