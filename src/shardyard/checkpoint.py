@@ -1,27 +1,34 @@
-"""Checkpoints: sharded state in each engine's natural form, published atomically, resumed exactly.
+"""Checkpoints: sharded state in each engine's natural form, hashed, published atomically, resumed exactly.
 
 Layout of ``checkpoint.dir`` (default ``<run_dir>/checkpoints``)::
 
     step-00000003/      engine files (DCP shards, DeepSpeed partitions or rank-0 files) + meta.json
     step-00000006/
     latest              name of the newest complete checkpoint
-    .tmp-step-00000009  (only while it is being written; never looks complete)
+    .tmp-step-00000009  (only while it is being written; never looks complete; removed at the next start)
 
-A checkpoint is written under ``.tmp-…`` by every rank, then rank 0 writes ``meta.json`` (step, tokens,
-data position, every rank's RNG states, scheduler and loss-scaler state, engine, world size, the model's
-architecture and a manifest of file sizes), renames the directory and only then moves ``latest``.
+A checkpoint is written under ``.tmp-…`` by every rank, then rank 0 hashes (sha256) and fsyncs every file,
+writes ``meta.json`` (step, tokens, data position, every rank's RNG states, scheduler and loss-scaler state,
+engine, world size, the model's architecture and the manifest: every file's size and sha256, dotfiles such as
+DCP's ``.metadata`` included), fsyncs the directories, renames the directory, fsyncs its parent and only then
+moves ``latest``; ``keep_last`` prunes after that, once the new checkpoint verifies. Resume verifies the
+hashes (rank 0, which the other ranks follow) and, with ``resume=auto``, walks back to the newest checkpoint
+that verifies and loads.
 """
 
 from __future__ import annotations
 
 import base64
+import errno
 import glob
 import hashlib
 import json
 import os
 import random
 import shutil
+import sys
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -63,30 +70,111 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all([_unb64(s) for s in state["cuda"]])
 
 
-def _manifest(path: str) -> dict:
-    out = {}
-    for f in sorted(glob.glob(os.path.join(path, "**", "*"), recursive=True)):
-        if os.path.isfile(f) and os.path.basename(f) != "meta.json":
-            out[os.path.relpath(f, path)] = os.path.getsize(f)
-    return out
+_CHUNK = 4 << 20
+"""Bytes read per hash update: large enough to run at the hash's speed, small enough to keep memory flat."""
+_HASH_THREADS = min(8, os.cpu_count() or 1)
+"""Files hashed at once: hashlib releases the GIL, so a checkpoint of several shards hashes in parallel."""
+
+
+def _files(path: str) -> list[str]:
+    """Every file under ``path`` (dotfiles such as DCP's ``.metadata`` included) but the top ``meta.json``."""
+    out = []
+    for root, _, names in os.walk(path):
+        out += [os.path.relpath(os.path.join(root, n), path) for n in names]
+    return sorted(f for f in out if f != "meta.json")
+
+
+def _hash_file(file: str, sync: bool = False) -> tuple[int, str]:
+    """(bytes, sha256) of a file read in chunks; ``sync`` also fsyncs it (whichever rank wrote it)."""
+    h, size = hashlib.sha256(), 0
+    with open(file, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+        if sync:
+            os.fsync(f.fileno())
+    return size, h.hexdigest()
+
+
+def _hash_all(path: str, files: list[str], sync: bool = False) -> list[tuple[int, str]]:
+    with ThreadPoolExecutor(_HASH_THREADS) as pool:
+        return list(pool.map(lambda rel: _hash_file(os.path.join(path, rel), sync), files))
+
+
+def _manifest(path: str, sync: bool = False) -> dict:
+    files = _files(path)
+    return {rel: {"bytes": size, "sha256": digest} for rel, (size, digest) in zip(files, _hash_all(path, files, sync))}
+
+
+def _fsync_dirs(path: str) -> None:
+    """fsync every directory under ``path`` and ``path`` itself (deepest first): the names of the files in it
+    are durable, not only their bytes."""
+    for root, _, _ in sorted(os.walk(path), key=lambda w: -w[0].count(os.sep)):
+        _fsync_dir(root)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _du(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(root, n)) for root, _, names in os.walk(path) for n in names
+               if os.path.isfile(os.path.join(root, n)))
 
 
 def verify(path: str) -> str | None:
-    """None if the checkpoint at ``path`` is complete and intact, else what is wrong with it."""
+    """None if the checkpoint at ``path`` is complete and intact (every file of its manifest present with the
+    size and sha256 it was written with), else what is wrong with it. Manifests written before shardyard kept
+    hashes hold sizes only, and only those are checked."""
     meta_path = os.path.join(path, "meta.json")
     try:
         with open(meta_path) as f:
             meta = json.load(f)
+        manifest = meta["manifest"]
     except FileNotFoundError:
         return "it has no meta.json (it was never completed)"
-    except (OSError, json.JSONDecodeError) as e:
-        return f"its meta.json is unreadable ({e})"
-    for rel, size in meta.get("manifest", {}).items():
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"its meta.json is unreadable ({type(e).__name__}: {e})"
+    want = {rel: entry if isinstance(entry, dict) else {"bytes": entry} for rel, entry in manifest.items()}
+    for rel, entry in want.items():
         file = os.path.join(path, rel)
         if not os.path.isfile(file):
             return f"{rel} is missing"
-        if os.path.getsize(file) != size:
-            return f"{rel} is truncated or corrupt ({os.path.getsize(file)} bytes, {size} written)"
+        if os.path.getsize(file) != entry["bytes"]:
+            return f"{rel} is truncated or corrupt ({os.path.getsize(file)} bytes, {entry['bytes']} written)"
+    hashed = sorted(rel for rel, entry in want.items() if "sha256" in entry)
+    try:
+        got = _hash_all(path, hashed)
+    except OSError as e:
+        return f"a file is unreadable ({e})"
+    for rel, (_, digest) in zip(hashed, got):
+        if digest != want[rel]["sha256"]:
+            return (f"{rel} is truncated or corrupt: its sha256 differs from the one recorded when it was saved "
+                    f"(same size, {want[rel]['bytes']} bytes)")
+    return None
+
+
+class CheckpointSaveError(UserError):
+    """A save that failed on the disk (full, read-only, no permission): one paragraph, exit code 1 (the run
+    failed; the config is not at fault)."""
+
+    exit_code = 1
+
+
+def _os_error(e: BaseException) -> OSError | None:
+    """The OSError behind a failed save: raised directly, chained, or inside DCP's CheckpointException (which
+    carries every failed rank's exception)."""
+    seen: list[BaseException] = [e]
+    while seen:
+        x = seen.pop()
+        if isinstance(x, OSError) and x.errno is not None:
+            return x
+        seen += [c for c in (x.__cause__, x.__context__) if c is not None]
+        seen += [pair[0] for pair in getattr(x, "failures", {}).values()]
     return None
 
 
@@ -100,6 +188,8 @@ class Checkpointer:
         self.start = -1  # the step resumed from; -1: a fresh run, whose own log holds its whole curve
         self.history: dict[str, list] = {"eval_losses": [], "train_losses": [], "grad_norms": []}
         """The run's curves up to the step it resumed from (from the checkpoint), for its summary."""
+        self._good: set[str] = set()
+        """Checkpoints verified by this process (hashing each once is enough for ``keep_last``)."""
 
     # ----------------------------------------------------------------------------------------- saving
     def maybe_save(self, step: int, stream) -> None:
@@ -109,31 +199,47 @@ class Checkpointer:
     def save(self, step: int, stream) -> str:
         name = f"step-{step:08d}"
         tmp, final = os.path.join(self.dir, f".tmp-{name}"), os.path.join(self.dir, name)
-        if self.rank0:
-            shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a crash mid-save
-            os.makedirs(tmp)
-        self.backend.barrier()
-        self.backend.save_checkpoint(tmp)  # collective: every rank writes its own part
-        with open(os.path.join(tmp, f"rng-rank{self.backend.rank}.json"), "w") as f:
-            json.dump(rng_state(), f)
-        if self.c.export_hf:
-            from shardyard.export import save_hf
+        rank = self.backend.rank
+        try:
+            if self.rank0:
+                shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a crash mid-save
+                os.makedirs(tmp)
+            drills.save_point("begin", step, rank)
+            self.backend.barrier()
+            self.backend.save_checkpoint(tmp)  # collective: every rank writes its own part
+            drills.save_point("engine_written", step, rank)
+            with open(os.path.join(tmp, f"rng-rank{rank}.json"), "w") as f:
+                json.dump(rng_state(), f)
+            if self.c.export_hf:
+                from shardyard.export import save_hf
 
-            save_hf(self.backend, self.tokenizer_dir, os.path.join(tmp, "hf"))
-        drills.pause_in_save(step)
+                save_hf(self.backend, self.tokenizer_dir, os.path.join(tmp, "hf"))
+            drills.pause_in_save(step)
+            drills.save_point("rank_written", step, rank)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            self._raise_save_failed(step, tmp, e)
         self.backend.barrier()  # every rank has finished writing
         if self.rank0:
-            self._publish(tmp, final, step, stream)
+            try:
+                self._publish(tmp, final, step, stream)
+            except OSError as e:
+                self._raise_save_failed(step, tmp, e)
+            self._prune(final, step)
         self.backend.barrier()
         return final
 
     def _publish(self, tmp: str, final: str, step: int, stream) -> None:
+        """Rank 0: meta.json with every file's sha256, everything fsynced, then one rename and ``latest``."""
         rngs = []
         for r in range(self.backend.world_size):
             f = os.path.join(tmp, f"rng-rank{r}.json")
             with open(f) as fh:
                 rngs.append(json.load(fh))
             os.remove(f)
+        drills.save_point("before_hash", step, 0)
+        manifest = _manifest(tmp, sync=True)  # every rank's files, fsynced as they are hashed
         meta = {
             "step": step, "tokens_seen": step * self.plan.tokens_per_step, "data": stream.position(step),
             "rng": rngs, "training_state": self.backend.training_state(), "engine": self.cfg.backend.name,
@@ -142,15 +248,81 @@ class Checkpointer:
             "history": self._history_until(step),
             "model": self.signature,
             "model_hash": hashlib.sha256(json.dumps(self.signature, sort_keys=True).encode()).hexdigest()[:16],
-            "manifest": _manifest(tmp),
+            "manifest": manifest,
         }
+        drills.save_point("before_meta", step, 0)
         _write_atomic(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
+        drills.save_point("before_fsync", step, 0)
+        _fsync_dirs(tmp)
+        drills.save_point("before_rename", step, 0)
+        aside = None
         if os.path.exists(final):  # the same step saved again after a resume: replace it only now
-            shutil.rmtree(final)
+            aside = os.path.join(self.dir, f".tmp-{os.path.basename(final)}.replaced")
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(final, aside)  # a rename, so a kill never leaves a half-deleted step-N behind
         os.replace(tmp, final)  # complete checkpoints appear in one rename
+        _fsync_dir(self.dir)
+        if aside:
+            shutil.rmtree(aside, ignore_errors=True)
+        drills.save_point("before_latest", step, 0)
         _write_atomic(os.path.join(self.dir, "latest"), os.path.basename(final) + "\n")
-        for old in self.complete()[:-self.c.keep_last] if self.c.keep_last > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+        _fsync_dir(self.dir)
+
+    def _prune(self, final: str, step: int) -> None:
+        """Keep the newest ``keep_last`` checkpoints that verify; delete older ones only once the new one is
+        published and verified, and never the newest good one."""
+        drills.save_point("before_prune", step, 0)
+        problem = verify(final)
+        if problem is not None:
+            print(f"shardyard | the checkpoint just saved does not verify ({problem}); nothing is pruned: "
+                  f"{final}", file=sys.stderr, flush=True)
+            return
+        self._good.add(final)
+        if self.c.keep_last <= 0:
+            return
+        good = []
+        for path in reversed(self.complete()):
+            if path in self._good or verify(path) is None:
+                self._good.add(path)
+                good.append(path)
+            if len(good) == self.c.keep_last:
+                break
+        else:
+            return  # fewer good ones than keep_last: keep them all
+        for old in self.complete():
+            if old < good[-1]:  # names sort by step
+                shutil.rmtree(old, ignore_errors=True)
+                self._good.discard(old)
+
+    def _raise_save_failed(self, step: int, tmp: str, e: BaseException) -> None:
+        """A save the disk refused: the paragraph, with the partial directory removed. Any other failure is
+        raised as it was (after the same clean-up)."""
+        written = _du(tmp) if os.path.isdir(tmp) else 0
+        shutil.rmtree(tmp, ignore_errors=True)
+        err = _os_error(e)
+        if err is None:
+            raise e
+        older = [os.path.basename(p) for p in self.complete()]
+        previous = _du(os.path.join(self.dir, older[-1])) if older else 0
+        needed = max(written, previous)
+        try:
+            free = shutil.disk_usage(self.dir).free
+        except OSError:
+            free = 0
+        full = err.errno in (errno.ENOSPC, errno.EDQUOT)
+        fix = ("Free space there (or lower checkpoint.keep_last), or set checkpoint.dir to a disk with room; "
+               "then run the same command with checkpoint.resume=auto." if full else
+               "Make that directory writable by this user, or set checkpoint.dir to one that is; then run the same "
+               "command with checkpoint.resume=auto.")
+        out = CheckpointSaveError(
+            "checkpoint.dir", self.dir,
+            f"Saving the checkpoint of step {step} failed: {err.strerror or err} ({errno.errorcode.get(err.errno or 0, '?')}"
+            f"{', ' + err.filename if err.filename else ''}). It needs about {_size(needed)} ({needed:,} bytes: "
+            f"{'the previous checkpoint' if previous >= written else 'what was written before it failed'}) and "
+            f"{_size(free)} ({free:,} bytes) are free there. The partial directory was removed; "
+            + (f"the older checkpoints ({', '.join(older)}) are intact." if older else "there is no older checkpoint."),
+            fix)
+        raise (out.on_every_rank() if getattr(e, "failures", None) else out) from e  # DCP: every rank raises it
 
     def _history_until(self, step: int) -> dict[str, list]:
         """The curve up to ``step``: what the run resumed with, then what this run logged since (its
@@ -164,44 +336,102 @@ class Checkpointer:
         return sorted(p for p in glob.glob(os.path.join(self.dir, "step-*")) if os.path.isdir(p))
 
     # ---------------------------------------------------------------------------------------- resuming
-    def resume_path(self) -> str | None:
+    def candidates(self) -> tuple[list[str], bool]:
+        """The checkpoints to try, best first, and whether the user named one (then only that one, and a
+        problem with it is an error). A restart of the workers (``launch.max_restarts``) resumes from the
+        run's own newest good checkpoint, whatever ``checkpoint.resume`` says; with a path, that path is the
+        last resort (no checkpoint of its own yet)."""
         want = self.c.resume
         from shardyard.backends.process_group import elastic_start
 
         restarted = elastic_start(self.cfg) > 0  # a restart of the workers (on any node of the job)
         if want is None and not restarted:
-            return None
-        if want in (None, "auto"):
-            for path in reversed(self.complete()):
-                problem = verify(path)
-                if problem is None:
-                    return path
-                if self.rank0:
-                    warnings.warn(f"shardyard: skipping checkpoint {path}: {problem}; trying the previous one")
-            return None  # nothing complete yet: a fresh start
-        problem = verify(want)
-        if problem is not None:
-            raise UserError("checkpoint.resume", want, f"That checkpoint cannot be used: {problem}.",
-                            "Point it at a complete checkpoint directory, or use checkpoint.resume=auto.")
-        return want
+            return [], False
+        own = list(reversed(self.complete()))
+        if want == "auto" or want is None:
+            return own, False
+        if restarted:
+            return own + [want] if want not in own else own, False
+        return [want], True
+
+    def _remove_stale(self) -> None:
+        """Rank 0, at start: ``.tmp-step-*`` of a save that was killed, in this run's own checkpoint dir."""
+        for path in sorted(glob.glob(os.path.join(self.dir, ".tmp-step-*")) + glob.glob(os.path.join(self.dir, "latest.tmp"))):
+            print(f"shardyard | removing {path}: an unfinished save of an earlier attempt", file=sys.stderr, flush=True)
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.remove(path)
+
+    def _all_ok(self, ok: bool) -> bool:
+        """True when ``ok`` holds on every rank (one all-reduce; a rank-0 decision when the others pass True)."""
+        flag = torch.tensor([0.0 if ok else 1.0], device=self.backend.device)
+        return float(self.backend.all_reduce_mean(flag).item()) == 0.0
 
     def restore(self) -> int:
-        """Load the checkpoint to resume from, if any; returns the step to continue from."""
-        path = self.resume_path()
-        if path is None:
-            return 0
-        with open(os.path.join(path, "meta.json")) as f:
-            meta = json.load(f)
-        self._check_compatible(path, meta)
-        self.backend.load_checkpoint(path, meta)
+        """Load the checkpoint to resume from, if any; returns the step to continue from. ``resume=auto``
+        walks back from the newest checkpoint to the newest that verifies (sha256 of every file, on rank 0,
+        which the others follow) and loads (on every rank: a failure anywhere moves all ranks on together)."""
+        if self.rank0:
+            self._remove_stale()
+        paths, named = self.candidates()
+        skipped: list[str] = []
+        for path in paths:
+            problem = verify(path) if self.rank0 else None
+            if not self._all_ok(problem is None):
+                if named:
+                    raise UserError("checkpoint.resume", path, f"That checkpoint cannot be used: {problem}.",
+                                    "Point it at a complete checkpoint directory, or use checkpoint.resume=auto."
+                                    ).on_every_rank()
+                skipped.append(self._skip(path, problem or "rank 0 found it damaged"))
+                continue
+            self._good.add(path)
+            with open(os.path.join(path, "meta.json")) as f:
+                meta = json.load(f)
+            self._check_compatible(path, meta)  # a config mismatch, the same for every checkpoint: an error
+            error: BaseException | None = None
+            try:
+                self.backend.load_checkpoint(path, meta)
+                self.backend.load_training_state(meta["training_state"])
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as e:  # DCP's CheckpointException is a BaseException
+                error = e
+            if not self._all_ok(error is None):
+                if named:
+                    raise error or UserError("checkpoint.resume", path, "Another rank could not load it (its error "
+                                             "is above).", "Use another checkpoint, or checkpoint.resume=auto.")
+                self._good.discard(path)
+                why = (error.paragraph() if isinstance(error, UserError) else
+                       f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}" if error
+                       else "another rank")
+                skipped.append(self._skip(path, f"it could not be loaded ({why})"))
+                continue
+            return self._resumed(path, meta, skipped)
+        if skipped:
+            raise UserError("checkpoint.resume", self.c.resume, f"None of the {len(skipped)} checkpoint(s) in "
+                            f"{self.dir} can be used: {' '.join(skipped)}",
+                            "Resume from a checkpoint of another run (checkpoint.resume=PATH), or start this "
+                            "recipe in a new run dir (hydra.run.dir=...). The damaged checkpoints are left as they "
+                            "are.").on_every_rank()
+        return 0
+
+    def _skip(self, path: str, why: str) -> str:
+        if self.rank0:
+            print(f"shardyard | checkpoint.resume=auto: skipping {path}: {why}; trying the previous one",
+                  file=sys.stderr, flush=True)
+        return f"{os.path.basename(path)}: {why}."
+
+    def _resumed(self, path: str, meta: dict, skipped: list[str]) -> int:
         self.start = meta["step"]
         self.history = meta.get("history") or monitors.history(self.cfg.run_dir, self.start)
-        self.backend.load_training_state(meta["training_state"])
         if meta["world_size"] == self.backend.world_size:
             set_rng_state(meta["rng"][self.backend.rank])
         if self.rank0:
+            fell_back = f"; {len(skipped)} newer one(s) skipped" if skipped else ""
             print(f"shardyard | resumed from {path} (step {meta['step']}, {meta['tokens_seen']:,} tokens, "
-                  f"epoch {meta['data']['epoch']}; saved by {meta['engine']} x{meta['world_size']})", flush=True)
+                  f"epoch {meta['data']['epoch']}; saved by {meta['engine']} x{meta['world_size']}{fell_back})",
+                  flush=True)
         return meta["step"]
 
     def _check_compatible(self, path: str, meta: dict) -> None:
@@ -226,6 +456,14 @@ class Checkpointer:
         if meta["global_batch_size"] != self.plan.global_batch_size and self.rank0:
             warnings.warn(f"shardyard: the global batch changed ({meta['global_batch_size']} -> "
                           f"{self.plan.global_batch_size}); the data order continues by step, not by sample")
+
+
+def _size(n: float) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    return ""
 
 
 def _write_atomic(path: str, text: str) -> None:

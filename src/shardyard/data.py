@@ -83,24 +83,9 @@ class TextFiles:
         if not paths:
             raise UserError("data.paths", list(paths), "No input files are given.", "Use data.paths=[/path/to/corpus].")
         self.paths, self.text_field = list(paths), text_field
-        for pattern in self.paths:
-            if not glob.glob(os.path.expanduser(pattern), recursive=True):
-                raise UserError("data.paths", pattern, "Nothing exists at that path or pattern.",
-                                "Give existing .txt/.jsonl/.parquet files, directories or glob patterns.")
         # The file list is taken once: caches written under a listed directory later are not documents.
-        self._files: list[Path] = []
+        self._files = input_files(self.paths, SUFFIXES)
         self._fingerprint: str | None = None
-        for pattern in self.paths:
-            for hit in sorted(glob.glob(os.path.expanduser(pattern), recursive=True)):
-                p = Path(hit)
-                self._files += sorted(q for q in p.rglob("*") if q.suffix in SUFFIXES) if p.is_dir() else [p]
-        bad = [str(p) for p in self._files if p.suffix not in SUFFIXES]
-        if bad:
-            raise UserError("data.paths", bad[0], "Only .txt, .jsonl/.json and .parquet files can be read.",
-                            "Convert the file or leave it out of data.paths.")
-        if not self._files:
-            raise UserError("data.paths", self.paths, "The corpus has no input files.",
-                            "Give existing .txt/.jsonl/.parquet files.")
 
     def files(self) -> list[Path]:
         return self._files
@@ -114,21 +99,154 @@ class TextFiles:
             if p.suffix == ".txt":
                 yield name, p.read_text(encoding="utf-8", errors="replace")
                 continue
-            import datasets  # lazy: heavy
+            if p.suffix == ".parquet":
+                yield from self._parquet(p, name)
+                continue
+            for i, (_, line, record) in enumerate(read_records(p)):
+                text = record.get(self.text_field)
+                if not isinstance(text, str):
+                    problem = "has no" if self.text_field not in record else f"has {JSON_TYPES.get(type(text))} in its"
+                    raise UserError("data.text_field", self.text_field, f"The record at {p}:{line} {problem} "
+                                    f"`{self.text_field}` field (its keys: {sorted(record)}); every record needs its "
+                                    "text there as a string.", "Correct or remove that record, or name the field that holds "
+                                    "the text: data.text_field=<key>.")
+                yield f"{name}:{i}", text
 
-            datasets.disable_progress_bars()
-            kind = "parquet" if p.suffix == ".parquet" else "json"
-            ds = datasets.load_dataset(kind, data_files=str(p), split="train")
-            if self.text_field not in ds.column_names:
-                raise UserError("data.text_field", self.text_field, f"{p} has no such column (it has {ds.column_names}).",
-                                f"Use data.text_field=<one of {ds.column_names}>.")
-            for i, text in enumerate(ds[self.text_field]):
-                yield f"{name}:{i}", text or ""
+    def _parquet(self, p: Path, name: str) -> Iterator[tuple[str, str]]:
+        import datasets  # lazy: heavy
+
+        datasets.disable_progress_bars()
+        ds = datasets.load_dataset("parquet", data_files=str(p), split="train")
+        if self.text_field not in ds.column_names:
+            raise UserError("data.text_field", self.text_field, f"{p} has no such column (it has {ds.column_names}).",
+                            f"Use data.text_field=<one of {ds.column_names}>.")
+        for i, text in enumerate(ds[self.text_field]):
+            if not isinstance(text, str):  # a null, or a column of another type
+                raise UserError("data.text_field", self.text_field, f"Row {i} of {p} has a {type(text).__name__} in "
+                                "that column, not a text.", "Correct or remove that row, or name the column that holds "
+                                "the text: data.text_field=<column>.")
+            yield f"{name}:{i}", text
 
     def fingerprint(self) -> str:
         if self._fingerprint is None:
             self._fingerprint = _files_fingerprint(self.files(), f"text|{self.text_field}")
         return self._fingerprint
+
+
+def input_files(paths: list[str], suffixes: tuple[str, ...]) -> list[Path]:
+    """The files ``data.paths`` names (files, directories searched recursively, glob patterns), in a fixed
+    order. A pattern that matches nothing, a named file of another format, an unreadable file, or no file at
+    all is refused (exit 2): a corpus is never silently smaller than the user listed, nor replaced."""
+    known = "/".join(suffixes)
+    files: list[Path] = []
+    for pattern in paths:
+        hits = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
+        if not hits:
+            raise UserError("data.paths", pattern, "Nothing exists at that path or pattern.",
+                            f"Give existing {known} files, directories or glob patterns.")
+        for hit in hits:
+            p = Path(hit)
+            if p.is_dir():
+                found = _files_under(p, suffixes)
+                if not found:
+                    raise UserError("data.paths", hit, f"The directory holds no {known} file (searched recursively).",
+                                    f"Put the data there as {known} files, or name the files themselves.")
+                files += found
+            elif p.suffix not in suffixes:
+                raise UserError("data.paths", hit, f"Only {known} files can be read, and this one is not of those "
+                                "formats.", "Convert the file, or leave it out of data.paths.")
+            else:
+                files.append(p)
+    for p in files:
+        if not os.access(p, os.R_OK):
+            raise UserError("data.paths", str(p), "The file cannot be read (no read permission).",
+                            "Fix its permissions (chmod u+r), or leave it out of data.paths.")
+    return files
+
+
+def _files_under(root: Path, suffixes: tuple[str, ...]) -> list[Path]:
+    """Files of these formats under ``root``, less hidden ones and shardyard's own caches (a ``data.cache_dir``
+    inside the corpus holds .json files that are not documents)."""
+    found = []
+    for here, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if not d.startswith(".") and not os.path.isfile(os.path.join(here, d, MANIFEST))]
+        found += [Path(here, n) for n in names if not n.startswith(".") and Path(n).suffix in suffixes]
+    return sorted(found)
+
+
+def read_records(path: Path) -> Iterator[tuple[int, int, dict]]:
+    """``(ordinal, line, record)`` for every JSON object of a ``.jsonl`` file (one object per line) or a ``.json``
+    file (a JSON array of objects, or one object per line). The ordinal is the 0-based line of a line-per-record
+    file and the element index of an array. Anything else (a line that is not JSON, a value that is not an
+    object, text that is not UTF-8) exits 2 naming the file and line: a file is read whole or refused."""
+    try:
+        if path.suffix == ".json":
+            text = path.read_text(encoding="utf-8")
+            if text.lstrip().startswith("["):
+                yield from _array_records(path, text)
+                return
+            lines: Iterable[str] = text.splitlines()
+        else:
+            with open(path, encoding="utf-8") as f:
+                lines = f.read().splitlines()
+    except UnicodeDecodeError as e:
+        raise UserError("data.paths", str(path), f"The file is not UTF-8 text ({e.reason} at byte {e.start}).",
+                        "Convert it to UTF-8 (iconv -t utf-8), or leave it out of data.paths.") from None
+    for i, line in enumerate(lines):
+        if line.strip():
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError("data.paths", f"{path}:{i + 1}", f"The line is not JSON ({e.msg}, column {e.colno}).",
+                                "Correct or remove that line: each line holds one JSON object.") from None
+            yield i, i + 1, _record(value, path, i + 1)
+
+
+def _array_records(path: Path, text: str) -> Iterator[tuple[int, int, dict]]:
+    """The elements of a ``.json`` file holding one array, each with the line it starts on."""
+    decoder = json.JSONDecoder()
+    pos, line, seen = 0, 1, 0  # line = the line of text[seen]
+
+    def line_at(i: int) -> int:
+        nonlocal line, seen
+        line, seen = line + text.count("\n", seen, i), i
+        return line
+
+    def skip(i: int) -> int:  # past JSON whitespace
+        while i < len(text) and text[i] in " \t\r\n":
+            i += 1
+        return i
+
+    def refuse(i: int, problem: str):
+        return UserError("data.paths", f"{path}:{line_at(i)}", problem, "Correct the file: a .json file holds one array "
+                         "of JSON objects, [{...}, {...}], or one object per line.")
+
+    pos = skip(text.index("[") + 1)
+    index = 0
+    while pos < len(text) and text[pos] != "]":
+        try:
+            value, end = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError as e:
+            raise refuse(e.pos, f"The array's element {index} is not JSON ({e.msg}).") from None
+        yield index, line_at(pos), _record(value, path, line_at(pos))
+        pos = skip(end)
+        if pos < len(text) and text[pos] == ",":
+            pos, index = skip(pos + 1), index + 1
+        elif pos >= len(text) or text[pos] != "]":
+            raise refuse(pos, f"A `,` or the closing `]` is missing after the array's element {index}.")
+    if pos >= len(text) or text[pos + 1:].strip():
+        raise refuse(min(pos, len(text)), "The array is not closed by `]`, or text follows it.")
+
+
+JSON_TYPES = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
+              type(None): "null"}
+
+
+def _record(value, path: Path, line: int) -> dict:
+    if not isinstance(value, dict):
+        raise UserError("data.paths", f"{path}:{line}", f"The record is {JSON_TYPES.get(type(value), 'no object')}, "
+                        "not a JSON object ({...}).", "Correct or remove it: every record is a JSON object with named fields.")
+    return value
 
 
 class _Iterable:
@@ -185,11 +303,76 @@ def _locked(path: str):
 
 
 def _publish(tmp: str, final: str) -> None:
-    """Make a fully written directory visible under its final name in one rename."""
+    """Record every file's size and sha256 in the directory's manifest, then make it visible under its final
+    name in one rename."""
+    files = {name: {"size": os.path.getsize(os.path.join(tmp, name)), "sha256": _sha256(os.path.join(tmp, name))}
+             for name in sorted(os.listdir(tmp))}
+    with open(os.path.join(tmp, MANIFEST), "w") as f:
+        json.dump({"key": os.path.basename(final), "files": files}, f, indent=1)
     if os.path.exists(final):
         shutil.rmtree(tmp)
     else:
         os.replace(tmp, final)
+
+
+MANIFEST = "shardyard_cache.json"
+"""A cache directory's manifest: its key and every other file's size and sha256, written last before the
+directory is published."""
+
+_verified: dict[str, list] = {}
+"""Cache directories this process verified, with their files' (name, size, mtime) then: hashed once per process
+unless a file changes."""
+
+
+def _sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def cache_problem(out: str) -> str | None:
+    """Why the cache directory ``out`` cannot be used (missing, no or a broken manifest, a file missing,
+    of another size or another sha256), or None when it verifies."""
+    try:
+        listing = sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(out))
+    except FileNotFoundError:
+        return "missing"
+    if _verified.get(out) == listing:
+        return None
+    try:
+        manifest = json.loads(Path(out, MANIFEST).read_text())
+        files = {str(name): (int(want["size"]), str(want["sha256"])) for name, want in manifest["files"].items()}
+    except FileNotFoundError:
+        return "it has no manifest (written by an older shardyard, or by a build that was cut short)"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"its manifest {MANIFEST} is unreadable ({type(e).__name__}: {e})"
+    for name, (size, digest) in files.items():
+        path = os.path.join(out, name)
+        if not os.path.isfile(path):
+            return f"{name} is missing"
+        if os.path.getsize(path) != size:
+            return f"{name} has {os.path.getsize(path)} bytes, not the {size} it was written with"
+        if _sha256(path) != digest:
+            return f"{name} does not match the sha256 it was written with"
+    _verified[out] = listing
+    return None
+
+
+def _cached(out: str, what: str, build) -> str:
+    """The cache directory ``out``, verified against its manifest; built (once per machine, under a file lock)
+    when it is missing, and rebuilt, saying so, when it does not verify (never used as it is)."""
+    if cache_problem(out) is None:
+        return out
+    with _locked(out + ".lock"):
+        problem = cache_problem(out)  # another process may have built it meanwhile
+        if problem is None:
+            return out
+        if problem != "missing":
+            print(f"shardyard | the cached {what} {out} does not verify ({problem}): rebuilding it", flush=True)
+            aside = tempfile.mkdtemp(dir=os.path.dirname(out), prefix=".corrupt-")
+            os.replace(out, os.path.join(aside, "cache"))  # out of the way in one rename, then removed
+            shutil.rmtree(aside, ignore_errors=True)
+        build(out)
+    return out
 
 
 def _cache_key(d: DictConfig, src: DocumentSource, extra: str) -> str:
@@ -200,12 +383,7 @@ def _cache_key(d: DictConfig, src: DocumentSource, extra: str) -> str:
 def tokenizer_dir(d: DictConfig, src: DocumentSource) -> str:
     key = _cache_key(d, src, f"bpe|{d.tokenizer.vocab_size}|{d.tokenizer.train_bytes}")
     out = os.path.join(d.cache_dir, "tokenizers", f"{key}-bpe{d.tokenizer.vocab_size}")
-    if os.path.exists(out):
-        return out
-    with _locked(out + ".lock"):
-        if not os.path.exists(out):
-            _train_tokenizer(d, src, out)
-    return out
+    return _cached(out, "tokenizer", lambda out: _train_tokenizer(d, src, out))
 
 
 def _train_tokenizer(d: DictConfig, src: DocumentSource, out: str) -> None:
@@ -248,12 +426,7 @@ def token_dir(d: DictConfig, src: DocumentSource, tok_dir: str) -> str:
                                                                 "special_tokens_map.json") if Path(tok_dir, f).is_file())
         tok_hash += f"|rows-v2|{d.seq_len}|" + hashlib.sha256(extra).hexdigest()[:8]  # v2: one .npy per array
     out = os.path.join(d.cache_dir, "tokens", _cache_key(d, src, f"tok|{tok_hash}"))
-    if os.path.exists(out):
-        return out
-    with _locked(out + ".lock"):
-        if not os.path.exists(out):
-            (_tokenize_rows if rows else _tokenize)(d, src, tok_dir, out)
-    return out
+    return _cached(out, "token arrays", lambda out: (_tokenize_rows if rows else _tokenize)(d, src, tok_dir, out))
 
 
 def _tokenize_rows(d: DictConfig, src, tok_dir: str, out: str) -> None:
@@ -311,20 +484,46 @@ class Prepared:
 
 
 def has_tokenizer(path: str) -> bool:
-    return any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
+    """A fast HF tokenizer is there: its ``tokenizer.json`` (what every cache key and load reads)."""
+    return os.path.isfile(os.path.join(os.path.expanduser(path), "tokenizer.json"))
 
 
-def tokenizer_path(cfg: DictConfig) -> str | None:
-    """The tokenizer to use as is: ``data.tokenizer.path``, else the model directory's own (``model=hf``), else
-    None (train a BPE tokenizer on the data)."""
+def tokenizer_source(cfg: DictConfig) -> tuple[str, str] | None:
+    """``(key, directory)`` of the tokenizer to use as is: ``data.tokenizer.path``, else the model directory's
+    own (``model=hf``), else None (train a BPE tokenizer on the data)."""
     if cfg.data.tokenizer.path is not None:
-        return cfg.data.tokenizer.path
-    for model_dir in (cfg.model.get("path"), cfg.model.get("weights")):  # a pretrained model brings its tokenizer
+        return "data.tokenizer.path", cfg.data.tokenizer.path
+    for key in ("path", "weights"):  # a pretrained model brings its tokenizer
+        model_dir = cfg.model.get(key)
         if isinstance(model_dir, str) and model_dir != "auto":
             model_dir = os.path.expanduser(model_dir)
             if os.path.isdir(model_dir) and has_tokenizer(model_dir):
-                return model_dir
+                return f"model.{key}", model_dir
     return None
+
+
+def tokenizer_path(cfg: DictConfig) -> str | None:
+    found = tokenizer_source(cfg)
+    return found[1] if found else None
+
+
+def check_tokenizer(key: str, path: str) -> None:
+    """The user's tokenizer directory holds a ``tokenizer.json`` that loads (a truncated or foreign file exits 2
+    at validation, not as a traceback in the data build)."""
+    from tokenizers import Tokenizer
+
+    file = os.path.join(os.path.expanduser(path), "tokenizer.json")
+    if not os.path.isfile(file):
+        raise UserError(key, path, "No fast HF tokenizer (tokenizer.json) is in that directory.",
+                        "Point it at a directory written by a tokenizer's save_pretrained (a slow, sentencepiece-only "
+                        "tokenizer can be converted once: AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR2)), "
+                        "or set data.tokenizer.path=null to train a BPE tokenizer on the data.")
+    try:
+        Tokenizer.from_file(file)
+    except Exception as e:  # the Rust parser's error: truncated JSON, an unknown model type, ...
+        raise UserError(key, path, f"Its tokenizer.json cannot be loaded ({str(e).splitlines()[0][:200]}).",
+                        "Copy the tokenizer files again (a truncated copy is the usual cause), or write them anew "
+                        "with the tokenizer's save_pretrained(DIR).") from None
 
 
 def prepare(cfg: DictConfig, embedding_rows: int | None = None) -> Prepared:

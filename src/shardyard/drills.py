@@ -6,11 +6,14 @@
 * ``SHARDYARD_TEST_POISON_GRAD=STEP:RANK:PARAM``: the gradient of parameter PARAM turns NaN on that rank
   during that step.
 * ``SHARDYARD_TEST_PAUSE_IN_SAVE=SECONDS[@STEP]``: every rank sleeps inside the checkpoint save (of STEP).
+* ``SHARDYARD_TEST_KILL_IN_SAVE=POINT@STEP[:RANK]``: when that rank (default 0) reaches the named point of the
+  save of STEP (``SAVE_POINTS``), the whole job dies by SIGKILL at once, as in a node failure.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from typing import Callable
@@ -54,3 +57,29 @@ def pause_in_save(step: int) -> None:
     if float(seconds or 0) and (not at or int(at) == step):
         print(f"shardyard | SHARDYARD_TEST_PAUSE_IN_SAVE: pausing {seconds}s inside the save", flush=True, file=sys.stderr)
         time.sleep(float(seconds))
+
+
+SAVE_POINTS = ("begin", "engine_written", "rank_written", "before_hash", "before_meta", "before_fsync",
+               "before_rename", "before_latest", "before_prune")
+"""Where ``Checkpointer.save`` calls ``save_point``, in order: tmp dir made; this rank's engine files written;
+its RNG file (and HF export) written; then rank 0 only: RNG files merged; files hashed and fsynced; meta.json
+written; directories fsynced; renamed; ``latest`` moved."""
+
+
+def save_point(name: str, step: int, rank: int) -> None:
+    spec = os.environ.get("SHARDYARD_TEST_KILL_IN_SAVE")
+    if not spec:
+        return
+    point, _, at = spec.partition("@")
+    at, _, who = at.partition(":")
+    if point not in SAVE_POINTS:
+        raise ValueError(f"SHARDYARD_TEST_KILL_IN_SAVE={spec!r}: the point is one of {SAVE_POINTS}")
+    if (point, int(at), int(who or 0)) != (name, step, rank):
+        return
+    print(f"shardyard | SHARDYARD_TEST_KILL_IN_SAVE: rank {rank} kills the job at {name} of step {step}",
+          file=sys.stderr, flush=True)
+    # The job is this process group (train.py started in its own session, CPU workers forked from it); spawned
+    # workers have a session of their own under the elastic agent, which goes first.
+    if "TORCHELASTIC_RUN_ID" in os.environ and os.getpgid(os.getppid()) != os.getpgrp():
+        os.killpg(os.getpgid(os.getppid()), signal.SIGKILL)
+    os.killpg(os.getpgrp(), signal.SIGKILL)

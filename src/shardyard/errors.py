@@ -34,4 +34,4 @@ def report_and_exit(err: UserError) -> None:
     sys.stdout.flush()
     if not (err.all_ranks and os.environ.get("RANK", "0") != "0"):
         print(err.paragraph(), file=sys.stderr, flush=True)
-    sys.exit(EXIT_USER_ERROR)
+    sys.exit(getattr(err, "exit_code", EXIT_USER_ERROR))  # a failed checkpoint save: 1 (the run failed)

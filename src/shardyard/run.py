@@ -53,6 +53,11 @@ def _run(cfg: DictConfig) -> None:
     if planned is None:
         return  # plan.only: the plan is printed, nothing runs
     plan = planned
+    complete = rundir.finished(cfg)  # resume=auto on a finished run: every process decides alike, writes nothing
+    if complete is not None:
+        if env is None or env.is_rank0:
+            print(f"shardyard | {complete} Run dir: {cfg.run_dir}", flush=True)
+        return
     dist_env.network_env(cfg.launch.socket_ifname)  # before any process group exists
     if env is None:
         _run_parent(cfg, plan)

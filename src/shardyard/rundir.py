@@ -6,6 +6,7 @@ model facts): a worker started by our launcher reads both and neither re-compose
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -22,7 +23,10 @@ def resolved(cfg: DictConfig) -> DictConfig:
 
 
 def prepare(cfg: DictConfig, plan=None) -> str:
-    """Create the run dir and write ``config.yaml`` (and ``plan.json``) atomically, without clobbering a run."""
+    """Create the run dir and write ``config.yaml`` (and ``plan.json``) atomically. Called once per run, by the
+    process that owns the dir (the parent, node 0, or rank 0 of an external launch), before anything else is
+    written: a dir holding another run's results is refused (or moved aside with
+    ``checkpoint.overwrite_run_dir``), and so is a ``checkpoint.dir`` another run writes."""
     run_dir = cfg.run_dir
     try:
         os.makedirs(run_dir, exist_ok=True)
@@ -32,19 +36,239 @@ def prepare(cfg: DictConfig, plan=None) -> str:
     except OSError as e:
         raise UserError("hydra.run.dir", run_dir, f"The run directory cannot be created or written ({e.strerror}).",
                         "Choose a writable place, e.g. hydra.run.dir=outputs/my-run.") from None
+    _check_checkpoint_owner(cfg)
+    held = find(cfg)
+    if held is not None:
+        _claim(cfg, held)
+    _claim_checkpoint_dir(cfg)
     path = os.path.join(run_dir, "config.yaml")
-    ckpt_dir = cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints")
-    if os.path.exists(path) and cfg.checkpoint.resume is None and os.path.isdir(ckpt_dir) and os.listdir(ckpt_dir):
-        raise UserError("hydra.run.dir", run_dir, "That run directory already holds a run with checkpoints.",
-                        "Continue it with checkpoint.resume=auto, or choose a new hydra.run.dir.")
-    if os.path.exists(path):  # keep the config the run started with beside the new one
-        os.replace(path, os.path.join(run_dir, "config.previous.yaml"))
-    _write(path, OmegaConf.to_yaml(resolved(cfg)))
+    text = OmegaConf.to_yaml(resolved(cfg))
+    if os.path.exists(path) and _read(path) != text:  # a resumed run with other overrides: keep what it ran with
+        os.replace(path, _free(os.path.join(run_dir, "config.previous"), ".yaml"))
+    if not os.path.exists(path):
+        _write(path, text)
     if plan is not None:
         from shardyard.config.validate import to_json
 
         _write(os.path.join(run_dir, "plan.json"), json.dumps(to_json(plan), indent=1))
     return run_dir
+
+
+# ------------------------------------------------------------------------------ one run per run dir
+RESULTS = ("config.yaml", "plan.json", "summary.json", "metrics.jsonl", "metrics.csv", "hf")
+"""What a run writes into its run dir, besides its checkpoints, that makes the dir that run's. Hydra's own
+``.hydra/`` and job log (``*.log``), and a sweep job's ``result.json``, are written before shardyard runs and
+are not a run's results."""
+
+OWNER = "OWNER"
+"""In ``checkpoint.dir``: the absolute path of the run dir whose run writes (and prunes) checkpoints there."""
+
+
+@dataclasses.dataclass
+class Held:
+    """What an earlier run left in a run dir."""
+
+    names: list[str]
+    """Its results there (``RESULTS`` present, and ``checkpoints`` when it saved any)."""
+    finished_at: int | None
+    """The step its ``summary.json`` says it finished at (or stopped early at); ``None``: it never finished."""
+    checkpoint_at: int | None
+    """Its newest checkpoint's step; ``None``: no checkpoint."""
+    target: int | None = None
+    """The ``train.steps`` of the run that wrote ``summary.json``: done with anything up to it."""
+
+    def describe(self) -> str:
+        state = (f"a run that finished at step {self.finished_at}" if self.finished_at is not None else
+                 f"a run with checkpoints up to step {self.checkpoint_at}" if self.checkpoint_at is not None else
+                 "a run that started but has no checkpoint")
+        names = [f"checkpoints up to step {self.checkpoint_at}" if n == "checkpoints" and self.finished_at is not None
+                 else n for n in self.names]
+        return f"{state} ({', '.join(names)})"
+
+
+def checkpoint_dir(cfg: DictConfig) -> str:
+    return cfg.checkpoint.dir or os.path.join(cfg.run_dir, "checkpoints")
+
+
+def checkpoint_steps(directory: str) -> list[int]:
+    """The steps of the complete-looking (published) checkpoints in ``directory``, oldest first."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    return sorted(int(n[5:]) for n in names if n.startswith("step-") and n[5:].isdigit()
+                  and os.path.isdir(os.path.join(directory, n)))
+
+
+def find(cfg: DictConfig, results: tuple[str, ...] = RESULTS) -> Held | None:
+    """The results of a run already in ``cfg.run_dir`` (and its checkpoint dir), or ``None`` if it holds none."""
+    run_dir = cfg.run_dir
+    names = [n for n in results if os.path.exists(os.path.join(run_dir, n))]
+    steps = checkpoint_steps(checkpoint_dir(cfg))
+    if steps:
+        names.append("checkpoints")
+    if not names:
+        return None
+    summary = _summary(run_dir)
+    target = summary.get("steps") if summary is not None else None
+    target = target if isinstance(target, int) else None
+    stopped = summary.get("stopped_early_at") or summary.get("pruned_at") if summary is not None else None
+    return Held(names, stopped if isinstance(stopped, int) else target, steps[-1] if steps else None, target)
+
+
+def finished(cfg: DictConfig) -> str | None:
+    """``checkpoint.resume=auto`` on a run that has nothing left to do: the line saying so, else ``None``.
+    Read-only, so every process of a job (every node, every rank of an external launch) decides the same."""
+    if cfg.checkpoint.resume != "auto" or cfg.checkpoint.overwrite_run_dir:
+        return None
+    _check_checkpoint_owner(cfg)  # another run's checkpoints say nothing about this one
+    held = find(cfg)
+    if held is None:
+        return None
+    want = cfg.train.steps
+    if held.checkpoint_at is not None and held.checkpoint_at >= want:
+        from shardyard.checkpoint import verify  # torch: loaded by now in every process that gets here
+
+        newest = os.path.join(checkpoint_dir(cfg), f"step-{held.checkpoint_at:08d}")
+        if verify(newest) is None:  # a broken newest one is the worker's to fall back from
+            return (f"the run is already complete: its checkpoint {newest} is at step {held.checkpoint_at} and "
+                    f"train.steps is {want}; nothing was changed. Raise train.steps to train on.")
+    if held.target is not None and held.target >= want and (held.checkpoint_at or 0) <= held.target:
+        more = ("Raise train.steps to train on from its newest checkpoint." if held.checkpoint_at is not None else
+                "It saved no checkpoint to train on from (checkpoint.every_n_steps=0).")
+        return (f"the run is already complete: it finished at step {held.finished_at} (summary.json) and "
+                f"train.steps is {want}; nothing was changed. {more}")
+    return None
+
+
+def _claim(cfg: DictConfig, held: Held) -> None:
+    """The run dir holds results: go on only when this run continues them, or move them aside when asked."""
+    run_dir, c = cfg.run_dir, cfg.checkpoint
+    if c.overwrite_run_dir:  # validation refuses it beside checkpoint.resume
+        moved = move_aside(cfg)
+        print(f"shardyard | checkpoint.overwrite_run_dir: {held.describe()} moved aside to "
+              f"{', '.join(moved)} (nothing deleted)", flush=True)
+        return
+    choices = (f"Continue that run with checkpoint.resume=auto, choose a new hydra.run.dir, or set "
+               f"checkpoint.overwrite_run_dir=true to move its results aside into {run_dir}/previous-<time>/ "
+               "(nothing is deleted).")
+    if c.resume is None:
+        raise UserError("hydra.run.dir", run_dir, f"It holds another run's results: {held.describe()}.", choices)
+    if c.resume != "auto" and not _inside(c.resume, checkpoint_dir(cfg)):
+        raise UserError("hydra.run.dir", run_dir, f"It holds another run's results: {held.describe()}; "
+                        f"checkpoint.resume={c.resume} is a checkpoint of some other run, whose continuation "
+                        "would mix with them.", "Resume into a new hydra.run.dir, or set "
+                        "checkpoint.overwrite_run_dir=true to move the old results aside (nothing is deleted).")
+    if held.checkpoint_at is None and held.finished_at is not None:  # resume=auto with train.steps raised
+        raise UserError("hydra.run.dir", run_dir, f"checkpoint.resume={c.resume}: it holds {held.describe()}, "
+                        "which saved no checkpoint to continue from (checkpoint.every_n_steps=0).",
+                        "Choose a new hydra.run.dir, or set checkpoint.overwrite_run_dir=true (without "
+                        "checkpoint.resume) to move its results aside and train afresh (nothing is deleted).")
+    if held.checkpoint_at is None:  # a requeued job that was stopped before its first checkpoint
+        print(f"shardyard | checkpoint.resume=auto: {run_dir} holds {held.describe()}; starting from step 0 "
+              "(its logged steps are dropped from the metrics)", flush=True)
+
+
+def move_aside(cfg: DictConfig) -> list[str]:
+    """``checkpoint.overwrite_run_dir``: move every entry of the run dir except Hydra's and earlier
+    ``previous-*`` dirs into ``<run_dir>/previous-<time>/``, and a checkpoint dir outside it to
+    ``<checkpoint.dir>.previous-<time>``; returns where they went. Renames only: nothing is copied or deleted."""
+    import time
+
+    run_dir, stamp = cfg.run_dir, time.strftime("%Y%m%d-%H%M%S")
+    keep = {".hydra", "result.json"}  # Hydra's, and a sweep job's record of this very start
+    entries = [n for n in sorted(os.listdir(run_dir))
+               if n not in keep and not n.startswith("previous-") and not n.endswith(".log")]
+    moved = []
+    if entries:
+        aside = _free(os.path.join(run_dir, f"previous-{stamp}"), "")
+        os.makedirs(aside)
+        for n in entries:
+            os.rename(os.path.join(run_dir, n), os.path.join(aside, n))
+        moved.append(aside)
+    ckpt = checkpoint_dir(cfg)
+    if os.path.isdir(ckpt) and not _inside(ckpt, run_dir):
+        aside = _free(f"{os.path.normpath(ckpt)}.previous-{stamp}", "")
+        os.rename(ckpt, aside)
+        moved.append(aside)
+    return moved
+
+
+def _check_checkpoint_owner(cfg: DictConfig) -> None:
+    """A ``checkpoint.dir`` outside the run dir that another run writes is refused: this run would publish into
+    it and ``keep_last`` would prune that run's checkpoints. Reading one (``checkpoint.resume=PATH``) is fine."""
+    ckpt = checkpoint_dir(cfg)
+    if _inside(ckpt, cfg.run_dir) or not os.path.isdir(ckpt):
+        return
+    owner = _read(os.path.join(ckpt, OWNER)).strip() or None
+    steps = checkpoint_steps(ckpt)
+    if owner is None and not steps:
+        return
+    if owner is not None and _same(owner, cfg.run_dir):
+        return
+    if owner is None and _configured_ckpt_dir(cfg.run_dir) == os.path.realpath(ckpt):
+        return  # written before owner files existed, by the run in this very dir
+    held = f", with checkpoints up to step {steps[-1]}" if steps else ""
+    whose = f"the run in {owner} (its {OWNER} file){held}" if owner else f"another run (no {OWNER} file){held}"
+    fix = (f"Choose a new checkpoint.dir (or leave it out: <run_dir>/checkpoints), or continue that run: "
+           f"hydra.run.dir={owner} checkpoint.resume=auto." if owner else
+           "Choose a new checkpoint.dir (or leave it out: <run_dir>/checkpoints).")
+    raise UserError("checkpoint.dir", cfg.checkpoint.dir, f"It belongs to {whose}: this run would write its "
+                    "checkpoints there and prune that run's.", fix + " Starting from one of its checkpoints "
+                    "only reads it: checkpoint.resume=PATH.")
+
+
+def _claim_checkpoint_dir(cfg: DictConfig) -> None:
+    """Name this run in its checkpoint dir before it writes there (``OWNER``, beside the ``step-*`` dirs)."""
+    ckpt = checkpoint_dir(cfg)
+    if not cfg.checkpoint.every_n_steps and not os.path.isdir(ckpt):
+        return  # no checkpoint will be written: no empty dir either
+    os.makedirs(ckpt, exist_ok=True)
+    if not os.path.exists(os.path.join(ckpt, OWNER)):
+        _write(os.path.join(ckpt, OWNER), os.path.abspath(cfg.run_dir) + "\n")
+
+
+def _configured_ckpt_dir(run_dir: str) -> str | None:
+    try:
+        ckpt = OmegaConf.load(os.path.join(run_dir, "config.yaml")).checkpoint.dir
+    except Exception:  # noqa: BLE001 - no config, or not one of ours: no claim
+        return None
+    return os.path.realpath(ckpt) if ckpt else None
+
+
+def _summary(run_dir: str) -> dict | None:
+    try:
+        with open(os.path.join(run_dir, "summary.json")) as f:
+            out = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return out if isinstance(out, dict) else None
+
+
+def _inside(path: str, directory: str) -> bool:
+    p, d = os.path.realpath(path), os.path.realpath(directory)
+    return p == d or p.startswith(d.rstrip(os.sep) + os.sep)
+
+
+def _same(a: str, b: str) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _free(stem: str, suffix: str) -> str:
+    """``stem + suffix``, or ``stem-2 + suffix``, ``stem-3``...: the first name not taken (nothing is replaced)."""
+    path, n = stem + suffix, 1
+    while os.path.lexists(path):
+        n += 1
+        path = f"{stem}-{n}{suffix}"
+    return path
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
 
 
 def wait_for_node0(cfg: DictConfig, timeout_s: float) -> str:
@@ -53,6 +277,12 @@ def wait_for_node0(cfg: DictConfig, timeout_s: float) -> str:
     import time
 
     run_dir, n, r = cfg.run_dir, cfg.launch.nnodes, cfg.launch.node_rank
+    # Node 0 refuses a run dir holding another run; an old config.yaml equal to ours must not let this node
+    # go on alone. What the new run writes after config.yaml and plan.json (metrics, checkpoints, summary)
+    # appears only once every node has joined it, so these are an earlier run's.
+    held = find(cfg, tuple(x for x in RESULTS if x not in ("config.yaml", "plan.json")))
+    if held is not None and cfg.checkpoint.resume is None and not cfg.checkpoint.overwrite_run_dir:
+        _claim(cfg, held)  # raises, as on node 0
     path = os.path.join(run_dir, "config.yaml")
     mine = _without_node_rank(resolved(cfg))
     theirs = None

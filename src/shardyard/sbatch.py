@@ -48,6 +48,24 @@ class SbatchOptions:
     """Where the script, Slurm's log and the run dirs (one per job id) go; default ``outputs/sbatch/JOB_NAME``."""
 
 
+def check_value(key: str, value: str, directive: bool = False) -> str:
+    """A value that goes into the script: one line of printable text, which ``shlex.quote`` then makes one
+    shell word. A newline would end the quoted word's line and start a command of its own; other control
+    characters (a carriage return, an escape sequence) make the script read differently on a terminal than it
+    runs. In an ``#SBATCH`` line (``directive``) a backslash is refused too: Slurm's parser of those lines takes
+    it as an escape even inside quotes, so Slurm would read another value than bash."""
+    bad = next((c for c in value if ord(c) < 32 or 127 <= ord(c) < 160), None)
+    if bad is not None:
+        raise UserError(key, value, f"It holds the control character {bad!r}, and every value written into the job "
+                        "script must be one line of printable text (a newline would start a command of its own).",
+                        f"Give {key} without newlines or control characters.")
+    if directive and "\\" in value:
+        raise UserError(key, value, "It holds a backslash, which Slurm's #SBATCH parser reads as an escape "
+                        "character (even inside quotes), so Slurm would see another value than the one given.",
+                        f"Give {key} without a backslash.")
+    return value
+
+
 def parse(args: list[str]) -> tuple[SbatchOptions, list[str]]:
     """Split the command line into this command's options and the train.py overrides."""
     opts = SbatchOptions()
@@ -55,6 +73,8 @@ def parse(args: list[str]) -> tuple[SbatchOptions, list[str]]:
     overrides = []
     for arg in args:
         key, eq, value = arg.partition("=")
+        check_value(key if eq and key.isprintable() else "shardyard sbatch", arg if key not in names else value,
+                    directive=key in names)
         if not eq:
             raise UserError("shardyard sbatch", arg, "Arguments are KEY=VALUE (sbatch keys or train.py overrides).",
                             "Write e.g. `shardyard sbatch recipe=deepseek7b_zero3 nodes=2 gpus_per_node=8`.")
@@ -93,10 +113,21 @@ def _compose_check(overrides: list[str], project: bool) -> str:
 
 def script(opts: SbatchOptions, overrides: list[str], command_line: str, out_dir: Path, python: str,
            workdir: Path, entry: list[str]) -> str:
-    """The batch script's text. Each line says why it is there."""
+    """The batch script's text. Each line says why it is there. Every value in it is checked (``check_value``)
+    and shell-quoted, the ``#SBATCH`` ones included (Slurm's parser of those lines honours the same quotes)."""
     tasks = opts.tasks_per_node or opts.gpus_per_node or 1
     world = tasks * opts.nodes
     q = shlex.quote
+    for key in ("job_name", "partition", "time", "account", "qos"):
+        check_value(key, getattr(opts, key) or "", directive=True)
+    check_value("out_dir", str(out_dir), directive=True)
+    if "%" in str(out_dir):
+        raise UserError("out_dir", str(out_dir), "Slurm reads % in the log's path as a file-name pattern (%j: the "
+                        "job id), so the log would be written somewhere else.", "Give an out_dir without %.")
+    check_value("the working directory", str(workdir))
+    check_value("the Python interpreter", python)
+    for o in overrides:
+        check_value(o.partition("=")[0], o)
     sb = [f"--job-name={opts.job_name}", f"--nodes={opts.nodes}", f"--ntasks-per-node={tasks}"]
     if opts.gpus_per_node:
         sb.append(f"--gpus-per-node={opts.gpus_per_node}")
@@ -105,25 +136,28 @@ def script(opts: SbatchOptions, overrides: list[str], command_line: str, out_dir
         if getattr(opts, key) is not None:
             sb.append(f"--{flag}={getattr(opts, key)}")
     sb += ["--requeue", "--open-mode=append", f"--output={out_dir}/slurm-%j.out"]
-    train = " ".join([q(python), *map(q, entry), *map(q, overrides), 'hydra.run.dir="$RUN_DIR"',
-                      "checkpoint.resume=auto"])
+    # The run dir reaches train.py as SHARDYARD_RUN_DIR (the default of hydra.run.dir reads it), not as a
+    # hydra.run.dir= override: a path with spaces, commas or quotes would need Hydra's own quoting there.
+    train = " ".join([q(python), *map(q, entry), *map(q, overrides), "checkpoint.resume=auto"])
     return "\n".join([
         "#!/bin/bash",
         f"# {command_line}",
-        f"# Written by shardyard on {datetime.date.today()}. Submit: sbatch {out_dir}/job.sbatch",
+        f"# Written by shardyard on {datetime.date.today()}. Submit: sbatch {q(str(out_dir / 'job.sbatch'))}",
         f"# {world} workers: {tasks} srun task(s) per node x {opts.nodes} node(s), each a train.py worker whose rank",
         "# comes from SLURM_PROCID; rank 0 listens on the first node of the job. Requeued after preemption, the job",
         "# keeps its id, so it starts again in the same run dir and resumes from its newest complete checkpoint.",
         "# 1. --requeue: a preempted job (or `scontrol requeue`) goes back to the queue instead of failing.",
         "# 2. --open-mode=append: the requeued start's output follows the first one's in the same log.",
-        *(f"#SBATCH {s}" for s in sb),
+        *(f"#SBATCH {q(s)}" for s in sb),
         "set -euo pipefail",
         f"cd {q(str(workdir))}",
         "# 3. Rank 0's address: the job's first node, by name where it resolves, else by Slurm's NodeAddr for it.",
         f"export MASTER_ADDR=$({q(python)} -c 'from shardyard.dist_env import slurm_master_address as a; print(a())')",
         "# 4. One port per job (the same after a requeue: the previous run's workers are gone by then).",
         "export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))",
-        f"RUN_DIR={q(str(out_dir))}/$SLURM_JOB_ID",
+        "# The run dir, one per job id; train.py takes it from SHARDYARD_RUN_DIR (hydra.run.dir's default).",
+        f"export SHARDYARD_RUN_DIR={q(str(out_dir))}/$SLURM_JOB_ID",
+        'RUN_DIR="$SHARDYARD_RUN_DIR"',
         'echo "shardyard sbatch: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST, start $((${SLURM_RESTART_COUNT:-0} + 1)), '
         'run dir $RUN_DIR, rank 0 at $MASTER_ADDR:$MASTER_PORT"',
         "# 5. --kill-on-bad-exit: one failed worker ends the step, instead of the others waiting for it until the",

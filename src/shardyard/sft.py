@@ -8,17 +8,16 @@ conversation). The restart is what keeps packed conversations apart: ``model.pac
 positions into a block-diagonal causal mask (sdpa, eager), and FlashAttention-2 reads them as varlen
 boundaries, so position and attention never cross a conversation.
 
-Sources: JSONL files of chat conversations (``{"messages": [{"role", "content"}, ...]}``) or instruction
-pairs (``instruction``/``input``/``output``, ``prompt``/``response``, ``question``/``answer``); without
-files, an embedded instruction set the project makes from data it has: questions about the standard
-library's functions and classes (their signatures), answered by the first paragraph of their docstrings.
+Sources: ``.jsonl``/``.json`` files of chat conversations (``{"messages": [{"role", "content"}, ...]}``)
+or instruction pairs (``instruction``/``input``/``output``, ``prompt``/``response``, ``question``/``answer``);
+without ``data.paths`` (and only then), an embedded instruction set the project makes from data it has:
+questions about the standard library's functions and classes (their signatures), answered by the first
+paragraph of their docstrings.
 """
 
 from __future__ import annotations
 
 import ast
-import glob
-import json
 import os
 import sysconfig
 from dataclasses import dataclass
@@ -93,41 +92,69 @@ def _documented(tree: ast.Module) -> Iterator[tuple[str, ast.FunctionDef | ast.C
                         yield f"{node.name}.{sub.name}", sub
 
 
+ROLES = ("system", "user", "assistant")
+"""The roles a conversation's messages may have (the templates render these three; the loss reads the
+assistant's)."""
+
+
 def to_messages(record: dict, where: str) -> list[dict]:
-    """One JSONL record as a list of ``{"role", "content"}`` messages (chat or instruction format)."""
+    """One record (``where``: its file and line) as a list of ``{"role", "content"}`` messages (chat or
+    instruction format). A field of the wrong type or an unknown role exits 2 naming ``where``."""
+    if not isinstance(record, dict):
+        raise UserError("data.paths", where, f"The record is {_json_type(record)}, not a JSON object.",
+                        "Fix or remove it: every record is a JSON object.")
     if "messages" in record:
         msgs = record["messages"]
         if not (isinstance(msgs, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in msgs)):
             raise UserError("data.paths", where, "Its `messages` must be a list of {\"role\", \"content\"} objects.",
                             "Fix the record, or leave the file out of data.paths.")
-        return [{"role": m["role"], "content": str(m["content"])} for m in msgs]
+        for k, m in enumerate(msgs):
+            if m["role"] not in ROLES:
+                raise UserError("data.paths", where, f"Message {k} has the role {m['role']!r}, which no template "
+                                f"renders (roles: {', '.join(ROLES)}).", "Rename the role, or leave the record out.")
+            if not isinstance(m["content"], str):
+                raise UserError("data.paths", where, f"Message {k}'s `content` is {_json_type(m['content'])}, not a "
+                                "string.", "Give every message's content as a string.")
+        return [{"role": m["role"], "content": m["content"]} for m in msgs]
     for q, a in (("instruction", "output"), ("prompt", "response"), ("question", "answer")):
         if q in record and a in record:
-            prompt = str(record[q]) + (f"\n\n{record['input']}" if record.get("input") else "")
-            msgs = [{"role": "system", "content": str(record["system"])}] if record.get("system") else []
-            return msgs + [{"role": "user", "content": prompt}, {"role": "assistant", "content": str(record[a])}]
+            for key in (q, a, "input", "system"):
+                if key in record and not isinstance(record[key], str) and not (key in ("input", "system")
+                                                                               and record[key] is None):
+                    raise UserError("data.paths", where, f"Its `{key}` is {_json_type(record[key])}, not a string.",
+                                    f"Give `{key}` as a string.")
+            prompt = record[q] + (f"\n\n{record['input']}" if record.get("input") else "")
+            msgs = [{"role": "system", "content": record["system"]}] if record.get("system") else []
+            return msgs + [{"role": "user", "content": prompt}, {"role": "assistant", "content": record[a]}]
     raise UserError("data.paths", where, f"The record has neither `messages` nor an instruction pair (its keys: "
                     f"{sorted(record)}).", "Use {\"messages\": [...]}, {\"instruction\", \"input\", \"output\"}, "
                     "{\"prompt\", \"response\"} or {\"question\", \"answer\"} records.")
 
 
+def _json_type(value) -> str:
+    from shardyard.data import JSON_TYPES
+
+    return JSON_TYPES.get(type(value), type(value).__name__)
+
+
 # ------------------------------------------------------------------------------------------------ source
+SUFFIXES = (".jsonl", ".json")
+"""What ``data.paths`` may name: JSONL files, and JSON files holding an array of records or one per line."""
+
+
 class SFTData:
-    """``data=sft``: conversations from JSONL files, or the embedded standard-library instruction set."""
+    """``data=sft``: conversations from ``.jsonl``/``.json`` files, or (no ``paths`` at all) the embedded
+    standard-library instruction set."""
 
     def __init__(self, paths: list[str], chat_template: str | None = None, packing: bool = True,
                  truncation: str = "truncate", max_examples: int = 3000):
         if truncation not in ("truncate", "drop"):
             raise UserError("data.truncation", truncation, "Unknown truncation policy.",
                             "Use truncate (keep the first data.seq_len tokens) or drop (leave the conversation out).")
-        self.files: list[Path] = []
-        for p in paths:
-            hits = sorted(Path(h) for h in glob.glob(os.path.expanduser(p), recursive=True))
-            if not hits:
-                raise UserError("data.paths", p, "Nothing exists at that path or pattern.",
-                                "Give existing .jsonl files (or none, for the embedded stdlib instruction set).")
-            for h in hits:
-                self.files += sorted(h.rglob("*.jsonl")) if h.is_dir() else [h]
+        from shardyard.data import input_files
+
+        # Paths given are the data, whatever they hold: no file of a known format exits 2 (never the embedded set).
+        self.files: list[Path] = input_files(list(paths), SUFFIXES) if paths else []
         if max_examples < 1:
             raise UserError("data.max_examples", max_examples, "It must be at least 1.", "Use e.g. 3000.")
         named_template(chat_template)  # a bad name is refused at validation, not after the tokenizer is built
@@ -139,17 +166,12 @@ class SFTData:
         if not self.files:
             yield from stdlib_qa(self.max_examples)
             return
+        from shardyard.data import read_records
+
         root = os.path.commonpath([str(p.parent) for p in self.files])
         for p in self.files:
-            with open(p, encoding="utf-8") as f:
-                for i, line in enumerate(f):
-                    if line.strip():
-                        where = f"{p}:{i + 1}"
-                        try:
-                            record = json.loads(line)
-                        except json.JSONDecodeError as e:
-                            raise UserError("data.paths", where, f"Not a JSON line ({e}).", "Fix or remove it.") from None
-                        yield f"{os.path.relpath(p, root)}:{i}", to_messages(record, where)
+            for ordinal, line, record in read_records(p):
+                yield f"{os.path.relpath(p, root)}:{ordinal}", to_messages(record, f"{p}:{line}")
 
     def documents(self) -> Iterator[tuple[str, str]]:
         """Plain text of every conversation (for training a tokenizer when there is none)."""

@@ -151,6 +151,7 @@ def train(cfg: DictConfig, plan: Plan, backend: Backend) -> dict:
 
     # 4. Train.
     mon = monitors.build(cfg, rank0)
+    mon.resume(ckpt.start)  # an earlier attempt's steps after the checkpoint are logged again: each step once
     try:
         def after_step(done: int) -> None:
             step["now"] = done + 1

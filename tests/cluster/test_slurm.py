@@ -4,6 +4,7 @@ runs to completion and, requeued by ``scontrol requeue``, resumes from its last 
 launcher runs a sweep of two-task jobs. Every run is compared with the single-host 2-worker run of its engine.
 Skipped, with the reason, where Slurm is not installed or this is not root."""
 
+import os
 import re
 import subprocess
 import sys
@@ -78,13 +79,56 @@ def test_sbatch_script_runs_and_a_requeued_job_resumes_to_the_clean_result(clust
 def test_sbatch_user_errors_name_the_key(tmp_path):
     """Checked before anything is written or submitted (no Slurm needed)."""
     for args, key in [(["recipe=deepseek7b_zero33"], "recipe/deepseek7b_zero33"), (["nodes=0"], "`nodes`"),
-                      (["gpus_per_node=eight"], "`gpus_per_node`"), (["nodes"], "KEY=VALUE")]:
+                      (["gpus_per_node=eight"], "`gpus_per_node`"), (["nodes"], "KEY=VALUE"),
+                      # a value that would write a command of its own into the job script
+                      (["job_name=x\necho INJECTED"], "`job_name`"), (["optim.lr=1e-3\necho INJECTED"], "`optim.lr`"),
+                      (["partition=a\rb"], "`partition`"), (["account=a\\b"], "`account`")]:
         proc = subprocess.run([sys.executable, "-m", "shardyard", "sbatch", *args, f"out_dir={tmp_path / 'x'}"],
                               cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and key in proc.stderr and "Traceback" not in proc.stderr, (args, proc.stderr)
         assert not (tmp_path / "x").exists()
     helped = subprocess.run([sys.executable, "-m", "shardyard", "sbatch", "--help"], capture_output=True, text=True)
     assert helped.returncode == 0 and all(k in helped.stdout for k in ("gpus_per_node", "partition", "out_dir"))
+
+
+def test_sbatch_script_quotes_every_value_and_runs_from_a_dir_with_spaces(tmp_path, monkeypatch):
+    """Values with spaces, quotes and shell syntax reach sbatch and train.py as given: the script parses
+    (``bash -n``), its ``#SBATCH`` lines split into the given values, and run under a stand-in ``srun`` (no
+    Slurm needed) it changes to the working directory with spaces and hands train.py its arguments unchanged."""
+    import shlex
+
+    from shardyard import sbatch
+
+    work = tmp_path / "my work dir"
+    out = tmp_path / "out dir, it's $HOME; `x`"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    args = ["nodes=2", "tasks_per_node=1", "job_name=it's a \"job\"; echo no", "partition=a b", f"out_dir={out}",
+            *STEPS, "optim.lr=1e-3", "train.sample_prompt='a b $(echo no)'"]
+    path = sbatch.main(args, submit=False)
+    text = path.read_text()
+    assert subprocess.run(["bash", "-n", str(path)]).returncode == 0, text
+    # Slurm's #SBATCH parser honours the same quotes as bash (and no backslash is let through).
+    directives = [shlex.split(line[len("#SBATCH "):])[0] for line in text.splitlines() if line.startswith("#SBATCH ")]
+    assert directives[:4] == ["--job-name=it's a \"job\"; echo no", "--nodes=2", "--ntasks-per-node=1",
+                              "--partition=a b"], directives
+    assert f"--output={out}/slurm-%j.out" in directives
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text('#!/bin/bash\npwd\necho "$SHARDYARD_RUN_DIR"\nprintf "%s\\n" "$@"\n')
+    (bin_dir / "scontrol").write_text("#!/bin/bash\nexit 1\n")  # no controller: the script's fallback
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7",
+           "SLURM_JOB_NODELIST": "node[01-02]"}
+    ran = subprocess.run(["bash", str(path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    lines = ran.stdout.splitlines()
+    assert "no" not in lines  # no `echo no` of a value ran
+    assert f"run dir {out}/7, rank 0 at node01:20007" in lines[0], lines[0]
+    assert lines[1:4] == [str(work), f"{out}/7", "--kill-on-bad-exit=1"], lines
+    assert lines[4:] == [sys.executable, "-m", "shardyard", "train", *STEPS, "optim.lr=1e-3",
+                         "train.sample_prompt='a b $(echo no)'", "checkpoint.resume=auto"], lines
 
 
 @pytest.mark.parametrize("launcher", ["submitit_slurm", "submitit_local"])
@@ -96,7 +140,6 @@ def test_hydra_submitit_launcher_runs_a_sweep_of_two_task_jobs(launcher, request
     import glob
     import json
 
-    pytest.importorskip("submitit", reason="Hydra's submitit launcher is shardyard's `slurm` extra (make setup installs it)")
     if launcher == "submitit_slurm":
         cluster = request.getfixturevalue("cluster")
         layout, env, run = ["hydra.launcher.nodes=2", "hydra.launcher.tasks_per_node=1"], cluster.env, cluster.run

@@ -3,10 +3,12 @@
 
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 
 from conftest import TINY, train_py
+from shardyard.checkpoint import Checkpointer, _manifest, verify
 from shardyard.testing import run_many
 
 STEPS = [*TINY, "train.steps=6", "train.eval_every_n_steps=0", "train.global_batch_size=8"]
@@ -44,6 +46,11 @@ def test_resume_is_bitwise_exact(engine, world, resumed):
     meta = json.load(open(a / "checkpoints/step-00000003/meta.json"))
     assert meta["step"] == 3 and meta["world_size"] == world and len(meta["rng"]) == world
     assert meta["data"] == {"epoch": 0, "step_in_epoch": 3, "samples_seen": 24}
+    # Every file the engine wrote (DCP's .metadata, DeepSpeed's zero/ partitions and scripts) carries its sha256.
+    ck = a / "checkpoints/step-00000003"
+    files = {str(p.relative_to(ck)) for p in ck.rglob("*") if p.is_file()} - {"meta.json"}
+    assert set(meta["manifest"]) == files and all(len(e["sha256"]) == 64 for e in meta["manifest"].values())
+    assert verify(str(ck)) is None
     # The resumed run trains steps 4-6 only, and reports the run's own history before them.
     assert len(again[0]["summary"]["step_wall_s"]) == 3 and again[0]["summary"]["tokens"] == 3 * 8 * 64
     assert [s for s, _ in again[0]["summary"]["train_losses"]] == [1, 2, 3, 4, 5, 6]
@@ -107,3 +114,36 @@ def test_deepspeed_stage_3_to_2_is_refused_with_the_supported_pairs(tmp_path):
     assert "holds ZeRO-3 partitions and this run is ZeRO-2" in err
     assert "any world size within ZeRO-1/2" in err and "backend=zero3" in err
     assert "Traceback" not in err
+
+
+def _checkpoints(d, steps):
+    for s in steps:
+        p = d / f"step-{s:08d}"
+        p.mkdir()
+        (p / "__0_0.distcp").write_bytes(bytes([s]) * 100)
+        (p / ".metadata").write_bytes(b"metadata %d" % s)
+        (p / "meta.json").write_text(json.dumps({"step": s, "manifest": _manifest(str(p))}))
+
+
+def _flip(file):
+    data = bytearray(file.read_bytes())
+    data[-1] ^= 1
+    file.write_bytes(bytes(data))
+
+
+def test_keep_last_counts_only_checkpoints_that_verify(tmp_path):
+    ck = Checkpointer.__new__(Checkpointer)  # only what pruning reads
+    ck.dir, ck.c, ck._good = str(tmp_path), SimpleNamespace(keep_last=2), set()
+    _checkpoints(tmp_path, [1, 2, 3, 4, 5])
+    _flip(tmp_path / "step-00000004/.metadata")  # same size: only its sha256 tells
+    assert "sha256 differs" in verify(str(tmp_path / "step-00000004"))
+    ck._prune(str(tmp_path / "step-00000005"), 5)
+    assert sorted(os.listdir(tmp_path)) == ["step-00000003", "step-00000004", "step-00000005"]  # 5 and 3 verify
+    _flip(tmp_path / "step-00000005/__0_0.distcp")
+    ck._good.clear()
+    ck._prune(str(tmp_path / "step-00000005"), 5)  # a new checkpoint that does not verify prunes nothing
+    assert sorted(os.listdir(tmp_path)) == ["step-00000003", "step-00000004", "step-00000005"]
+    ck.c.keep_last = 1
+    _checkpoints(tmp_path, [6])
+    ck._prune(str(tmp_path / "step-00000006"), 6)
+    assert os.listdir(tmp_path) == ["step-00000006"]

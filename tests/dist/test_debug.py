@@ -25,7 +25,7 @@ def test_nan_policy_stop_names_step_rank_and_parameter(engine, tmp_path):
     if engine == "zero3":  # DeepSpeed's hooks see each rank's own gradient before the reduction
         assert f"{PARAM} (rank 1)" in err
     assert "Traceback" not in proc.stderr
-    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step-00000002"]  # nothing after the NaN
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["OWNER", "latest", "step-00000002"]  # nothing after the NaN
 
 
 @pytest.mark.parametrize("engine", ["ddp", "zero2"])

@@ -10,7 +10,7 @@ from shardyard.config.validate import validate
 from shardyard.errors import UserError
 from shardyard.testing import TINY, compose, hf_eval_loss, run_many
 
-pytest.importorskip("bitsandbytes")
+import bitsandbytes  # noqa: E402,F401  (the finetune extra: make setup installs it; no skip)
 
 # bitsandbytes 0.50 repacks 4-bit weights for its AVX512-BF16 CPU kernels when it evaluates without gradients,
 # and asserts that each layer's output features divide by 32 (`_convert_weight_packed_for_cpu`): TINY's

@@ -20,6 +20,6 @@ def test_flops_profiler_and_wall_clock_breakdown(tmp_path):
     ds_train_flops = 3 * float(value) * {"": 1, "K": 1e3, "M": 1e6, "G": 1e9}[unit]
     cfg = compose(run)
     ours = flops_per_token(shape_model(cfg.model), cfg.data.seq_len) * cfg.train.micro_batch_size * cfg.data.seq_len
-    assert abs(ours / ds_train_flops - 1) < 0.03, (ours, ds_train_flops)
+    assert abs(ours / ds_train_flops - 1) < 0.01, (ours, ds_train_flops, ours / ds_train_flops - 1)  # the README: within 1%
     # wall_clock_breakdown: DeepSpeed's per-phase timers, printed every log interval.
     assert proc.stdout.count("fwd_microstep") + proc.stderr.count("fwd_microstep") >= 3

@@ -31,9 +31,8 @@ def test_sharded_engine_trains_and_exports_through_train_py(engine, tmp_path):
 
 
 def test_deepspeed_launcher_starts_train_py(tmp_path):
-    if shutil.which("deepspeed") is None and not os.path.exists(os.path.join(os.path.dirname(sys.executable), "deepspeed")):
-        pytest.skip("deepspeed launcher not installed")
     launcher = shutil.which("deepspeed") or os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    assert os.path.exists(launcher), "DeepSpeed's launcher comes with the deepspeed extra (make setup installs it)"
     from shardyard.launch import free_port
 
     # A free rendezvous port: the launcher's default 29500 may still be held by an earlier job's sockets.
@@ -55,25 +54,57 @@ def test_a_bad_engine_combination_exits_2(tmp_path):
     assert "no fp16 support" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_zero_infinity_without_async_io_says_so(tmp_path):
+def test_zero_infinity_without_async_io_says_so(tmp_path, monkeypatch):
+    """`make test` installs libaio, so its absence is simulated: DeepSpeed's own probe answers no. The check
+    runs in the parent's validation (here in-process), before any worker starts."""
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
-    if AsyncIOBuilder().is_compatible(verbose=False):
-        pytest.skip("this machine has libaio; the validation passes")
+    from shardyard.config.validate import validate
+    from shardyard.errors import UserError
+    from shardyard.testing import compose
+
+    monkeypatch.setattr(AsyncIOBuilder, "is_compatible", lambda self, verbose=False: False)
     swap = tmp_path / "swap"
     swap.mkdir()
-    proc = train_py("backend=zero_infinity", f"backend.nvme_path={swap}", run_dir=tmp_path / "run", timeout=180)
-    assert proc.returncode == 2 and "libaio" in proc.stderr and "Traceback" not in proc.stderr
+    with pytest.raises(UserError) as e:
+        validate(compose(["backend=zero_infinity", f"backend.nvme_path={swap}"]), None)
+    assert e.value.key == "backend" and "libaio" in e.value.problem and "apt-get install libaio-dev" in e.value.fix
+
+
+def allreduces(events, pid):
+    """The shapes of the ALLREDUCE operations in one row of a Horovod timeline, in order: its begin (B) and
+    end (E) events nest, and the end of an operation carries the tensor's shape."""
+    stack, shapes = [], []
+    for e in events:
+        if e.get("pid") != pid or e.get("ph") not in ("B", "E"):
+            continue
+        if e["ph"] == "B":
+            stack.append(e)
+            continue
+        begin = stack.pop()
+        assert e["ts"] >= begin["ts"] > 0, (begin, e)
+        if begin["name"] == "ALLREDUCE":
+            shapes.append(e["args"]["shape"])
+    assert not stack, stack
+    return shapes
 
 
 def test_horovod_through_train_py_and_horovodrun(tmp_path):
     pytest.importorskip("horovod.torch")
     proc = train_py(*FAST, "backend=horovod", "launch.nproc_per_node=2", "backend.timeline=true", run_dir=tmp_path / "a")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert isinstance(json.load(open(tmp_path / "a" / "horovod_timeline.json")), list)
     from transformers import AutoModelForCausalLM
 
-    AutoModelForCausalLM.from_pretrained(tmp_path / "a" / "hf", local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "a" / "hf", local_files_only=True)
+    # The timeline (Chrome trace events, a row per tensor) holds, for every parameter of the model, one
+    # allreduce of its gradient per optimizer step, with the tensor's shape.
+    events = json.load(open(tmp_path / "a" / "horovod_timeline.json"))
+    pids = {e["args"]["name"]: e["pid"] for e in events
+            if e.get("ph") == "M" and e.get("name") == "process_name" and "name" in e.get("args", {})}
+    steps = json.load(open(tmp_path / "a" / "summary.json"))["steps"]
+    for name, p in model.named_parameters():
+        shape = str(list(p.shape))
+        assert allreduces(events, pids[f"allreduce.{name}"]) == [shape] * steps, name
     # The user's own horovodrun starts the same train.py.
     horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
     cmd = [horovodrun, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, "train.py", "backend=horovod",

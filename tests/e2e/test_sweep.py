@@ -91,7 +91,6 @@ def test_parallel_sweep_of_two_rank_jobs_ranks_them_survives_a_failure_and_resum
 
 
 def test_hydras_joblib_launcher_runs_jobs_side_by_side_in_their_own_slots(tmp_path):
-    pytest.importorskip("hydra_plugins.hydra_joblib_launcher", reason="the `sweep` extra (make setup installs it)")
     proc = multirun(*TINY, "backend=single", "optim.lr=1e-3,3e-3", "train.steps=3", "hydra/launcher=joblib",
                     "hydra.launcher.n_jobs=2", f"hydra.sweep.dir={tmp_path}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -121,7 +120,6 @@ def test_a_sweep_dir_holding_another_sweep_is_refused(tmp_path):
 
 
 def test_optuna_search_prunes_trials_and_its_best_is_the_summarys_best(tmp_path):
-    pytest.importorskip("optuna", reason="the `sweep` extra (make setup installs it)")
     import yaml
 
     sweep_dir = tmp_path / "optuna"

@@ -145,6 +145,7 @@ def test_keys_no_schema_or_plugin_reads_are_refused(overrides, key):
     (["model=deepseek_moe_tiny", "model.num_experts_per_tok=9"], "model.num_experts_per_tok"),
     (["checkpoint.every_n_steps=-1"], "checkpoint.every_n_steps"),
     (["checkpoint.keep_last=-2"], "checkpoint.keep_last"),
+    (["checkpoint.overwrite_run_dir=true", "checkpoint.resume=auto"], "checkpoint.overwrite_run_dir"),
     (["train.eval_every_n_steps=-5"], "train.eval_every_n_steps"),
     (["train.max_grad_norm=-1"], "train.max_grad_norm"),
     (["model=hf"], "model.path"),  # a required value left as ???
@@ -195,3 +196,71 @@ def sgd_factory(params, lr, weight_decay, momentum, nesterov):
 def test_plugin_bases_are_open_only_for_the_target_arguments():
     fields = {f.name for f in dataclasses.fields(schema.DataConfig)}
     assert {"seq_len", "tokenizer", "val_fraction", "cache_dir", "_target_"} <= fields
+
+
+def _bad_values(r) -> list:
+    """Values just outside a schema.Range: below (or at) its low end, above its high end, off its step, inf."""
+    bad = [r.low if r.above else r.low - 1, float("inf")]
+    if r.high is not None:
+        bad.append(r.high + 1)
+    if r.multiple_of is not None:
+        bad.append(r.low + 1.5 * r.multiple_of)
+    return bad
+
+
+RANGE_OPTIONS = {schema.DDPBackendConfig: ("backend", "ddp"), schema.ZeroBackendConfig: ("backend", "zero3"),
+                 schema.PrecisionConfig: ("precision", None)}
+
+
+@pytest.fixture(scope="module")
+def composed():
+    """One composed config per option holding ranged keys (composing costs ~1 s; setting a key does not)."""
+    return {option: compose([f"backend={option}"] if option else []) for _, option in RANGE_OPTIONS.values()}
+
+
+def test_an_engine_key_out_of_range_exits_2_naming_it():
+    """The issue's case: DeepSpeed's pydantic error at engine start became a refusal at validation."""
+    with pytest.raises(UserError) as e:
+        validate(compose(["backend=zero3", "backend.reduce_bucket_size=-1"]), None)
+    assert e.value.key == "backend.reduce_bucket_size" and "zero_optimization.reduce_bucket_size" in e.value.paragraph()
+
+
+@pytest.mark.parametrize("cls,key,value", [(cls, key, v) for cls, table in schema.RANGES.items()
+                                           for key, r in table.items() for v in _bad_values(r)],
+                         ids=lambda x: x.__name__ if isinstance(x, type) else str(x))
+def test_every_engine_range_is_refused_at_validation_naming_the_key(composed, cls, key, value):
+    group, option = RANGE_OPTIONS[cls]
+    cfg = composed[option].copy()
+    field_type = {f.name: f.type for f in dataclasses.fields(cls)}[key]
+    if field_type == "int" and not float(value).is_integer():
+        with pytest.raises(Exception):  # an int key refuses a fraction or inf already when it is set (composition)
+            cfg[group][key] = value
+        return
+    cfg[group][key] = value
+    with pytest.raises(UserError) as e:
+        validate(cfg, None)
+    assert e.value.key == f"{group}.{key}", e.value.paragraph()
+    assert schema.RANGES[cls][key].becomes.split(" ")[0] in e.value.paragraph()
+
+
+def test_the_ranges_cover_every_numeric_engine_key_and_the_deepspeed_json_uses_them():
+    """A numeric ZeRO or precision key added without a range fails here; each range names a key the generated
+    DeepSpeed JSON really has, holding that value (``becomes``), and the defaults pass."""
+    from shardyard.backends.deepspeed import ds_config
+
+    for cls in (schema.ZeroBackendConfig, schema.PrecisionConfig, schema.DDPBackendConfig):
+        numeric = {f.name for f in dataclasses.fields(cls) if f.type in ("int", "float") and f.name != "stage"}
+        assert numeric == set(schema.RANGES[cls]), (cls.__name__, numeric ^ set(schema.RANGES[cls]))
+    cfg = compose(["backend=zero_infinity", "backend.nvme_path=/tmp", "backend.flops_profiler=true",
+                   "precision=fp16"])
+    validate_ranges = __import__("shardyard.config.validate", fromlist=["check_ranges"]).check_ranges
+    validate_ranges(cfg)  # the defaults are in range
+    plan = type("P", (), {"global_batch_size": 8, "micro_batch_size": 8, "grad_accum_steps": 1})
+    ds = ds_config(cfg, plan)
+    for cls, group in ((schema.ZeroBackendConfig, "backend"), (schema.PrecisionConfig, "precision")):
+        for key, r in schema.RANGES[cls].items():
+            path = r.becomes.split(" ")[0].split(".")
+            node = ds
+            for part in path:
+                node = node[part]
+            assert node == cfg[group][key] - (1 if key == "flops_profiler_step" else 0), (key, node)

@@ -64,18 +64,104 @@ def test_prepare_builds_tokenizer_and_tokens():
     assert tok.decode(tok(text)["input_ids"]) == text
 
 
-def test_text_files_corpus(tmp_path):
+def test_text_files_corpus_and_its_caches_are_verified(tmp_path, capsys):
+    """.txt, .jsonl and .json (an array) are read whole; a cut-short token or tokenizer cache is rebuilt, saying
+    so, never used (issue 30)."""
     import json
+    import os
 
     (tmp_path / "a.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 300)
     with open(tmp_path / "b.jsonl", "w") as f:
         for i in range(300):
             f.write(json.dumps({"text": f"record {i}: lorem ipsum dolor sit amet"}) + "\n")
+    (tmp_path / "c.json").write_text(json.dumps([{"text": f"array item {i}"} for i in range(40)], indent=1))
     cfg = compose(["data=text_files", f"data.paths=[{tmp_path}]", "data.tokenizer.vocab_size=300",
                    "data.seq_len=16", f"data.cache_dir={tmp_path}/cache", "data.val_fraction=0.2"])
+    docs = dict(data.TextFiles([str(tmp_path)]).documents())
+    assert len(docs) == 1 + 300 + 40 and docs["c.json:39"] == "array item 39" and docs["b.jsonl:7"].startswith("record 7:")
     p = data.prepare(cfg)
     assert p.vocab_size == 300
-    assert len(data.PackedSequences(f"{p.token_dir}/train.npy", 16)) > 10
+    n = len(data.PackedSequences(f"{p.token_dir}/train.npy", 16))
+    assert n > 10
+    for victim in (f"{p.token_dir}/train.npy", f"{p.tokenizer_dir}/tokenizer.json"):
+        os.truncate(victim, os.path.getsize(victim) // 2)
+        capsys.readouterr()
+        again = data.prepare(cfg)
+        out = capsys.readouterr().out
+        assert f"{os.path.dirname(victim)} does not verify ({os.path.basename(victim)} has" in out and "rebuilding" in out, out
+        assert again == p and len(data.PackedSequences(f"{p.token_dir}/train.npy", 16)) == n
+    data.prepare(cfg)
+    assert "does not verify" not in capsys.readouterr().out  # verified, used as is
+
+
+@pytest.mark.parametrize("name,content,key,where", [
+    ("a.jsonl", '{"text": "ok"}\nnot json\n', "data.paths", ":2"),
+    ("a.jsonl", '{"text": "ok"}\n\n42\n', "data.paths", ":3"),  # JSON, not an object
+    ("a.jsonl", '{"text": 5}\n', "data.text_field", ":1"),  # not a string (was a TypeError traceback)
+    ("a.jsonl", '{"body": "x"}\n', "data.text_field", ":1"),  # missing
+    ("a.json", '[{"text": "ok"},\n {"text": null}]', "data.text_field", ":2"),
+    ("a.json", '[{"text": "ok"}\n {"text": "b"}]', "data.paths", ":2"),  # a comma missing
+    ("a.json", '[{"text": "ok"},\n ["x"]]', "data.paths", ":2"),
+    ("a.json", '[{"text": "ok"}', "data.paths", ":1"),  # cut short
+    ("a.json", '{"text": "ok"}\n{"text": 1}\n', "data.text_field", ":2"),  # one object per line
+])
+def test_every_malformed_record_exits_2_naming_file_and_line(tmp_path, name, content, key, where):
+    from shardyard.errors import UserError
+
+    (tmp_path / name).write_text(content)
+    with pytest.raises(UserError) as e:
+        list(data.TextFiles([str(tmp_path)]).documents())
+    assert e.value.key == key and f"{tmp_path / name}{where}" in e.value.paragraph().replace("\n", " "), e.value.paragraph()
+
+
+def test_paths_that_match_no_readable_file_exit_2(tmp_path):
+    from shardyard.errors import UserError
+
+    (tmp_path / "notes.csv").write_text("a,b\n")
+    (tmp_path / "bad.jsonl").write_bytes(b'{"text": "\xff"}\n')
+    for paths, value in (([str(tmp_path / "notes.csv")], "notes.csv"), ([str(tmp_path / "none*")], "none*")):
+        with pytest.raises(UserError) as e:
+            data.TextFiles(paths)
+        assert e.value.key == "data.paths" and str(e.value.value).endswith(value)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "x.csv").write_text("")
+    with pytest.raises(UserError) as e:
+        data.TextFiles([str(empty)])
+    assert e.value.value == str(empty) and "no .txt/.jsonl/.json/.parquet file" in e.value.problem
+    with pytest.raises(UserError) as e:
+        list(data.TextFiles([str(tmp_path / "bad.jsonl")]).documents())
+    assert "not UTF-8" in e.value.problem
+
+
+def test_a_broken_tokenizer_or_cut_short_weights_are_refused_at_validation(tmp_path):
+    import os
+
+    from safetensors.numpy import save_file
+
+    from shardyard.config.validate import _safetensors_problem
+    from shardyard.errors import UserError
+
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer_config.json").write_text("{}")  # no tokenizer.json: was a traceback
+    with pytest.raises(UserError) as e:
+        data.check_tokenizer("data.tokenizer.path", str(tmp_path / "tok"))
+    assert e.value.key == "data.tokenizer.path" and "tokenizer.json" in e.value.problem
+    (tmp_path / "tok" / "tokenizer.json").write_text('{"version": "1.0", "truncation": null, "padd')
+    with pytest.raises(UserError) as e:
+        data.check_tokenizer("data.tokenizer.path", str(tmp_path / "tok"))
+    assert "cannot be loaded" in e.value.problem
+    weights = tmp_path / "w" / "model.safetensors"
+    weights.parent.mkdir()
+    save_file({"a": np.zeros((64, 64), np.float32), "b": np.ones(10, np.float32)}, str(weights))
+    assert _safetensors_problem(str(weights)) is None
+    os.truncate(weights, os.path.getsize(weights) - 4)
+    assert "up to byte" in _safetensors_problem(str(weights))
+    with pytest.raises(UserError) as e:
+        from shardyard.config.validate import validate
+
+        validate(compose([f"model.weights={weights.parent}"]), None)
+    assert e.value.key == "model.weights" and e.value.value == str(weights), e.value.paragraph()
 
 
 @pytest.mark.parametrize("name,expect_end", [("cosine", 0.1), ("linear", 0.1), ("constant", 1.0)])

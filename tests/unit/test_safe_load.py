@@ -1,24 +1,235 @@
-"""Checkpoint loading never runs code named by a file: DCP metadata is vetted, torch.load is weights-only."""
+"""Checkpoint loading never runs code named by a file: a generated corpus of hostile pickles (dotted names
+through every trusted module, plain globals, REDUCE/BUILD/INST/OBJ/NEWOBJ/NEWOBJ_EX, extension codes,
+persistent ids, payloads nested in real DCP metadata, protocols 0-5) goes through the functions the real
+``checkpoint.resume=`` path calls. Every file is refused naming it and what it asked for, and no sentinel
+appears; the same files loaded by plain ``pickle`` do create their sentinels (the corpus is live)."""
 
-import os
+from __future__ import annotations
+
+import copyreg
 import pickle
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
 
+from forge import FORGER, Call, G, Raw, Seq, forge
 from shardyard.errors import UserError
-from shardyard.safe_load import check_dcp_metadata, weights_only_loads
+from shardyard.safe_load import dcp_load, dcp_metadata_globals, load_weights_only, read_dcp_metadata, weights_only_loads
 
 
-class _Payload:
-    """Unpickling this calls os.makedirs(target): a stand-in for any code a tampered file could run."""
+@dataclass
+class Case:
+    name: str
+    obj: object
+    proto: int
+    expect: str  # what the refusal must name
+    sentinel: Path
 
-    def __init__(self, target):
-        self.target = target
 
-    def __reduce__(self):
-        return os.makedirs, (self.target,)
+def _actions(s: Path) -> list[tuple[str, tuple]]:
+    """Dotted targets and the arguments that make each create ``s`` (the ones that resolve, when called)."""
+    return [("os.makedirs", (str(s),)), ("os.mkdir", (str(s),)), ("os.system", (f"mkdir {s}",)),
+            ("subprocess.call", (["mkdir", str(s)],)), ("builtins.exec", (f"import os; os.makedirs({str(s)!r})",)),
+            ("shutil.os.makedirs", (str(s),)), ("sys.modules.get", ("os",)), ("importlib.import_module", ("os",))]
+
+
+EXT_CODES = {1: ("os", "makedirs"), 300: ("subprocess", "call"), 70000: ("posix", "mkdir")}  # EXT1, EXT2, EXT4
+
+
+def _metadata():
+    """A real DCP Metadata (what dcp.save wrote for a tensor and two non-tensor values)."""
+    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                       MetadataIndex, StorageMeta, TensorProperties,
+                                                       TensorStorageMetadata)
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    size = torch.Size([4, 2])
+    sdm = {"w": TensorStorageMetadata(TensorProperties(dtype=torch.bfloat16), size,
+                                      [ChunkStorageMetadata(torch.Size([0, 0]), size)]),
+           "lr": BytesStorageMetadata()}
+    storage = {MetadataIndex("w", torch.Size([0, 0])): _StorageInfo("__0_0.distcp", 0, 64),
+               MetadataIndex("lr"): _StorageInfo("__0_0.distcp", 64, 10)}
+    return Metadata(sdm, planner_data={"w": ("w",), "lr": ("lr",)}, storage_data=storage,
+                    storage_meta=StorageMeta(checkpoint_id=Path("/ckpt"), modules=["x"]), version="1.0.0")
+
+
+def corpus(root: Path) -> list[Case]:
+    """A few hundred hostile pickles, the same every run; each would create its own sentinel under root."""
+    cases: list[Case] = []
+    n = iter(range(10**6))
+
+    def add(name, obj_of, proto, expect):
+        s = root / f"sentinel-{next(n)}"
+        cases.append(Case(name, obj_of(s), proto, expect, s))
+
+    trusted = sorted({m for m, _ in dcp_metadata_globals()})
+    for module in trusted:  # 1. dotted names through every trusted module
+        for i, (target, _) in enumerate(_actions(root)):
+            for proto in range(6):
+                add(f"dotted {module} {target} p{proto}",
+                    lambda s, i=i, module=module: Call(G(module, _actions(s)[i][0]), *_actions(s)[i][1]),
+                    proto, f"{module}.{target}")
+    plain = [("os", "system", lambda s: (f"mkdir {s}",)), ("posix", "system", lambda s: (f"mkdir {s}",)),
+             ("os", "makedirs", lambda s: (str(s),)), ("posix", "mkdir", lambda s: (str(s),)),
+             ("builtins", "eval", lambda s: (f"__import__('os').makedirs({str(s)!r})",)),
+             ("builtins", "exec", lambda s: (f"import os; os.makedirs({str(s)!r})",)),
+             ("subprocess", "call", lambda s: (["mkdir", str(s)],)), ("nt", "system", lambda s: (f"mkdir {s}",))]
+    for proto in range(6):  # 2. plain GLOBAL / STACK_GLOBAL
+        for module, name, args in plain:
+            add(f"global {module}.{name} p{proto}", lambda s, m=module, f=name, a=args: Call(G(m, f), *a(s)),
+                proto, f"{module}.{name}")
+        add(f"getattr chain p{proto}", lambda s: Call(Call(G("builtins", "getattr"), Call(G("builtins", "__import__"),
+            "os"), "makedirs"), str(s)), proto, "builtins.getattr")
+        add(f"__import__ p{proto}", lambda s: Call(G("builtins", "__import__"), "os"), proto, "builtins.__import__")
+        add(f"copyreg p{proto}", lambda s: Call(G("copyreg", "_reconstructor"), G("os", "PathLike"), object, None),
+            proto, "copyreg._reconstructor")
+        # 3. the other opcodes that call or set state
+        add(f"INST p{proto}", lambda s: Seq(Raw(pickle.MARK), str(s), Raw(b"ios\nmakedirs\n")), proto, "os.makedirs")
+        add(f"OBJ p{proto}", lambda s: Seq(Raw(pickle.MARK), G("os", "makedirs"), str(s), Raw(pickle.OBJ)), proto,
+            "os.makedirs")
+        add(f"NEWOBJ p{proto}", lambda s: Seq(G("os", "makedirs"), (str(s),), Raw(pickle.NEWOBJ)), proto, "os.makedirs")
+        add(f"NEWOBJ_EX p{proto}", lambda s: Seq(G("os", "makedirs"), (str(s),), {}, Raw(pickle.NEWOBJ_EX)), proto,
+            "os.makedirs")
+        # BUILD {"__setstate__": f} then BUILD arg calls f(arg) on plain pickle
+        add(f"BUILD setstate p{proto}", lambda s: Seq(Call(G("torch.distributed.checkpoint.metadata", "StorageMeta")),
+            {"__setstate__": G("os", "makedirs")}, Raw(pickle.BUILD), str(s), Raw(pickle.BUILD)), proto, "os.makedirs")
+        add(f"BUILD on a class p{proto}", lambda s: Seq(G("torch.distributed.checkpoint.metadata", "Metadata"),
+            (None, {"__reduce__": None}), Raw(pickle.BUILD)), proto, "torch.distributed.checkpoint.metadata.Metadata")
+        add(f"BUILD on an enum member p{proto}", lambda s: Seq(Call(G("torch.distributed.checkpoint.metadata",
+            "_MEM_FORMAT_ENCODING"), 0), {"_value_": 7}, Raw(pickle.BUILD)), proto, "_MEM_FORMAT_ENCODING")
+        add(f"PERSID p{proto}", lambda s: Raw(pickle.PERSID + b"os.system\n"), proto, "persistent id")
+        add(f"BINPERSID p{proto}", lambda s: Seq("os.system", Raw(pickle.BINPERSID)), proto, "persistent id")
+        if proto >= 2:  # 4. extension codes (registered by the test's fixture, as a library could)
+            for code, (m, f) in EXT_CODES.items():
+                add(f"EXT {code} p{proto}", lambda s, m=m, f=f: Call(_real(m, f), ["mkdir", str(s)] if f == "call"
+                                                                  else str(s)), proto,
+                    f"extension code {code} ({m}.{f})")
+    for proto in range(6):  # 5. nested in a valid-looking Metadata (protocols 0/1 write copy_reg first)
+        for where in ("planner_data", "storage_data", "modules", "chunks"):
+            def nested(s, where=where):
+                md, payload = _metadata(), Call(G("torch.serialization", "os.makedirs"), str(s))
+                if where == "modules":
+                    md.storage_meta.modules.append(payload)
+                elif where == "chunks":
+                    md.state_dict_metadata["w"].chunks.append(payload)
+                else:
+                    getattr(md, where)["evil"] = payload
+                return md
+            add(f"nested {where} p{proto}", nested, proto,
+                "copy_reg._reconstructor" if proto < 2 else "torch.serialization.os.makedirs")
+    return cases
+
+
+def _real(module: str, name: str):
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
+
+
+@pytest.fixture
+def extensions():
+    """copyreg extension codes for dangerous callables, as a library in the process could register them."""
+    for code, (m, f) in EXT_CODES.items():
+        copyreg.add_extension(m, f, code)
+    yield
+    for code, (m, f) in EXT_CODES.items():
+        copyreg.remove_extension(m, f, code)
+
+
+def _resolves(data: bytes) -> bool:
+    try:
+        pickle.loads(data)
+    except Exception:  # noqa: BLE001  a payload whose path does not resolve in this interpreter
+        return False
+    return True
+
+
+def test_hostile_dcp_metadata_corpus_is_refused_and_runs_nothing(tmp_path, extensions):
+    cases = corpus(tmp_path)
+    assert len(cases) > 300
+    files = []
+    for i, c in enumerate(cases):
+        d = tmp_path / "corpus" / f"{i:04d}"
+        d.mkdir(parents=True)
+        (d / ".metadata").write_bytes(forge(c.obj, c.proto))
+        files.append(d)
+    for c, d in zip(cases, files):
+        with pytest.raises(UserError) as e:
+            read_dcp_metadata(str(d))  # what load_dcp (checkpoint.resume=, every DCP engine) reads first
+        assert e.value.key == "checkpoint.resume" and e.value.value == str(d / ".metadata"), c.name
+        assert c.expect in e.value.problem, (c.name, e.value.problem)
+        assert not c.sentinel.exists(), c.name
+    # The corpus is live: plain pickle runs what it names (those that resolve here; dotted names resolve
+    # from protocol 4, and only through modules that imported the target). Refused again afterwards,
+    # with copyreg's extension cache now filled (which the C unpickler consults before find_class).
+    live = [c for c, d in zip(cases, files)  # (BUILD on a class or enum member would change them for good)
+            if "BUILD on" not in c.name and _resolves((d / ".metadata").read_bytes()) and c.sentinel.exists()]
+    kinds = {c.name.split(" p")[0].split(" ")[0] for c in live}
+    assert len(live) >= 100 and {"dotted", "global", "getattr", "INST", "OBJ", "BUILD", "EXT", "nested"} <= kinds, kinds
+    for c in live:
+        c.sentinel.rmdir()
+    for c, d in zip(cases, files):
+        if "EXT" in c.name:
+            with pytest.raises(UserError, match="extension code"):
+                read_dcp_metadata(str(d))
+            assert not c.sentinel.exists()
+
+
+def test_real_dcp_checkpoints_load_and_tampered_values_are_refused(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    ckpt = tmp_path / "ckpt"
+    saved = {"w": torch.arange(6.0), "b": torch.ones(3, dtype=torch.bfloat16), "lr": 0.1, "betas": (0.9, 0.95),
+             "nest": {"a": [1, {"b": torch.zeros(2)}], "name": "adamw", "none": None}}
+    dcp.save(saved, checkpoint_id=str(ckpt))
+    assert read_dcp_metadata(str(ckpt)) == pickle.loads((ckpt / ".metadata").read_bytes())
+    state = {"w": torch.zeros(6), "b": torch.zeros(3, dtype=torch.bfloat16), "lr": None, "betas": None,
+             "nest": {"a": [0, {"b": torch.ones(2)}], "name": None, "none": 1}}
+    dcp_load(state, str(ckpt))
+    assert torch.equal(state["w"], saved["w"]) and state["lr"] == 0.1 and state["betas"] == (0.9, 0.95)
+    assert state["nest"]["a"][1]["b"].sum() == 0 and state["nest"]["name"] == "adamw"
+
+    # A non-tensor value whose bytes name os.makedirs: DCP's planner would torch.load it with
+    # weights_only=False. Written by the attacker's own torch.save (a forging pickler).
+    evil = tmp_path / "evil"
+    sentinel = tmp_path / "sentinel"
+    real_save = torch.save
+    torch.save = lambda obj, f, **kw: real_save(obj, f, pickle_module=FORGER, pickle_protocol=2)
+    try:
+        dcp.save({"w": torch.arange(6.0), "lr": Call(G("os", "makedirs"), str(sentinel))}, checkpoint_id=str(evil))
+    finally:
+        torch.save = real_save
+    with pytest.raises(UserError) as e:
+        dcp_load({"w": torch.zeros(6), "lr": None}, str(evil))
+    assert "os.makedirs" in e.value.problem and str(evil) in e.value.value and not sentinel.exists()
+    assert torch.load is torch.serialization.load  # restored
+
+
+@pytest.mark.parametrize("payload,proto,expect,live", [
+    (lambda s: Call(G("os", "makedirs"), s), 2, "os.makedirs", True),
+    (lambda s: Call(G("builtins", "eval"), f"__import__('os').makedirs({s!r})"), 2, "builtins.eval", True),
+    (lambda s: Call(G("torch", "serialization.os.makedirs"), s), 2, "torch.serialization.os.makedirs", False),
+    (lambda s: {"state": [Call(G("posix", "mkdir"), s)]}, 2, "posix.mkdir", True),
+    (lambda s: Call(G("os", "makedirs"), s), 4, "os.makedirs (through the pickle opcode", True),
+    (lambda s: Call(_real("os", "makedirs"), s), 2, "extension code 1 (os.makedirs)", True),
+], ids=["global", "builtins", "dotted", "nested", "stack-global", "extension"])
+def test_hostile_torch_files_are_refused_naming_file_and_global(tmp_path, extensions, payload, proto, expect, live):
+    """optimizer.pt (Horovod), DeepSpeed's files (through weights_only_loads), DCP non-tensor values."""
+    sentinel = tmp_path / "S"
+    f = tmp_path / "optimizer.pt"
+    torch.save(payload(str(sentinel)), f, pickle_module=FORGER, pickle_protocol=proto)
+    with pytest.raises(UserError) as e:
+        load_weights_only(str(f))
+    assert e.value.value == str(f) and expect in e.value.problem
+    with pytest.raises(UserError) as e, weights_only_loads([_Plain], source="x"):
+        torch.load(f, weights_only=False)  # what DeepSpeed calls: turned into weights_only=True
+    assert e.value.value == str(f) and expect in e.value.problem
+    assert not sentinel.exists() and torch.load is torch.serialization.load
+    if live:  # torch's full unpickler runs it (torch's own find_class walks no dotted name)
+        torch.load(f, weights_only=False)
+        assert sentinel.exists()
 
 
 @dataclass
@@ -26,32 +237,46 @@ class _Plain:
     x: int
 
 
-def test_dcp_metadata_is_vetted_before_dcp_unpickles_it(tmp_path):
-    import torch.distributed.checkpoint as dcp
-
-    ckpt = tmp_path / "ckpt"
-    dcp.save({"w": torch.arange(6.0), "lr": 0.1, "betas": (0.9, 0.95)}, checkpoint_id=str(ckpt))
-    check_dcp_metadata(str(ckpt))  # what DCP itself wrote passes
-
-    pwned = tmp_path / "pwned"
-    with open(ckpt / ".metadata", "wb") as f:
-        pickle.dump(_Payload(str(pwned)), f)
-    with pytest.raises(UserError) as e:
-        check_dcp_metadata(str(ckpt))
-    assert "posix.makedirs" in str(e.value) or "os.makedirs" in str(e.value)
-    assert e.value.key == "checkpoint.resume" and not pwned.exists()
-
-
-def test_weights_only_loads_refuses_globals_outside_the_allow_list(tmp_path):
+def test_weights_only_loads_passes_allowed_classes_and_refuses_swallowed_errors(tmp_path):
     f = tmp_path / "state.pt"
-    pwned = tmp_path / "pwned"
-    torch.save({"t": torch.ones(2), "evil": _Payload(str(pwned))}, f)
-    with weights_only_loads([_Plain]), pytest.raises(pickle.UnpicklingError):
-        torch.load(f, weights_only=False)  # what DeepSpeed calls: turned into weights_only=True
-    assert not pwned.exists()
-
     torch.save({"t": torch.ones(2), "plain": _Plain(3)}, f)
     with weights_only_loads([_Plain]):
         got = torch.load(f, weights_only=False)
     assert got["plain"] == _Plain(3) and torch.equal(got["t"], torch.ones(2))
-    assert torch.load is torch.serialization.load  # restored on exit
+    with pytest.raises(UserError, match="_Plain"), weights_only_loads([], source="x"):
+        try:  # a library that catches the refusal and goes on without the value
+            torch.load(f, weights_only=False)
+        except Exception:  # noqa: BLE001
+            pass
+    assert torch.load is torch.serialization.load
+    with pytest.raises(AssertionError, match="not a class or function"):
+        load_weights_only(str(f), [(_Plain, "builtins.dict")])  # torch's alias form: not an exact name
+
+
+def test_exact_unpickler_reads_every_dcp_metadata_protocol():
+    md = _metadata()
+    for proto in range(2, 6):  # DCP writes the default protocol (4); 2-5 read the same
+        assert _read(pickle.dumps(md, protocol=proto)) == md
+
+
+def _read(data: bytes):
+    from shardyard.safe_load import exact_loads
+
+    return exact_loads(data, dcp_metadata_globals())
+
+
+def test_the_rendezvous_state_round_trips_through_the_exact_set():
+    """What torch's dynamic rendezvous stores (heartbeats are aware datetimes: timezone and timedelta too) is read
+    back by ``elastic_start`` through the exact set, at the protocol torch writes it with."""
+    import datetime
+
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
+
+    from shardyard.safe_load import exact_loads, rendezvous_globals
+
+    state = _RendezvousState()
+    state.round, node = 3, _NodeDesc("host-a", 11, 0)
+    state.participants = {node: 0}
+    state.last_heartbeats = {node: datetime.datetime.now(datetime.timezone.utc)}
+    got = exact_loads(pickle.dumps(state), rendezvous_globals())
+    assert got.round == 3 and got.participants == state.participants and got.last_heartbeats == state.last_heartbeats

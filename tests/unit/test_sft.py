@@ -88,6 +88,52 @@ def test_bad_records_and_templates_are_named(tok, tmp_path):
     assert e.value.key == "data.chat_template"
 
 
+def test_json_files_are_the_users_data_never_the_embedded_set(tmp_path):
+    """data.paths=[DIR] with .json files (an array, and one object per line) trains on those records; a DIR
+    without a known file exits 2 (it trained on the embedded stdlib set before, issue 30)."""
+    import json
+
+    from shardyard import data
+    from shardyard.testing import compose
+
+    pairs = [{"question": f"What is {i} + {i}?", "answer": f"It is {2 * i}."} for i in range(30)]
+    (tmp_path / "chats").mkdir()
+    (tmp_path / "chats" / "a.json").write_text(json.dumps(pairs[:20], indent=1))
+    (tmp_path / "chats" / "b.json").write_text("".join(json.dumps(r) + "\n" for r in pairs[20:]))
+    src = sft.SFTData([str(tmp_path / "chats")])
+    convs = list(src.conversations())
+    assert [(m[0]["content"], m[1]["content"]) for _, m in convs] == [(r["question"], r["answer"]) for r in pairs]
+    assert convs[19][0] == "a.json:19" and convs[20][0] == "b.json:0"
+    cfg = compose(["data=sft", f"data.paths=[{tmp_path / 'chats'}]", "data.tokenizer.vocab_size=300",
+                   "data.seq_len=64", f"data.cache_dir={tmp_path}/cache", "data.val_fraction=0.3"])
+    assert data.prepare(cfg).stats["conversations"] == 30  # the embedded set has thousands
+    (tmp_path / "txt").mkdir()
+    (tmp_path / "txt" / "notes.txt").write_text("hello")
+    for paths in ([str(tmp_path / "txt")], [str(tmp_path / "txt" / "notes.txt")], [str(tmp_path / "nothing*")]):
+        with pytest.raises(UserError) as e:
+            sft.SFTData(paths)
+        assert e.value.key == "data.paths" and e.value.value == paths[0], e.value.paragraph()
+
+
+GOOD = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}'
+
+
+@pytest.mark.parametrize("second,problem", [
+    ("not json", "not JSON"),
+    ("42", "is a number"),  # JSON, not an object (was a TypeError traceback)
+    ('{"messages": [{"role": "bot", "content": "x"}]}', "role 'bot'"),
+    ('{"messages": [{"role": "user", "content": null}]}', "`content` is null"),
+    ('{"instruction": "Say hi", "output": 3}', "`output` is a number"),
+    ('{"text": "x"}', "neither `messages`"),
+])
+def test_every_malformed_conversation_exits_2_naming_file_and_line(tmp_path, second, problem):
+    path = tmp_path / "chat.jsonl"
+    path.write_text(GOOD + "\n" + second + "\n")
+    with pytest.raises(UserError) as e:
+        list(sft.SFTData([str(path)]).conversations())
+    assert e.value.key == "data.paths" and e.value.value == f"{path}:2" and problem in e.value.problem, e.value.paragraph()
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_a_packed_row_equals_each_conversation_run_alone(attn):
     from transformers import AutoModelForCausalLM, LlamaConfig

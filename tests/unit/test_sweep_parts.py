@@ -64,7 +64,7 @@ def test_summary_ranks_finished_jobs_then_pruned_then_failed(tmp_path, capsys):
 
 
 def test_optuna_search_space_from_hydras_grammar():
-    optuna = pytest.importorskip("optuna")
+    import optuna  # the sweep extra (make setup installs it)
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra_plugins.shardyard_sweepers import distribution
 

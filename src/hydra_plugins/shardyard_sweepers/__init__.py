@@ -14,8 +14,10 @@ shared by Slurm nodes, no database server), each job receives its trial number (
 reports every evaluation to the trial, and all ranks stop together when the pruner says so.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations` here: Hydra's plugin scan executes this module without putting it in
+# sys.modules, and @dataclass resolves string annotations through sys.modules[cls.__module__] (None then), so
+# every Hydra program in the environment crashed at start (tests/e2e/test_foreign_hydra_app.py). Keep this
+# module light too: the scan runs it for every Hydra app, so it imports no torch (optuna only in a sweep).
 import os
 import sys
 from dataclasses import dataclass, field

@@ -154,11 +154,12 @@ class HorovodBackend:
         from safetensors.torch import load_file
 
         from shardyard.adapters import frozen
+        from shardyard.safe_load import load_weights_only
 
         self.model.load_state_dict(load_file(os.path.join(path, "model.safetensors"), device=str(self.device)),
                                    strict=not frozen(self.model))
-        self.stepper.optimizer.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"), weights_only=True,
-                                                          map_location=self.device))
+        self.stepper.optimizer.load_state_dict(load_weights_only(os.path.join(path, "optimizer.pt"),
+                                                                 map_location=self.device))
 
     def training_state(self) -> dict:
         return self.stepper.training_state()

@@ -54,12 +54,14 @@ def elastic_start(cfg: DictConfig, timeout: datetime.timedelta | None = None) ->
     if cfg.launch.nnodes == 1 or not cfg.launch.rdzv_endpoint or "TORCHELASTIC_RUN_ID" not in os.environ:
         return count  # 1
     import base64
-    import pickle
+
+    from shardyard.safe_load import exact_loads, rendezvous_globals
 
     host, port = cfg.launch.rdzv_endpoint.rsplit(":", 1)  # 2
     rdzv = dist.TCPStore(host, int(port), is_master=False,
                          timeout=timeout or datetime.timedelta(seconds=cfg.launch.timeout_s))
-    state = pickle.loads(base64.b64decode(rdzv.get("torch.rendezvous." + os.environ["TORCHELASTIC_RUN_ID"])))
+    state = exact_loads(base64.b64decode(rdzv.get("torch.rendezvous." + os.environ["TORCHELASTIC_RUN_ID"])),
+                        rendezvous_globals())  # the state's classes only: the store is reachable on the network
     return int(state.round)
 
 

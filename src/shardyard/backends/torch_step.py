@@ -128,18 +128,15 @@ class TorchStepper:
         ``own_param_groups``: keep this optimizer's param groups (hyperparameters from the recipe, the learning
         rate from the scheduler's state). DCP writes non-tensor values from rank 0 only, so a rank whose
         parameters rank 0 does not hold (a later pipeline stage) finds no param groups of its own in the file."""
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-        from shardyard.safe_load import check_dcp_metadata, weights_only_loads
+        from shardyard.safe_load import dcp_load
 
         options = _dcp_options(model)
         model_sd, optim_sd = get_state_dict(model, self.optimizer, options=options)
         state: dict = {"model": model_sd, "optim": optim_sd}
         groups = copy.deepcopy(optim_sd["param_groups"])
-        check_dcp_metadata(path)  # a plain pickle: vetted before DCP unpickles it
-        with weights_only_loads():  # DCP's planner reads non-tensor values with weights_only=False
-            dcp.load(state, checkpoint_id=path)
+        dcp_load(state, path)  # dcp.load, unpickling nothing but data (DCP's own reads pickle.load)
         if own_param_groups:
             state["optim"]["param_groups"] = groups
         set_state_dict(model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],

@@ -97,6 +97,25 @@ class WandbMode(Choice):
     disabled = "disabled"
 
 
+# ------------------------------------------------------------------------------------------ value ranges
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric key may take, and the engine setting it becomes. ``RANGES`` (below) holds them by
+    schema; ``config.validate`` refuses a value outside (exit 2, naming the key and that setting) before any
+    engine starts: DeepSpeed's own checks would refuse it later as a traceback, or not at all."""
+
+    low: float
+    """The smallest value allowed."""
+    above: bool = False
+    """``low`` itself is excluded (the value must be greater)."""
+    high: Optional[float] = None
+    """The largest value allowed; ``None``: no bound."""
+    multiple_of: Optional[int] = 1
+    """The value must be a whole multiple of this (1: a whole number); ``None``: any real number."""
+    becomes: str = ""
+    """The engine setting the key becomes (a DeepSpeed JSON key, a torch argument), named in the refusal."""
+
+
 # --------------------------------------------------------------------------------------------- backend
 @dataclass
 class BackendConfig:
@@ -122,6 +141,9 @@ class DDPBackendConfig(BackendConfig):
     """Let gradients alias the all-reduce buckets (saves one gradient-sized copy)."""
     forward_sync_buffers: bool = False
     """Re-broadcast module buffers from rank 0 every forward (LLMs have no BatchNorm: not needed)."""
+
+
+DDP_RANGES = {"bucket_cap_mb": Range(0, above=True, multiple_of=None, becomes="DistributedDataParallel(bucket_cap_mb)")}
 
 
 @dataclass
@@ -228,6 +250,27 @@ class ZeroBackendConfig(BackendConfig):
     ``<run_dir>/deepspeed_flops_profile.txt``."""
     flops_profiler_step: int = 2
     """The optimizer step (1-based) the flops profiler measures."""
+
+
+ZERO_RANGES = {
+    # DeepSpeed 0.19: runtime/zero/config.py (pydantic Field gt/ge), offload_config.py, and stage_1_and_2.py,
+    # which asserts the all-gather bucket is a multiple of 2 and divides by it.
+    "reduce_bucket_size": Range(0, above=True, becomes="zero_optimization.reduce_bucket_size"),
+    "allgather_bucket_size": Range(0, above=True, multiple_of=2, becomes="zero_optimization.allgather_bucket_size"),
+    "stage3_prefetch_bucket_size": Range(0, becomes="zero_optimization.stage3_prefetch_bucket_size"),
+    "stage3_param_persistence_threshold": Range(0, becomes="zero_optimization.stage3_param_persistence_threshold"),
+    "stage3_max_live_parameters": Range(0, becomes="zero_optimization.stage3_max_live_parameters"),
+    "stage3_max_reuse_distance": Range(0, becomes="zero_optimization.stage3_max_reuse_distance"),
+    "sub_group_size": Range(0, becomes="zero_optimization.sub_group_size"),
+    # ZeRO-Infinity: DeepSpeed allows 0 buffers and 0-byte requests, with which no tensor can be swapped.
+    "nvme_buffer_count": Range(1, becomes="zero_optimization.offload_param.buffer_count"),
+    "nvme_buffer_size": Range(1, becomes="zero_optimization.offload_param.buffer_size"),
+    "nvme_optimizer_buffer_count": Range(1, becomes="zero_optimization.offload_optimizer.buffer_count"),
+    "aio_block_size": Range(1, becomes="aio.block_size"),
+    "aio_queue_depth": Range(1, becomes="aio.queue_depth"),
+    "aio_thread_count": Range(1, becomes="aio.intra_op_parallelism"),
+    "flops_profiler_step": Range(1, becomes="flops_profiler.profile_step (this minus 1)"),
+}
 
 
 @dataclass
@@ -376,9 +419,11 @@ class Truncation(Choice):
 @dataclass
 class SFTDataConfig(DataConfig):
     paths: List[str] = field(default_factory=list)
-    """JSONL files (or directories, glob patterns) of conversations (``{"messages": [{"role", "content"}]}``)
-    or instruction pairs (``instruction``/``input``/``output``, ``prompt``/``response``, ``question``/``answer``);
-    empty: the embedded instruction set built from the standard library's docstrings and signatures."""
+    """``.jsonl`` files, or ``.json`` files (an array of records, or one per line), or directories or glob patterns
+    of them, holding conversations (``{"messages": [{"role", "content"}]}``, roles system/user/assistant) or
+    instruction pairs (``instruction``/``input``/``output``, ``prompt``/``response``, ``question``/``answer``).
+    Paths that match no such file, and every malformed record, exit 2 naming the file and line. Empty (only
+    then): the embedded instruction set built from the standard library's docstrings and signatures."""
     chat_template: Optional[str] = None
     """How a conversation becomes text: ``null`` = the tokenizer's own template (``plain`` when it has none),
     a built-in (``plain``, ``chatml``), or a Jinja template string."""
@@ -402,9 +447,11 @@ class StdlibCodeDataConfig(DataConfig):
 @dataclass
 class TextFilesDataConfig(DataConfig):
     paths: List[str] = MISSING
-    """Local ``.txt`` / ``.jsonl`` / ``.parquet`` files, directories or glob patterns."""
+    """Local ``.txt`` / ``.jsonl`` / ``.json`` (an array of records, or one per line) / ``.parquet`` files,
+    directories (searched recursively, less hidden entries and shardyard caches) or glob patterns."""
     text_field: str = "text"
-    """Column holding the text in ``.jsonl`` / ``.parquet`` files."""
+    """Field holding the text in ``.jsonl`` / ``.json`` records and ``.parquet`` rows: a string in every one (a
+    record without it, or with another type, exits 2 naming the file and line)."""
 
 
 # ------------------------------------------------------------------------------------------------ peft
@@ -511,6 +558,21 @@ class PrecisionConfig:
     """fp16 only: the scale never drops below this."""
 
 
+PRECISION_RANGES = {
+    # DeepSpeed's fp16 section (runtime/precision_config.py, fp16/loss_scaler.py) and torch's GradScaler: a window
+    # of 0 divides by zero, a hysteresis of 0 never lowers the scale, the floor is a positive integer there, and
+    # 2**power must be a finite float32.
+    "initial_scale_power": Range(0, high=127, becomes="fp16.initial_scale_power / GradScaler(init_scale=2**it)"),
+    "loss_scale_window": Range(1, becomes="fp16.loss_scale_window / GradScaler(growth_interval)"),
+    "hysteresis": Range(1, becomes="fp16.hysteresis"),
+    "min_loss_scale": Range(1, becomes="fp16.min_loss_scale"),
+}
+
+RANGES: dict[type, dict[str, Range]] = {DDPBackendConfig: DDP_RANGES, ZeroBackendConfig: ZERO_RANGES,
+                                        PrecisionConfig: PRECISION_RANGES}
+"""Every numeric key an engine constrains, by the schema that holds it (options inheriting it are checked too)."""
+
+
 # ----------------------------------------------------------------------------------------- checkpoint
 @dataclass
 class CheckpointConfig:
@@ -519,11 +581,18 @@ class CheckpointConfig:
     every_n_steps: int = 0
     """Save every n optimizer steps; 0 = never during training."""
     keep_last: int = 3
-    """Complete checkpoints kept; older ones are deleted after a newer one is complete."""
+    """Checkpoints kept that verify (sha256 of every file); older ones are deleted only once a newer one is
+    published and verified, and the newest good one never is. 0 = keep all."""
     save_final: bool = True
     """Export the final model as an HF directory (``<run_dir>/hf``)."""
     resume: Optional[str] = None
-    """``null`` (start fresh), ``auto`` (newest complete checkpoint of this run) or a checkpoint path."""
+    """``null`` (start fresh), ``auto`` (the newest checkpoint of this run that verifies and loads; damaged ones
+    are skipped, each with a line saying why) or a checkpoint path (refused if it does not verify). A restart
+    under ``launch.max_restarts`` resumes from the run's own newest good checkpoint whichever is set."""
+    overwrite_run_dir: bool = False
+    """Start afresh in a run dir that holds another run's results: they are moved (renamed, never deleted)
+    into ``<run_dir>/previous-<time>/``, and a ``checkpoint.dir`` outside it to ``<dir>.previous-<time>``.
+    Without it such a run dir is refused (or continued, with ``resume``)."""
     export_hf: bool = False
     """Also write an HF export beside every periodic checkpoint."""
 

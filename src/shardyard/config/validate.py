@@ -192,6 +192,7 @@ def validate(cfg: DictConfig, env: DistEnv | None) -> Plan:
     from shardyard.model import inspect_model
 
     check_keys(cfg)
+    check_ranges(cfg)
     p = plan(cfg, env)
     tr, m, d, c = cfg.train, cfg.model, cfg.data, cfg.checkpoint
     if tr.steps < 1:
@@ -205,6 +206,11 @@ def validate(cfg: DictConfig, env: DistEnv | None) -> Plan:
                         "Use train.max_grad_norm=1.0, or 0 to disable clipping.")
     _at_least("checkpoint.every_n_steps", c.every_n_steps, 0)
     _at_least("checkpoint.keep_last", c.keep_last, 0)
+    if c.get("overwrite_run_dir") and c.resume is not None:  # every start of a requeued job would move it aside
+        raise UserError("checkpoint.overwrite_run_dir", True, f"It moves an earlier run's results aside, and "
+                        f"checkpoint.resume={c.resume} continues them: the two contradict each other.",
+                        "Drop checkpoint.overwrite_run_dir to continue the run, or checkpoint.resume to start "
+                        "afresh with the old results moved aside (nothing is deleted).")
     _at_least("launch.max_restarts", cfg.launch.max_restarts, 0)
     _at_least("launch.timeout_s", cfg.launch.timeout_s, 1)
     _validate_sweep(cfg.sweep)
@@ -236,6 +242,34 @@ def validate(cfg: DictConfig, env: DistEnv | None) -> Plan:
     p = dataclasses.replace(p, model=facts)
     get_object(cfg.backend._target_).validate(cfg, p)
     return p
+
+
+def check_ranges(cfg: DictConfig) -> None:
+    """Every key ``schema.RANGES`` bounds (the engines' numeric settings), in the groups whose schema holds it."""
+    from shardyard.config.schema import RANGES
+
+    for group in ("backend", "precision"):
+        node = cfg[group]
+        typ = OmegaConf.get_type(node)
+        for cls in getattr(typ, "__mro__", ()):
+            defaults = {f.name: f.default for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {}
+            for key, r in RANGES.get(cls, {}).items():
+                _in_range(f"{group}.{key}", node[key], r, defaults.get(key))
+
+
+def _in_range(key: str, value: Any, r: Any, default: Any) -> None:
+    import math
+
+    bound = (f"greater than {r.low:g}" if r.above else f"at least {r.low:g}") + (
+        f" and at most {r.high:g}" if r.high is not None else "")
+    kind = {None: "a number", 1: "a whole number"}.get(r.multiple_of, f"a multiple of {r.multiple_of}")
+    ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+          and (value > r.low if r.above else value >= r.low) and (r.high is None or value <= r.high)
+          and (r.multiple_of is None or value % r.multiple_of == 0))
+    if not ok:
+        raise UserError(key, value, f"It must be {kind} {bound} (it becomes {r.becomes}).",
+                        f"Use e.g. {key}={default:g} (the default)." if isinstance(default, (int, float)) else
+                        f"Use a value in that range for {key}.")
 
 
 def _at_least(key: str, value: int, low: int) -> None:
@@ -404,13 +438,12 @@ def _validate_profile_debug(cfg: DictConfig) -> None:
 
 
 def _validate_data(cfg: DictConfig):
-    from shardyard.data import has_tokenizer, open_source
+    from shardyard.data import check_tokenizer, open_source, tokenizer_source
 
     d = cfg.data
-    if d.tokenizer.path is not None and not has_tokenizer(d.tokenizer.path):
-        raise UserError("data.tokenizer.path", d.tokenizer.path, "No HF tokenizer (tokenizer.json) is in that directory.",
-                        "Point it at a directory written by a tokenizer's save_pretrained, or set it to null to "
-                        "train a BPE tokenizer on the data.")
+    tokenizer = tokenizer_source(cfg)
+    if tokenizer is not None:
+        check_tokenizer(*tokenizer)
     if d.tokenizer.path is None and not 256 < d.tokenizer.vocab_size <= 1 << 20:
         raise UserError("data.tokenizer.vocab_size", d.tokenizer.vocab_size,
                         "A byte-level BPE vocabulary needs more than its 256 base bytes.", "Use e.g. 4096.")
@@ -449,6 +482,12 @@ def _validate_weights_and_peft(cfg: DictConfig, device_type: str) -> None:
                             "Convert it once: python -c \"from transformers import AutoModelForCausalLM as M; "
                             f"M.from_pretrained('{wdir}').save_pretrained('{wdir}-safetensors')\" (copy the tokenizer "
                             "files too), and point model.weights there.")
+        for f in sorted(glob.glob(os.path.join(wdir, "*.safetensors"))):
+            problem = _safetensors_problem(f)
+            if problem:
+                raise UserError("model.weights" if w not in (None, "auto") else "model.path", f, f"The weights file "
+                                f"is not whole: {problem}.", "Copy or download it again (a cut-short copy is the usual "
+                                "cause), or point the key at a complete checkpoint.")
         if cfg.data.tokenizer.path is None and not has_tokenizer(wdir) and not (
                 isinstance(m.get("path"), str) and has_tokenizer(os.path.expanduser(m.path))):
             raise UserError("model.weights", wdir, "The pretrained weights come without their tokenizer, and a "
@@ -488,6 +527,26 @@ def _validate_weights_and_peft(cfg: DictConfig, device_type: str) -> None:
     if importlib.util.find_spec("bitsandbytes") is None:
         raise UserError("peft", "qlora", "QLoRA needs the bitsandbytes package, which is not installed.",
                         "pip install bitsandbytes (on the GPU machine), or use peft=lora.")
+
+
+def _safetensors_problem(path: str) -> str | None:
+    """Why a safetensors file is cut short or not one, from its header alone (8 bytes of length, a JSON header,
+    then the tensors, whose last end offset must reach the file's end), or None: cheap at any size."""
+    import json
+
+    size = os.path.getsize(path)
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if size < 8 or 8 + n > size:
+                return f"it has {size} bytes, fewer than its header's own length ({n} bytes + 8)"
+            header = json.loads(f.read(n))
+        end = max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"), default=0)
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+        return f"its header is not a safetensors header ({type(e).__name__}: {e})"
+    if 8 + n + end != size:
+        return f"it has {size} bytes, and its header places tensor data up to byte {8 + n + end}"
+    return None
 
 
 def _validate_finetune(cfg: DictConfig, src, facts) -> None:

@@ -36,7 +36,12 @@ METRICS = {
 
 class Monitor(Protocol):
     """Built as ``_target_(run_dir=..., config=<the run config>, **its option's keys)`` on rank 0. A class
-    attribute ``requires = "package"`` lets validation name a missing package before launch."""
+    attribute ``requires = "package"`` lets validation name a missing package before launch.
+
+    Optional: ``resume(step)``, called once before the first ``log``. The run trains on from a checkpoint at
+    ``step`` (-1: from scratch) in a run dir that may hold an earlier attempt's log (a crash after that
+    checkpoint, a requeued job): a monitor that keeps files in the run dir drops what it logged at later
+    steps, so that each step is shown once."""
 
     def log(self, step: int, metrics: dict) -> None: ...
 
@@ -52,6 +57,12 @@ class Monitors:
 
     def __init__(self, monitors: list[Monitor]):
         self.monitors = monitors
+
+    def resume(self, step: int) -> None:
+        for m in self.monitors:
+            hook = getattr(m, "resume", None)  # optional: a monitor that writes no files needs none
+            if hook is not None:
+                hook(step)
 
     def log(self, step: int, metrics: dict) -> None:
         for m in self.monitors:

@@ -17,13 +17,36 @@ class CsvMonitor:
     def __init__(self, run_dir: str, config: DictConfig, file: str = "metrics.csv"):
         from shardyard.monitors import METRICS
 
-        path = os.path.join(run_dir, file)
-        fresh = not os.path.exists(path) or os.path.getsize(path) == 0
-        self.f = open(path, "a", newline="")
-        self.writer = csv.DictWriter(self.f, fieldnames=["step", *METRICS], extrasaction="ignore")
-        if fresh:  # a resumed run appends below the header it wrote before
+        self.path, self.fields = os.path.join(run_dir, file), ["step", *METRICS]
+        self.fresh = not os.path.exists(self.path) or os.path.getsize(self.path) == 0
+        self._open()
+        if self.fresh:  # a resumed run appends below the header it wrote before
             self.writer.writeheader()
         self.row: dict = {}
+
+    def _open(self) -> None:
+        self.f = open(self.path, "a", newline="")
+        self.writer = csv.DictWriter(self.f, fieldnames=self.fields, extrasaction="ignore")
+
+    def resume(self, step: int) -> None:
+        """Keep the rows of steps <= ``step`` (a partial last row of a killed process goes too), under the
+        header; rewritten beside the file and renamed over it."""
+        import io
+
+        from shardyard.monitors.jsonl import replace_atomically
+
+        if self.fresh:
+            return
+        self.f.close()
+        with open(self.path, newline="") as f:
+            rows = [r for r in csv.DictReader(f) if (r.get("step") or "").isdigit() and int(r["step"]) <= step
+                    and None not in r.values()]  # a short row (killed mid-write) has missing cells
+        out = io.StringIO()
+        writer = csv.DictWriter(out, fieldnames=self.fields, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+        replace_atomically(self.path, out.getvalue())
+        self._open()
 
     def log(self, step: int, metrics: dict) -> None:
         if self.row and self.row["step"] != step:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import glob
 import os
+from typing import Any
 
 from omegaconf import DictConfig
 
@@ -11,9 +13,23 @@ class TensorBoardMonitor:
     requires = "tensorboard"
 
     def __init__(self, run_dir: str, config: DictConfig, subdir: str = "tensorboard"):
-        from torch.utils.tensorboard import SummaryWriter  # lazy: pulls in tensorboard
+        self.logdir = os.path.join(run_dir, subdir)
+        self.purge_step: int | None = None
+        self._writer: Any = None  # made at the first event, so that `resume` can still set its purge step
 
-        self.writer = SummaryWriter(os.path.join(run_dir, subdir))
+    def resume(self, step: int) -> None:
+        """Event files are append-only: a new one starts with TensorBoard's purge marker, and its readers drop
+        the earlier files' events at steps > ``step``. Only where earlier events exist."""
+        if glob.glob(os.path.join(self.logdir, "events.out.tfevents.*")):
+            self.purge_step = step + 1
+
+    @property
+    def writer(self):
+        if self._writer is None:
+            from torch.utils.tensorboard import SummaryWriter  # lazy: pulls in tensorboard
+
+            self._writer = SummaryWriter(self.logdir, purge_step=self.purge_step)
+        return self._writer
 
     def log(self, step: int, metrics: dict) -> None:
         for k, v in metrics.items():
