@@ -126,21 +126,42 @@ def _du(path: str) -> int:
                if os.path.isfile(os.path.join(root, n)))
 
 
+def _meta_digest(meta: dict) -> str:
+    """sha256 of ``meta.json``'s content less its own ``meta_sha256``: a flipped digit of the step, the data
+    position or an RNG state is caught like a flipped byte of a shard."""
+    body = {k: v for k, v in meta.items() if k != "meta_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
 def verify(path: str) -> str | None:
-    """None if the checkpoint at ``path`` is complete and intact (every file of its manifest present with the
-    size and sha256 it was written with), else what is wrong with it. Manifests written before shardyard kept
-    hashes hold sizes only, and only those are checked."""
+    """None if the checkpoint at ``path`` is complete and intact (``meta.json`` matches its own sha256, and
+    every file of its manifest is present with the size and sha256 it was written with), else what is wrong
+    with it. Checkpoints written before shardyard kept hashes (no ``meta_sha256``) have sizes checked only."""
     meta_path = os.path.join(path, "meta.json")
     try:
         with open(meta_path) as f:
             meta = json.load(f)
-        manifest = meta["manifest"]
     except FileNotFoundError:
         return "it has no meta.json (it was never completed)"
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError) as e:
         return f"its meta.json is unreadable ({type(e).__name__}: {e})"
-    want = {rel: entry if isinstance(entry, dict) else {"bytes": entry} for rel, entry in manifest.items()}
+    try:
+        return _verify(path, meta)
+    except (KeyError, TypeError, AttributeError, ValueError) as e:  # a manifest of the wrong shape
+        return f"its meta.json is malformed ({type(e).__name__}: {e})"
+
+
+def _verify(path: str, meta: dict) -> str | None:
+    hashed_meta = "meta_sha256" in meta
+    if hashed_meta and meta["meta_sha256"] != _meta_digest(meta):
+        return "meta.json is corrupt: its sha256 differs from the one recorded when it was saved"
+    manifest = meta["manifest"]
+    if not isinstance(manifest, dict) or (hashed_meta and not manifest):
+        return "its meta.json is malformed (no manifest of its files)"
+    want = {rel: entry if isinstance(entry, dict) else {"bytes": int(entry)} for rel, entry in manifest.items()}
     for rel, entry in want.items():
+        if hashed_meta and not isinstance(entry.get("sha256"), str):
+            return f"its meta.json is malformed ({rel} has no sha256)"
         file = os.path.join(path, rel)
         if not os.path.isfile(file):
             return f"{rel} is missing"
@@ -200,6 +221,7 @@ class Checkpointer:
         name = f"step-{step:08d}"
         tmp, final = os.path.join(self.dir, f".tmp-{name}"), os.path.join(self.dir, name)
         rank = self.backend.rank
+        error: BaseException | None = None
         try:
             if self.rank0:
                 shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a crash mid-save
@@ -219,13 +241,19 @@ class Checkpointer:
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # DCP's CheckpointException is a BaseException
-            self._raise_save_failed(step, tmp, e)
-        self.backend.barrier()  # every rank has finished writing
+            error = e
+        # Every rank learns whether all wrote their part (one all-reduce, in place of a barrier): a rank that
+        # failed alone must not remove the directory under the others, nor leave them waiting.
+        if not self._all_ok(error is None):
+            self._save_failed(step, tmp, error)
         if self.rank0:
             try:
                 self._publish(tmp, final, step, stream)
             except OSError as e:
-                self._raise_save_failed(step, tmp, e)
+                error = e
+        if not self._all_ok(error is None):  # rank 0's publish: the others stop with it
+            self._save_failed(step, tmp, error)
+        if self.rank0:
             self._prune(final, step)
         self.backend.barrier()
         return final
@@ -250,6 +278,7 @@ class Checkpointer:
             "model_hash": hashlib.sha256(json.dumps(self.signature, sort_keys=True).encode()).hexdigest()[:16],
             "manifest": manifest,
         }
+        meta["meta_sha256"] = _meta_digest(meta)
         drills.save_point("before_meta", step, 0)
         _write_atomic(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
         drills.save_point("before_fsync", step, 0)
@@ -281,8 +310,8 @@ class Checkpointer:
         if self.c.keep_last <= 0:
             return
         good = []
-        for path in reversed(self.complete()):
-            if path in self._good or verify(path) is None:
+        for path in reversed([p for p in self.complete() if p <= final]):  # names sort by step
+            if path == final or path in self._good or verify(path) is None:
                 self._good.add(path)
                 good.append(path)
             if len(good) == self.c.keep_last:
@@ -294,11 +323,19 @@ class Checkpointer:
                 shutil.rmtree(old, ignore_errors=True)
                 self._good.discard(old)
 
-    def _raise_save_failed(self, step: int, tmp: str, e: BaseException) -> None:
-        """A save the disk refused: the paragraph, with the partial directory removed. Any other failure is
-        raised as it was (after the same clean-up)."""
-        written = _du(tmp) if os.path.isdir(tmp) else 0
-        shutil.rmtree(tmp, ignore_errors=True)
+    def _save_failed(self, step: int, tmp: str, e: BaseException | None) -> None:
+        """A save that failed on some rank (every rank calls this together): rank 0 removes the partial
+        directory; a rank whose own write failed on the disk raises the paragraph (exit 1), any other failure
+        is raised as it was; a rank that wrote its part raises a note naming the others (rank 0 prints it)."""
+        written = _du(tmp) if self.rank0 and os.path.isdir(tmp) else 0
+        if self.rank0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        everyone = self._all_ok(e is not None)  # (also: the directory is gone before any rank reports)
+        if e is None:
+            raise CheckpointSaveError("checkpoint.dir", self.dir, f"Saving the checkpoint of step {step} failed on "
+                                      "another rank (its error is above). The partial directory was removed; the "
+                                      "older checkpoints are intact.", "See the other rank's error; then run the "
+                                      "same command with checkpoint.resume=auto.").on_every_rank()
         err = _os_error(e)
         if err is None:
             raise e
@@ -322,7 +359,7 @@ class Checkpointer:
             f"{_size(free)} ({free:,} bytes) are free there. The partial directory was removed; "
             + (f"the older checkpoints ({', '.join(older)}) are intact." if older else "there is no older checkpoint."),
             fix)
-        raise (out.on_every_rank() if getattr(e, "failures", None) else out) from e  # DCP: every rank raises it
+        raise (out.on_every_rank() if everyone else out) from e  # all failed alike (DCP's collective error): rank 0 says it
 
     def _history_until(self, step: int) -> dict[str, list]:
         """The curve up to ``step``: what the run resumed with, then what this run logged since (its
@@ -355,7 +392,15 @@ class Checkpointer:
         return [want], True
 
     def _remove_stale(self) -> None:
-        """Rank 0, at start: ``.tmp-step-*`` of a save that was killed, in this run's own checkpoint dir."""
+        """Rank 0, at start: ``.tmp-step-*`` of a save that was killed, in this run's own checkpoint dir. A
+        complete ``step-N`` that a killed publish had renamed aside (``.tmp-step-N.replaced``, to replace it
+        with a new save of the same step) and not yet replaced is renamed back first."""
+        for aside in glob.glob(os.path.join(self.dir, ".tmp-step-*.replaced")):
+            final = os.path.join(self.dir, os.path.basename(aside)[len(".tmp-"):-len(".replaced")])
+            if not os.path.exists(final):
+                print(f"shardyard | restoring {final} from {aside}: a save of the same step was killed while "
+                      "replacing it", file=sys.stderr, flush=True)
+                os.replace(aside, final)
         for path in sorted(glob.glob(os.path.join(self.dir, ".tmp-step-*")) + glob.glob(os.path.join(self.dir, "latest.tmp"))):
             print(f"shardyard | removing {path}: an unfinished save of an earlier attempt", file=sys.stderr, flush=True)
             if os.path.isdir(path):
@@ -416,6 +461,24 @@ class Checkpointer:
                             "are.").on_every_rank()
         return 0
 
+    def _set_aside_newer(self, path: str) -> None:
+        """Rank 0, resuming from ``path`` in this run's checkpoint dir while newer checkpoints are there (skipped
+        ones, or ``checkpoint.resume=PATH`` rolling back): they belong to a timeline this run leaves. They are
+        renamed to ``abandoned-step-N-<time>`` (nothing deleted), so that ``resume=auto`` never jumps back to
+        them and ``keep_last`` never counts them."""
+        import time
+
+        newer = [p for p in self.complete() if p > path] if os.path.dirname(os.path.abspath(path)) == \
+            os.path.abspath(self.dir) else []
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        for p in newer:
+            aside = os.path.join(self.dir, f"abandoned-{os.path.basename(p)}-{stamp}")
+            print(f"shardyard | resuming from {os.path.basename(path)}: the newer {os.path.basename(p)} is left "
+                  f"aside as {aside}", file=sys.stderr, flush=True)
+            os.replace(p, aside)
+        if newer:
+            _write_atomic(os.path.join(self.dir, "latest"), os.path.basename(path) + "\n")
+
     def _skip(self, path: str, why: str) -> str:
         if self.rank0:
             print(f"shardyard | checkpoint.resume=auto: skipping {path}: {why}; trying the previous one",
@@ -423,6 +486,8 @@ class Checkpointer:
         return f"{os.path.basename(path)}: {why}."
 
     def _resumed(self, path: str, meta: dict, skipped: list[str]) -> int:
+        if self.rank0:
+            self._set_aside_newer(path)
         self.start = meta["step"]
         self.history = meta.get("history") or monitors.history(self.cfg.run_dir, self.start)
         if meta["world_size"] == self.backend.world_size:

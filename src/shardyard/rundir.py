@@ -169,16 +169,33 @@ def _claim(cfg: DictConfig, held: Held) -> None:
               "(its logged steps are dropped from the metrics)", flush=True)
 
 
+OUTPUTS = RESULTS + ("checkpoints", "tensorboard", "wandb", "mlflow", "profile", "universal", "report.png",
+                     "deepspeed_config.json", "deepspeed_flops_profile.txt", "horovod_timeline.json")
+"""Everything a run writes into its run dir (beside the configured monitor outputs): what
+``checkpoint.overwrite_run_dir`` moves aside. Anything else there (a user's own files, when the run dir is a
+project dir) is not the run's and stays where it is."""
+
+
+def _outputs(cfg: DictConfig) -> set[str]:
+    names = set(OUTPUTS)
+    for key in ("monitor.tensorboard.subdir", "monitor.csv.file"):  # where the selected monitors write
+        value = OmegaConf.select(cfg, key, default=None)
+        if isinstance(value, str) and value and os.sep not in value.strip(os.sep):
+            names.add(value.strip(os.sep))
+    return names
+
+
 def move_aside(cfg: DictConfig) -> list[str]:
-    """``checkpoint.overwrite_run_dir``: move every entry of the run dir except Hydra's and earlier
-    ``previous-*`` dirs into ``<run_dir>/previous-<time>/``, and a checkpoint dir outside it to
-    ``<checkpoint.dir>.previous-<time>``; returns where they went. Renames only: nothing is copied or deleted."""
+    """``checkpoint.overwrite_run_dir``: move what a run writes into the run dir (``OUTPUTS``, earlier
+    ``config.previous*.yaml`` included) into ``<run_dir>/previous-<time>/``, and a checkpoint dir outside it to
+    ``<checkpoint.dir>.previous-<time>``; returns where they went. Renames only: nothing is copied or deleted,
+    and nothing that is not the run's (Hydra's ``.hydra/`` and logs, a user's own files) is touched."""
     import time
 
     run_dir, stamp = cfg.run_dir, time.strftime("%Y%m%d-%H%M%S")
-    keep = {".hydra", "result.json"}  # Hydra's, and a sweep job's record of this very start
+    ours = _outputs(cfg)
     entries = [n for n in sorted(os.listdir(run_dir))
-               if n not in keep and not n.startswith("previous-") and not n.endswith(".log")]
+               if n in ours or (n.startswith("config.previous") and n.endswith(".yaml"))]
     moved = []
     if entries:
         aside = _free(os.path.join(run_dir, f"previous-{stamp}"), "")

@@ -172,6 +172,11 @@ def read_dcp_metadata(path: str):
         raise _unreadable(file, f"It is not a DCP metadata pickle ({type(e).__name__}: {e})").on_every_rank() from None
     if not isinstance(metadata, Metadata):
         raise _unreadable(file, f"It holds a {type(metadata).__name__}, not DCP metadata").on_every_rank()
+    for info in (metadata.storage_data or {}).values():  # DCP reads each shard from path/<relative_path>
+        rel = getattr(info, "relative_path", None)
+        if not isinstance(rel, str) or not rel or rel != os.path.basename(rel) or rel in (".", ".."):
+            raise _unreadable(file, f"It points DCP at {rel!r}, outside the checkpoint's own directory"
+                              ).on_every_rank()
     return metadata
 
 
@@ -312,6 +317,29 @@ def _globals_named(file: Any) -> list[str]:
     except Exception:  # noqa: BLE001  a damaged pickle: what was read so far
         pass
     return names
+
+
+def unsafe_global_in(directory: str, allowed_globals: list | tuple = ()) -> tuple[str, str] | None:
+    """The first ``(file, global)`` that a torch checkpoint file under ``directory`` names outside torch's
+    weights-only set and ``allowed_globals``, or ``None``. The pickles are read as opcodes
+    (``torch.serialization.get_unsafe_globals_in_checkpoint``): nothing is unpickled. One rank can thus vet
+    every rank's files before a collective load, so that a file only one rank reads cannot leave the others
+    waiting in a collective (the load itself stays weights-only on every rank)."""
+    import zipfile
+
+    with torch.serialization.safe_globals(list(allowed_globals)):
+        for root, _, names in sorted(os.walk(directory)):
+            for name in sorted(names):
+                file = os.path.join(root, name)
+                if not zipfile.is_zipfile(file):
+                    continue  # not a torch.save file (safetensors, JSON, DCP shards: read elsewhere)
+                try:
+                    unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(file)
+                except Exception as e:  # noqa: BLE001  a zip torch cannot read: the load names it on every rank
+                    return file, f"an unreadable pickle ({type(e).__name__})"
+                if unsafe:
+                    return file, unsafe[0]
+    return None
 
 
 def refused(file: str, what: str, kind: str) -> UserError:

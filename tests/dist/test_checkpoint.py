@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import TINY, train_py
-from shardyard.checkpoint import Checkpointer, _manifest, verify
+from shardyard.checkpoint import Checkpointer, _manifest, _meta_digest, verify
 from shardyard.testing import run_many
 
 STEPS = [*TINY, "train.steps=6", "train.eval_every_n_steps=0", "train.global_batch_size=8"]
@@ -122,7 +122,8 @@ def _checkpoints(d, steps):
         p.mkdir()
         (p / "__0_0.distcp").write_bytes(bytes([s]) * 100)
         (p / ".metadata").write_bytes(b"metadata %d" % s)
-        (p / "meta.json").write_text(json.dumps({"step": s, "manifest": _manifest(str(p))}))
+        meta = {"step": s, "manifest": _manifest(str(p))}
+        (p / "meta.json").write_text(json.dumps({**meta, "meta_sha256": _meta_digest(meta)}))
 
 
 def _flip(file):
@@ -147,3 +148,20 @@ def test_keep_last_counts_only_checkpoints_that_verify(tmp_path):
     _checkpoints(tmp_path, [6])
     ck._prune(str(tmp_path / "step-00000006"), 6)
     assert os.listdir(tmp_path) == ["step-00000006"]
+    _checkpoints(tmp_path, [9])  # a newer one of another timeline (a rollback): never counted, never the reason
+    _checkpoints(tmp_path, [7])  # the new one is pruned
+    ck._prune(str(tmp_path / "step-00000007"), 7)
+    assert sorted(os.listdir(tmp_path)) == ["step-00000007", "step-00000009"]
+
+
+def test_meta_json_is_verified_too_and_a_malformed_one_is_a_reason_not_a_crash(tmp_path):
+    _checkpoints(tmp_path, [1])
+    meta_file = tmp_path / "step-00000001/meta.json"
+    meta = json.loads(meta_file.read_text())
+    assert verify(str(meta_file.parent)) is None
+    meta_file.write_text(json.dumps({**meta, "step": 7}))  # a flipped digit: the step resumed from would lie
+    assert "meta.json is corrupt" in verify(str(meta_file.parent))
+    for manifest in ({"__0_0.distcp": {"sha256": "x"}}, [], "x", {}, {"__0_0.distcp": {"bytes": 100}}):
+        body = {"step": 1, "manifest": manifest}
+        meta_file.write_text(json.dumps({**body, "meta_sha256": _meta_digest(body)}))
+        assert "malformed" in verify(str(meta_file.parent)), manifest

@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from conftest import ROOT, TINY, train_py
-from shardyard.checkpoint import verify
+from shardyard.checkpoint import _meta_digest, verify
 from shardyard.drills import SAVE_POINTS
 
 RUN = [*TINY, "train.eval_every_n_steps=0", "train.global_batch_size=8", "launch.nproc_per_node=2",
@@ -89,6 +89,7 @@ def test_damaged_checkpoints_are_skipped_back_to_the_newest_good_one(tmp_path):
     meta8 = json.load(open(ck / "step-00000008/meta.json"))
     (ck / "step-00000008/.metadata").write_bytes(b"not a pickle")
     meta8["manifest"][".metadata"] = {"bytes": 12, "sha256": hashlib.sha256(b"not a pickle").hexdigest()}
+    meta8["meta_sha256"] = _meta_digest(meta8)  # hashes are no signature: a whole rewrite verifies
     (ck / "step-00000008/meta.json").write_text(json.dumps(meta8))
     shard = max((p for p in (ck / "step-00000006").rglob("*") if p.is_file() and p.name != "meta.json"),
                 key=lambda p: p.stat().st_size)
@@ -107,6 +108,8 @@ def test_damaged_checkpoints_are_skipped_back_to_the_newest_good_one(tmp_path):
     assert f"skipping {ck}/step-00000004: .metadata is truncated or corrupt: its sha256 differs" in err
     assert f"resumed from {ck}/step-00000002" in proc.stdout and "3 newer one(s) skipped" in proc.stdout
     assert all(verify(str(ck / f"step-{s:08d}")) is None for s in (2, 4, 6, 8))  # saved again, whole
+    aside = sorted(d for d in os.listdir(ck) if d.startswith("abandoned-"))  # the skipped ones: renamed, not deleted
+    assert [d.split("-")[1:3] for d in aside] == [["step", "00000004"], ["step", "00000006"], ["step", "00000008"]]
 
 
 def test_max_restarts_survives_a_crash_with_the_clean_final_loss(tmp_path):

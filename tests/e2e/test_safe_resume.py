@@ -44,7 +44,7 @@ def _metadata_with(payload):
      "posix.system"),
 ], ids=["nested-dotted", "build"])
 def test_resume_from_a_hostile_checkpoint_exits_2_and_runs_nothing(checkpoint, tmp_path, make, proto, named):
-    from shardyard.checkpoint import _manifest
+    from shardyard.checkpoint import _manifest, _meta_digest
 
     ckpt = tmp_path / "step-00000002"
     shutil.copytree(checkpoint, ckpt)
@@ -52,6 +52,7 @@ def test_resume_from_a_hostile_checkpoint_exits_2_and_runs_nothing(checkpoint, t
     (ckpt / ".metadata").write_bytes(forge(make(checkpoint, sentinel), proto))
     meta = json.loads((ckpt / "meta.json").read_text())
     meta["manifest"] = _manifest(str(ckpt))  # sizes (and hashes) match: the manifest is no signature
+    meta["meta_sha256"] = _meta_digest(meta)
     (ckpt / "meta.json").write_text(json.dumps(meta))
 
     proc = train_py(*RUN, "train.steps=4", f"checkpoint.resume={ckpt}", run_dir=tmp_path / "run")

@@ -46,17 +46,19 @@ def test_what_a_run_dir_holds_is_said(tmp_path):
     assert e.value.key == "hydra.run.dir" and "checkpoint.overwrite_run_dir=true" in e.value.fix
 
 
-def test_overwrite_moves_everything_but_hydras_own_aside(tmp_path):
+def test_overwrite_moves_the_runs_outputs_aside_and_nothing_else(tmp_path):
     run, ext = tmp_path / "run", tmp_path / "ext"
     finished_run(run)
     (run / ".hydra").mkdir()
     (run / "train.log").write_text("hydra's job log")
+    (run / "my_data").mkdir()  # the user's own: the run dir is their project dir
+    (run / "tensorboard").mkdir()
     (ext / "step-00000002").mkdir(parents=True)
     (ext / "OWNER").write_text(str(run) + "\n")
     inside, outside = rundir.move_aside(cfg(run, dir=str(ext), overwrite_run_dir=True))
-    assert sorted(p.name for p in run.iterdir()) == [".hydra", os.path.basename(inside), "train.log"]
+    assert sorted(p.name for p in run.iterdir()) == [".hydra", "my_data", os.path.basename(inside), "train.log"]
     assert sorted(p.name for p in (run / inside).iterdir()) == ["checkpoints", "config.yaml", "metrics.jsonl",
-                                                                "summary.json"]
+                                                                "summary.json", "tensorboard"]
     assert (run / inside / "summary.json").read_text() == json.dumps({"steps": 4})  # renamed, not rewritten
     assert outside.startswith(f"{ext}.previous-") and not ext.exists()
     assert sorted(os.listdir(outside)) == ["OWNER", "step-00000002"]

@@ -280,3 +280,44 @@ def test_the_rendezvous_state_round_trips_through_the_exact_set():
     state.last_heartbeats = {node: datetime.datetime.now(datetime.timezone.utc)}
     got = exact_loads(pickle.dumps(state), rendezvous_globals())
     assert got.round == 3 and got.participants == state.participants and got.last_heartbeats == state.last_heartbeats
+
+
+def test_metadata_cannot_point_dcp_outside_the_checkpoint(tmp_path):
+    """Only classes of the exact set, yet a path: a shard's ``relative_path`` must be a name in the checkpoint."""
+    import torch.distributed.checkpoint as dcp
+
+    from shardyard.safe_load import read_dcp_metadata
+
+    dcp.save({"w": torch.arange(6.0), "lr": 0.1}, checkpoint_id=str(tmp_path))
+    metadata = read_dcp_metadata(str(tmp_path))
+    for escape in ("../../etc/passwd", "/etc/passwd", ".."):
+        for info in metadata.storage_data.values():
+            info.relative_path = escape
+        with open(tmp_path / ".metadata", "wb") as f:
+            pickle.dump(metadata, f)
+        with pytest.raises(UserError) as e:
+            read_dcp_metadata(str(tmp_path))
+        assert "outside the checkpoint's own directory" in str(e.value) and e.value.key == "checkpoint.resume"
+
+
+def test_every_ranks_torch_files_are_vetted_as_opcodes_without_unpickling(tmp_path):
+    """What rank 0 runs over a DeepSpeed checkpoint before any collective load (``unsafe_global_in``): the data
+    classes of the allow-list pass, a hostile global in any rank's file is named, and nothing runs."""
+    from shardyard.safe_load import unsafe_global_in
+
+    (tmp_path / "global_step3").mkdir()
+    torch.save({"t": torch.ones(2), "plain": _Plain(1)}, tmp_path / "global_step3/zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    (tmp_path / "meta.json").write_text("{}")
+    assert unsafe_global_in(str(tmp_path), [_Plain]) is None
+    pwned = tmp_path / "pwned"
+    bad = tmp_path / "global_step3/zero_pp_rank_1_mp_rank_00_optim_states.pt"
+
+    class Payload:  # unpickling it would call os.makedirs(pwned)
+        def __reduce__(self):
+            import os
+
+            return os.makedirs, (str(pwned),)
+
+    torch.save({"t": torch.ones(2), "evil": Payload()}, bad)
+    file, name = unsafe_global_in(str(tmp_path), [_Plain])
+    assert file == str(bad) and name.endswith("makedirs") and not pwned.exists()

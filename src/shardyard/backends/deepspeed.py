@@ -376,6 +376,7 @@ class DeepSpeedBackend:
             exclude_frozen_parameters=frozen(self.engine.module))  # adapters: the base is re-read from model.weights
 
     def load_checkpoint(self, path: str, meta: dict) -> None:
+        self._vet_pickles(path)
         saved_nvme, nvme = bool(meta["training_state"].get("nvme")), self._swaps_optimizer()
         if self.bcfg.offload_param == "nvme" and not nvme:
             raise UserError("backend.offload_optimizer", self.bcfg.offload_optimizer, "A resume with the parameters on "
@@ -513,6 +514,21 @@ class DeepSpeedBackend:
 
     def load_training_state(self, state: dict) -> None:
         self._continue_adam_bias_correction()
+
+    def _vet_pickles(self, path: str) -> None:
+        """Rank 0 reads the globals of every rank's files (as opcodes) before any collective load: ZeRO-3 ranks
+        each load only their own partition file, and rank 0 alone converts to a universal checkpoint, so a
+        crafted file one rank reads would otherwise fail there alone and leave the others in a collective."""
+        from shardyard.safe_load import refused, unsafe_global_in
+
+        found = unsafe_global_in(path, _safe_globals()) if self.rank == 0 else None
+        flag = torch.tensor([1.0 if found else 0.0], device=self.device)
+        dist.all_reduce(flag)
+        if found:
+            raise refused(found[0], found[1], "a DeepSpeed checkpoint").on_every_rank()
+        if flag.item():
+            raise UserError("checkpoint.resume", path, "Rank 0 refused one of its files (its error is above).",
+                            "Resume from an earlier checkpoint of the run.").on_every_rank()
 
     def _continue_adam_bias_correction(self) -> None:
         """Give DeepSpeed's host Adam kernel the beta powers an uninterrupted process holds at the restored
