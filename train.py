@@ -4,7 +4,7 @@
 import hydra
 from omegaconf import DictConfig
 
-from shardyard.cli import hydra_entry
+from shardyard.app import hydra_entry
 from shardyard.config import register_configs, register_resolvers
 
 register_configs()

@@ -22,7 +22,7 @@ MODEL = ["model.hidden_size=512", "model.intermediate_size=1376", "model.num_lay
 
 
 def main() -> None:
-    from shardyard.memory import run_measurements
+    from shardyard.testing import run_measurements
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--world", type=int, default=2)

@@ -34,7 +34,7 @@ def expected(engine: str, P: int, N: int) -> dict:
 
 
 def main() -> None:
-    from shardyard.memory import run_measurements
+    from shardyard.testing import run_measurements
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])

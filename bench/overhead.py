@@ -67,7 +67,7 @@ def _rank(rank: int, world: int, port: int, steps: int, rounds: int, out: str) -
     import torch.distributed as dist
 
     from shardyard import worker
-    from shardyard.config.validate import validate
+    from shardyard.validate import validate
     from shardyard.dist_env import detect
     from shardyard.testing import compose
 

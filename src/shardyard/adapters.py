@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from omegaconf import DictConfig
@@ -34,18 +34,105 @@ from omegaconf import DictConfig
 from shardyard.errors import UserError
 
 
+def checkpoint_name(name: str) -> str:
+    """The name a parameter has in an HF checkpoint: peft's wrappers (``base_model.model.``, ``.base_layer``)
+    and torch's (activation checkpointing, compile) removed."""
+    for wrapper in ("base_model.model.", "_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
+        name = name.replace(wrapper, "")
+    return name.replace(".base_layer.", ".")
+
+
 def is_peft(model: Any) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
 
+class PeftMethod(Protocol):
+    """A fine-tuning method, named by ``peft._target_`` and built with no arguments. What the rest of the run
+    must know about it (is part of the model frozen? is the base quantised?) are attributes of the method, so
+    that no call site tests the method's name: a new method is a new class, not a new branch (torchtune's
+    ``AdapterModule`` plays this part there)."""
+
+    freezes_base: bool
+    """Part of the model is frozen: validation checks the adapter keys (``r``, ``alpha``, ``dropout``), the model
+    must be a transformers one, and the plan holds gradients and optimizer state for the trainable part only."""
+    quantized_base: bool
+    """The frozen base is held 4-bit (bitsandbytes): only an engine whose class says ``quantized_base`` takes it,
+    the model is built from its loaded weights (never on the meta device), and the plan counts NF4 bytes."""
+
+    def apply(self, model: torch.nn.Module, p: DictConfig, seed: int, compute_dtype: torch.dtype
+              ) -> torch.nn.Module:
+        """The model the engine gets: ``model`` itself, or wrapped with its adapters (before any engine)."""
+
+    def for_smoke(self, p: DictConfig) -> None:
+        """``+scale=smoke``: rewrite this ``peft`` section in place for a run on a CPU box (``shardyard.scale``)."""
+
+
+class Full:
+    """``peft=none``: every parameter trains."""
+
+    freezes_base = False
+    quantized_base = False
+
+    def apply(self, model: torch.nn.Module, p: DictConfig, seed: int, compute_dtype: torch.dtype
+              ) -> torch.nn.Module:
+        return model
+
+    def for_smoke(self, p: DictConfig) -> None:
+        pass
+
+
+class LoRA:
+    """``peft=lora``: LoRA adapters on ``peft.target_modules``, every other parameter frozen."""
+
+    freezes_base = True
+    quantized_base = False
+
+    def apply(self, model: torch.nn.Module, p: DictConfig, seed: int, compute_dtype: torch.dtype
+              ) -> torch.nn.Module:
+        _check_targets(model, p)
+        return _with_adapters(model, p, seed)
+
+    def for_smoke(self, p: DictConfig) -> None:
+        pass
+
+
+class QLoRA:
+    """``peft=qlora``: LoRA adapters on a base whose blocks' linear layers are 4-bit (``quantize``)."""
+
+    freezes_base = True
+    quantized_base = True
+
+    def apply(self, model: torch.nn.Module, p: DictConfig, seed: int, compute_dtype: torch.dtype
+              ) -> torch.nn.Module:
+        _check_targets(model, p)
+        if not any(t.is_meta for t in model.parameters()):  # the plan's meta build counts adapters only
+            quantize(model, p, compute_dtype)
+        return _with_adapters(model, p, seed)
+
+    def for_smoke(self, p: DictConfig) -> None:
+        # The same adapters on an unquantised base: bitsandbytes' 4-bit kernels are CUDA-only.
+        p._target_, p.name = f"{LoRA.__module__}.{LoRA.__qualname__}", "lora"
+
+
+def method(p: DictConfig) -> PeftMethod:
+    """The method ``peft._target_`` names."""
+    from hydra.utils import get_object
+
+    try:
+        return get_object(p._target_)()
+    except Exception as e:
+        raise UserError("peft._target_", p._target_, f"It names no fine-tuning method ({type(e).__name__}: {e}).",
+                        "Use peft=none, peft=lora or peft=qlora, or a class meeting "
+                        "shardyard.adapters.PeftMethod.") from None
+
+
 def apply(model: torch.nn.Module, p: DictConfig, seed: int, compute_dtype: torch.dtype = torch.float32
           ) -> torch.nn.Module:
-    """``peft=none``: the model as is. ``lora`` / ``qlora``: LoRA adapters on ``peft.target_modules``, every
-    other parameter frozen; ``qlora`` first turns the blocks' linear layers into 4-bit ones (``quantize``)."""
-    if p.name == "none":
-        return model
-    from peft import LoraConfig, get_peft_model
+    """The model with the adapters of ``peft`` (its method's ``apply``)."""
+    return method(p).apply(model, p, seed, compute_dtype)
 
+
+def _check_targets(model: torch.nn.Module, p: DictConfig) -> None:
     targets = list(p.target_modules)
     names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
     unknown = [t for t in targets if t not in names]
@@ -53,10 +140,13 @@ def apply(model: torch.nn.Module, p: DictConfig, seed: int, compute_dtype: torch
         raise UserError("peft.target_modules", targets, f"The model has no module named {unknown[0]!r} (its "
                         f"linear layers: {sorted(n for n, mod in _linears(model))[:12]}).",
                         "Name modules the model has, e.g. peft.target_modules=[q_proj,v_proj].")
-    if p.name == "qlora" and not any(t.is_meta for t in model.parameters()):
-        quantize(model, p, compute_dtype)
-    config = LoraConfig(r=p.r, lora_alpha=p.alpha, lora_dropout=p.dropout, target_modules=targets, bias="none",
-                        task_type="CAUSAL_LM")
+
+
+def _with_adapters(model: torch.nn.Module, p: DictConfig, seed: int) -> torch.nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=p.r, lora_alpha=p.alpha, lora_dropout=p.dropout, target_modules=list(p.target_modules),
+                        bias="none", task_type="CAUSAL_LM")
     import warnings
 
     with warnings.catch_warnings():  # peft 0.21 still asks transformers 5 for `is_gradient_checkpointing`
@@ -92,7 +182,6 @@ def quantize(model: torch.nn.Module, p: DictConfig, compute_dtype: torch.dtype) 
 
 def dequantized(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Checkpoint name -> the fp32 weight of every 4-bit layer (QLoRA), for the merged export."""
-    from shardyard.model import checkpoint_name
 
     out = {}
     for name, mod in model.named_modules():
@@ -120,7 +209,6 @@ def init_adapters(model: torch.nn.Module, seed: int) -> None:
     shard of the same full tensor on every rank."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    from shardyard.model import checkpoint_name
 
     for name, p in model.named_parameters():
         if "lora_" not in name or p.is_meta:
@@ -152,7 +240,6 @@ def checkpoint_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def merged_state(state: dict[str, torch.Tensor], model: Any) -> dict[str, torch.Tensor]:
     """The base model's state dict with every LoRA update folded in, ``W + (alpha / r) B A``, under the base
     model's own names (loadable by ``AutoModelForCausalLM.from_pretrained``)."""
-    from shardyard.model import checkpoint_name
 
     cfg = model.peft_config["default"]
     scaling = cfg.lora_alpha / cfg.r

@@ -36,7 +36,7 @@ import torch
 from omegaconf import DictConfig
 
 from shardyard.backends import Backend
-from shardyard.config.validate import Plan
+from shardyard.facts import Plan
 
 from shardyard import drills, monitors
 from shardyard.errors import UserError
@@ -200,10 +200,16 @@ def _os_error(e: BaseException) -> OSError | None:
 
 
 class Checkpointer:
-    def __init__(self, cfg: DictConfig, backend: Backend, plan: Plan, tokenizer_dir: str):
-        self.cfg, self.backend, self.plan, self.tokenizer_dir = cfg, backend, plan, tokenizer_dir
-        self.c = cfg.checkpoint
-        self.dir = self.c.dir or os.path.join(cfg.run_dir, "checkpoints")
+    def __init__(self, checkpoint: DictConfig, backend: Backend, plan: Plan, *, run_dir: str, tokenizer_dir: str,
+                 engine: str, model_name: str, restarted: bool):
+        """``checkpoint``: the run's ``checkpoint`` section. The rest come from other concerns, by name:
+        ``engine`` (``backend.name``) and ``model_name`` (``model.name``) are recorded in ``meta.json``;
+        ``restarted``: this start is a restart of the workers (``launch.max_restarts``), which resumes from the
+        run's own newest good checkpoint whatever ``checkpoint.resume`` says."""
+        self.backend, self.plan, self.tokenizer_dir = backend, plan, tokenizer_dir
+        self.c, self.run_dir, self.engine, self.model_name, self.restarted = (checkpoint, run_dir, engine,
+                                                                              model_name, restarted)
+        self.dir = self.c.dir or os.path.join(run_dir, "checkpoints")
         self.rank0 = backend.rank == 0
         self.signature = signature(backend.hf_model())  # parameter names and full shapes
         self.start = -1  # the step resumed from; -1: a fresh run, whose own log holds its whole curve
@@ -213,6 +219,15 @@ class Checkpointer:
         """Checkpoints verified by this process (hashing each once is enough for ``keep_last``)."""
 
     # ----------------------------------------------------------------------------------------- saving
+    def export_final(self) -> str | None:
+        """``checkpoint.save_final``: the HF export at the end of the run, in ``<run_dir>/hf`` (every rank: sharded
+        engines gather the weights); None when not asked."""
+        if not self.c.save_final:
+            return None
+        from shardyard.export import save_hf
+
+        return save_hf(self.backend, self.tokenizer_dir, os.path.join(self.run_dir, "hf"))
+
     def maybe_save(self, step: int, stream) -> None:
         if self.c.every_n_steps and step % self.c.every_n_steps == 0:
             self.save(step, stream)
@@ -270,9 +285,9 @@ class Checkpointer:
         manifest = _manifest(tmp, sync=True)  # every rank's files, fsynced as they are hashed
         meta = {
             "step": step, "tokens_seen": step * self.plan.tokens_per_step, "data": stream.position(step),
-            "rng": rngs, "training_state": self.backend.training_state(), "engine": self.cfg.backend.name,
+            "rng": rngs, "training_state": self.backend.training_state(), "engine": self.engine,
             "format": self.backend.checkpoint_format, "world_size": self.backend.world_size,
-            "global_batch_size": self.plan.global_batch_size, "model_name": self.cfg.model.name,
+            "global_batch_size": self.plan.global_batch_size, "model_name": self.model_name,
             "history": self._history_until(step),
             "model": self.signature,
             "model_hash": hashlib.sha256(json.dumps(self.signature, sort_keys=True).encode()).hexdigest()[:16],
@@ -364,7 +379,7 @@ class Checkpointer:
     def _history_until(self, step: int) -> dict[str, list]:
         """The curve up to ``step``: what the run resumed with, then what this run logged since (its
         metrics.jsonl, whose older lines from crashed attempts are left out by step)."""
-        own = monitors.history(self.cfg.run_dir, step)
+        own = monitors.history(self.run_dir, step)
         return {k: [p for p in v if p[0] <= self.start] + [p for p in own[k] if p[0] > self.start]
                 for k, v in self.history.items()}
 
@@ -378,10 +393,7 @@ class Checkpointer:
         problem with it is an error). A restart of the workers (``launch.max_restarts``) resumes from the
         run's own newest good checkpoint, whatever ``checkpoint.resume`` says; with a path, that path is the
         last resort (no checkpoint of its own yet)."""
-        want = self.c.resume
-        from shardyard.backends.process_group import elastic_start
-
-        restarted = elastic_start(self.cfg) > 0  # a restart of the workers (on any node of the job)
+        want, restarted = self.c.resume, self.restarted
         if want is None and not restarted:
             return [], False
         own = list(reversed(self.complete()))
@@ -489,7 +501,7 @@ class Checkpointer:
         if self.rank0:
             self._set_aside_newer(path)
         self.start = meta["step"]
-        self.history = meta.get("history") or monitors.history(self.cfg.run_dir, self.start)
+        self.history = meta.get("history") or monitors.history(self.run_dir, self.start)
         if meta["world_size"] == self.backend.world_size:
             set_rng_state(meta["rng"][self.backend.rank])
         if self.rank0:
@@ -515,7 +527,7 @@ class Checkpointer:
                             "Resume with the model config it was saved with, or start a new run.")
         if meta["format"] != self.backend.checkpoint_format:
             raise UserError("checkpoint.resume", path, f"It was saved by backend={meta['engine']} "
-                            f"({meta['format']} format), which backend={self.cfg.backend.name} cannot read.",
+                            f"({meta['format']} format), which backend={self.engine} cannot read.",
                             "Resume with the same engine family, or move weights across engines through "
                             "an HF export: model=hf model.path=<run_dir>/hf.")
         if meta["global_batch_size"] != self.plan.global_batch_size and self.rank0:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import NoReturn
 
 from shardyard.errors import UserError, report_and_exit
 
@@ -141,55 +140,6 @@ def _report(run_dir: str, out: str | None) -> None:
     except FileNotFoundError as e:
         raise UserError("run_dir", run_dir, f"Nothing to draw: {e}.",
                         "Point it at a directory a training run wrote (it holds metrics.jsonl).") from None
-
-
-def hydra_entry(hydra_main) -> None:
-    """``train.py``'s ``__main__``: take what launchers add to the command line, check a given run dir, run
-    Hydra, and turn Hydra's exit code 1 for composition errors (unknown option, misspelt key, wrong type)
-    into 2, like every other user error."""
-    from shardyard import run
-    from shardyard.rundir import check_command_line_dirs
-
-    _take_local_rank_arg()
-    try:
-        check_command_line_dirs(sys.argv[1:])
-    except UserError as err:
-        report_and_exit(err)
-    try:
-        hydra_main()
-    except SystemExit as e:
-        if e.code == 1 and not run.STARTED:
-            print("shardyard: the command line names a config group option, key or value that the schemas do "
-                  "not accept (see above). `python train.py --help` lists groups and options; "
-                  "`python train.py --cfg job` prints every key.", file=sys.stderr)
-            leave(2)
-        if e.code is None or isinstance(e.code, int):
-            leave(e.code or 0)
-        raise
-    leave(0)
-
-
-def leave(code: int) -> NoReturn:
-    """Exit without the interpreter's teardown of torch and transformers (about 1.3 s on 2 cores, what every
-    short job and test pays): the atexit handlers (logging, wandb, mlflow, horovod) still run and stdio is
-    flushed; everything shardyard writes is closed by its own ``with`` block or monitor ``close`` before this.
-    Only for a process that has finished normally or with a clean exit code; a traceback exits as usual."""
-    import atexit
-
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def _take_local_rank_arg() -> None:
-    """`deepspeed train.py ...` appends --local_rank=N; Hydra would reject it, and LOCAL_RANK says the same."""
-    for i, arg in enumerate(sys.argv[1:], start=1):
-        if arg.startswith("--local_rank") or arg.startswith("--local-rank"):
-            value = arg.split("=", 1)[1] if "=" in arg else sys.argv.pop(i + 1)
-            os.environ.setdefault("LOCAL_RANK", value)
-            del sys.argv[i]
-            return
 
 
 if __name__ == "__main__":

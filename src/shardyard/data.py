@@ -555,8 +555,6 @@ def prepare(cfg: DictConfig, embedding_rows: int | None = None) -> Prepared:
 def open_split(prepared: Prepared, split: str, seq_len: int):
     """The rows of ``split``: packed text windows (``PackedSequences``) or a source's own rows (``SFTRows``)."""
     if os.path.exists(os.path.join(prepared.token_dir, f"{split}.input_ids.npy")):
-        from shardyard.sft import SFTRows
-
         return SFTRows(os.path.join(prepared.token_dir, split))
     return PackedSequences(os.path.join(prepared.token_dir, f"{split}.npy"), seq_len)
 
@@ -580,6 +578,33 @@ class PackedSequences:
         rows = torch.from_numpy(np.stack([np.asarray(self.tokens[i * L: i * L + L + 1], dtype=np.int64)
                                           for i in indices]))
         return rows[:, :-1], rows[:, 1:]
+
+
+@dataclass
+class SFTRows:
+    """Rows of one split, read like ``data.PackedSequences``: ``get(indices)`` returns the model's inputs
+    (``input_ids``, ``position_ids``) and the targets."""
+
+    prefix: str
+    """``<token dir>/<split>``: ``<prefix>.input_ids.npy``, ``.targets.npy``, ``.position_ids.npy``."""
+
+    def __post_init__(self):
+        def load(name: str) -> np.ndarray:
+            return np.load(f"{self.prefix}.{name}.npy", mmap_mode="r")
+
+        self.input_ids, self.targets, self.position_ids = load("input_ids"), load("targets"), load("position_ids")
+        self.n = len(self.input_ids)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def get(self, indices):
+        import torch
+
+        idx = np.asarray(indices, dtype=np.int64)
+        inputs = {"input_ids": torch.from_numpy(self.input_ids[idx].astype(np.int64)),
+                  "position_ids": torch.from_numpy(self.position_ids[idx].astype(np.int64))}
+        return inputs, torch.from_numpy(self.targets[idx].astype(np.int64))
 
 
 class TrainStream:

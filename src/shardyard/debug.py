@@ -15,13 +15,16 @@ import sys
 import torch
 from omegaconf import DictConfig
 
+from shardyard.config.schema import Precision
 from shardyard.errors import UserError
 
 
 class NonFiniteGuard:
-    def __init__(self, cfg: DictConfig, backend):
-        self.policy, self.max_skipped = cfg.debug.nan_policy, cfg.debug.max_skipped
-        self.fp16 = cfg.precision.name == "fp16"
+    def __init__(self, debug: DictConfig, precision: str, backend):
+        """``debug``: the run's ``debug`` section (``nan_policy``, ``max_skipped``); ``precision``: the
+        ``precision.name`` (under fp16 the loss scaler owns gradient overflows, the guard only the loss)."""
+        self.policy, self.max_skipped = debug.nan_policy, debug.max_skipped
+        self.fp16 = Precision(precision) is Precision.fp16
         self.backend = backend
         from shardyard.model import signature
 
@@ -88,7 +91,8 @@ class NonFiniteGuard:
         return "; ".join(parts)
 
 
-def anomaly_detection(cfg: DictConfig):
-    """``torch.autograd.detect_anomaly`` around forward and backward when asked: a NaN produced in backward
-    raises at the operation that made it, with the forward traceback of that operation."""
-    return torch.autograd.detect_anomaly(check_nan=True) if cfg.debug.detect_anomaly else contextlib.nullcontext()
+def anomaly_detection(debug: DictConfig):
+    """``torch.autograd.detect_anomaly`` around forward and backward when ``debug.detect_anomaly`` asks (``debug``:
+    the run's ``debug`` section): a NaN produced in backward raises at the operation that made it, with the
+    forward traceback of that operation."""
+    return torch.autograd.detect_anomaly(check_nan=True) if debug.detect_anomaly else contextlib.nullcontext()

@@ -136,3 +136,16 @@ def run_dir_name() -> str:
         return f"torchrun-{run_id}"
     # torchrun without a run id, deepspeed, horovodrun: all local workers share the launcher as parent.
     return f"launch-{os.uname().nodename}-{os.getppid()}"
+
+
+def interface_address(ifname: str | None) -> str | None:
+    """The IPv4 address of a network interface (Linux), or None for none named."""
+    if not ifname:
+        return None
+    import fcntl
+    import socket
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", ifname[:15].encode()))  # SIOCGIFADDR
+    return socket.inet_ntoa(packed[20:24])

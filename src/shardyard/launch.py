@@ -17,7 +17,8 @@ from typing import Any, Callable
 import hydra.utils
 from omegaconf import DictConfig
 
-from shardyard.config.validate import Plan
+from shardyard.dist_env import interface_address
+from shardyard.facts import Plan
 
 
 def free_port() -> int:
@@ -61,18 +62,6 @@ def rendezvous(run_dir: str, launch_cfg: DictConfig) -> dict[str, Any]:
     return dict(min_nodes=n, max_nodes=n, run_id=run_id, rdzv_backend="c10d", rdzv_endpoint=launch_cfg.rdzv_endpoint,
                 rdzv_configs={"join_timeout": launch_cfg.timeout_s, "is_host": launch_cfg.node_rank == 0},
                 local_addr=interface_address(launch_cfg.socket_ifname))
-
-
-def interface_address(ifname: str | None) -> str | None:
-    """The IPv4 address of a network interface (Linux), or None for none named."""
-    if not ifname:
-        return None
-    import fcntl
-    import struct
-
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", ifname[:15].encode()))  # SIOCGIFADDR
-    return socket.inet_ntoa(packed[20:24])
 
 
 def elastic(run_dir: str, plan: Plan, cfg: DictConfig) -> None:

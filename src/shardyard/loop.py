@@ -11,10 +11,11 @@ import torch
 from omegaconf import DictConfig
 
 from shardyard.backends import Backend
-from shardyard.config.validate import Plan
+from shardyard.facts import Plan
 from shardyard.data import PackedSequences, TrainStream, eval_batches
 from shardyard.debug import NonFiniteGuard, anomaly_detection
 from shardyard.metrics import memory_metrics, peak_tflops
+from shardyard.moe import Balancer
 from shardyard.monitors import Monitors
 from shardyard.profiling import StepProfiler
 
@@ -54,8 +55,11 @@ class Health:
     * ``train.early_stopping_patience``: stop when the eval loss has not improved for that many evaluations.
     """
 
-    def __init__(self, cfg: DictConfig, rank0: bool, history: dict | None = None):
-        self.tr, self.rank0 = cfg.train, rank0
+    def __init__(self, train: DictConfig, rank0: bool, history: dict | None = None, warn_max_over_mean: float = 2.0):
+        """``train``: the run's ``train`` section (``steps``, ``warn_after_evals``, ``early_stopping_patience``);
+        ``warn_max_over_mean``: ``model.balance``'s MoE imbalance limit."""
+        self.tr, self.rank0, self.warn_max_over_mean = train, rank0, warn_max_over_mean
+        self.imbalanced = 0  # log steps in a row with a MoE layer above the limit
         history = history or {}  # a resumed run goes on from its own curves (the checkpoint carries them)
         self.evals: list[float] = [v for _, v in history.get("eval_losses", [])]
         self.train: list[float] = [v for _, v in history.get("train_losses", [])]
@@ -84,6 +88,18 @@ class Health:
                 self._warn("oscillating", f"the train loss oscillates (last values {', '.join(f'{x:.3f}' for x in last)}): "
                            "lower optim.lr or raise train.global_batch_size.")
 
+    def on_moe(self, step: int, metrics: dict) -> None:
+        """A MoE layer whose busiest expert stays above ``model.balance.warn_max_over_mean`` times the mean load
+        at 5 log steps in a row, after the first tenth of the run: its routing has collapsed onto few experts."""
+        worst = max(((v, k.split("/")[1]) for k, v in metrics.items() if k.endswith("/max_over_mean")
+                     and k.count("/") == 2), default=None)
+        limit = self.warn_max_over_mean
+        self.imbalanced = self.imbalanced + 1 if worst is not None and worst[0] > limit and step >= self.tr.steps / 10 else 0
+        if self.imbalanced >= 5 and worst is not None:
+            self._warn("moe", f"MoE {worst[1].replace('_', ' ')} sends {worst[0]:.2f}x the mean load to its busiest "
+                       f"expert (above model.balance.warn_max_over_mean={limit:g} for 5 log steps, at step {step}): "
+                       "raise model.balance.bias_update_speed (DeepSeek-V3 routers) or model.balance.seq_aux_alpha.")
+
     def on_eval(self, step: int, loss: float) -> bool:
         """True: stop here (early stopping)."""
         self.evals.append(loss)
@@ -101,36 +117,39 @@ class Health:
         return False
 
 
-def evaluate(backend: Backend, val: PackedSequences, cfg: DictConfig, plan: Plan) -> float:
+def evaluate(backend: Backend, val: PackedSequences, batches: int, plan: Plan) -> float:
+    """The mean loss over ``batches`` (``train.eval_batches``) held-out micro-batches, on every rank."""
     model = backend.hf_model()
     was_training = model.training
     model.eval()
     total = torch.zeros((), device=backend.device)
-    for x, y in eval_batches(val, cfg.train.eval_batches, plan.micro_batch_size, backend.dp_rank, backend.dp_size):
+    for x, y in eval_batches(val, batches, plan.micro_batch_size, backend.dp_rank, backend.dp_size):
         total += backend.eval_loss(to_device(x, backend.device), y.to(backend.device)).float()
     model.train(was_training)
-    return backend.all_reduce_mean(total / cfg.train.eval_batches).item()
+    return backend.all_reduce_mean(total / batches).item()
 
 
 def train(cfg: DictConfig, plan: Plan, backend: Backend, stream: TrainStream, val: PackedSequences,
           monitors: Monitors, start_step: int = 0, after_step: Callable[[int], None] | None = None,
-          after_eval: Callable[[int, dict], bool] | None = None, history: dict | None = None) -> LoopResult:
+          after_eval: Callable[[int, dict], bool] | None = None, history: dict | None = None,
+          balancer: Balancer | None = None) -> LoopResult:
     """Steps ``start_step .. train.steps``; ``after_step(done)`` runs after each (checkpointing), and
     ``after_eval(step, metrics)`` after each evaluation: True stops the run there (a sweep's pruner; every
-    rank must return the same). The plan's FLOPs per token turn throughput into TFLOP/s and MFU."""
+    rank must return the same). ``balancer``: a MoE model's routing balance, stepped after every update. The plan's FLOPs per token turn throughput into TFLOP/s and MFU. The loop is
+    where the step's parts meet, so it reads the whole ``cfg``; each part it builds gets only its sections."""
     tr = cfg.train
-    flops_per_token = plan.model.flops_per_token
+    flops_per_token = plan.facts.flops_per_token
     total, accum, dev = tr.steps, plan.grad_accum_steps, backend.device
     res = LoopResult()
-    guard = NonFiniteGuard(cfg, backend)
-    profiler = StepProfiler(cfg, backend.rank, dev)
+    guard = NonFiniteGuard(cfg.debug, precision=cfg.precision.name, backend=backend)
+    profiler = StepProfiler(cfg.profile, run_dir=cfg.run_dir, rank=backend.rank, device=dev)
     peak = peak_tflops(dev, cfg.precision.name, cfg.metrics.peak_tflops)
 
-    health = Health(cfg, backend.rank == 0, history)
+    health = Health(tr, backend.rank == 0, history, warn_max_over_mean=cfg.model.balance.warn_max_over_mean)
     res.warnings = health.warnings
 
     def run_eval(step: int) -> bool:
-        loss = evaluate(backend, val, cfg, plan)
+        loss = evaluate(backend, val, tr.eval_batches, plan)
         res.eval_losses.append((step, loss))
         metrics = {"eval/loss": loss, "eval/ppl": math.exp(min(loss, 50.0))}
         monitors.log(step, metrics)
@@ -150,7 +169,7 @@ def train(cfg: DictConfig, plan: Plan, backend: Backend, stream: TrainStream, va
         profiler.before_step(done)
         t0 = time.perf_counter()
         step_loss = torch.zeros((), device=dev)
-        with anomaly_detection(cfg), torch.profiler.record_function("forward_backward"):
+        with anomaly_detection(cfg.debug), torch.profiler.record_function("forward_backward"):
             for micro in range(accum):
                 td = time.perf_counter()
                 x, y = stream.micro_batch(step, micro)
@@ -159,6 +178,8 @@ def train(cfg: DictConfig, plan: Plan, backend: Backend, stream: TrainStream, va
                 step_loss += backend.forward_backward(x, y, is_last_micro=micro == accum - 1).float()
         with torch.profiler.record_function("optimizer_step"):
             stats = backend.step(guard=guard.active)
+            if balancer is not None:  # one all-reduce of every MoE layer's loads, then the routers' biases
+                balancer.after_step(backend.all_reduce_mean, applied=stats.applied)
         if guard.active:  # stop (raise) or count a skipped update; one host sync per step
             guard.check(done, step_loss, stats)
         loss_acc += step_loss / accum
@@ -182,6 +203,9 @@ def train(cfg: DictConfig, plan: Plan, backend: Backend, stream: TrainStream, va
                 metrics["loss_scale"] = stats.loss_scale
             if guard.policy == "skip":
                 metrics["skipped_steps"] = guard.skipped
+            if balancer is not None:
+                metrics.update(balancer.metrics())
+                health.on_moe(done, metrics)
             monitors.log(done, metrics)
             res.train_losses.append((done, loss))
             health.on_train(done, loss)

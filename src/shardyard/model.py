@@ -22,9 +22,11 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
 
+from shardyard import moe
 from shardyard.errors import UserError
+from shardyard.adapters import checkpoint_name
+from shardyard.facts import META_INIT_ABOVE, ModelFacts
 
-META_INIT_ABOVE = 1_000_000_000  # parameters; above this `init_device: auto` builds on the meta device
 
 
 @runtime_checkable
@@ -99,8 +101,34 @@ def deepseek_v3(vocab_size: int, hidden_size: int, intermediate_size: int, num_l
                 max_position_embeddings: int = 2048, rope_theta: float = 10000.0, rms_norm_eps: float = 1e-6,
                 tie_word_embeddings: bool = False, initializer_range: float = 0.02,
                 attn_implementation: str = "sdpa") -> torch.nn.Module:
-    """DeepSeek-V3 (``transformers.DeepseekV3ForCausalLM``): MLA attention, shared + routed experts."""
-    from transformers import AutoModelForCausalLM, DeepseekV3Config
+    """DeepSeek-V3 (``transformers.DeepseekV3ForCausalLM``): MLA attention, shared + routed experts, a sigmoid
+    router with a selection bias (balanced by ``model.balance.bias_update_speed``)."""
+    return _deepseek("DeepseekV3Config", **locals())
+
+
+def deepseek_v2(vocab_size: int, hidden_size: int, intermediate_size: int, num_layers: int, num_heads: int,
+                kv_lora_rank: int, qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int,
+                n_routed_experts: int, n_shared_experts: int, num_experts_per_tok: int, moe_intermediate_size: int,
+                q_lora_rank: int | None = None, first_k_dense_replace: int = 0, n_group: int = 1, topk_group: int = 1,
+                routed_scaling_factor: float = 1.0, num_kv_heads: int | None = None,
+                max_position_embeddings: int = 2048, rope_theta: float = 10000.0, rms_norm_eps: float = 1e-6,
+                tie_word_embeddings: bool = False, initializer_range: float = 0.02,
+                attn_implementation: str = "sdpa", topk_method: str = "greedy") -> torch.nn.Module:
+    """DeepSeek-V2 (``transformers.DeepseekV2ForCausalLM``): MLA attention, shared + routed experts, a softmax
+    router (``topk_method``: ``greedy`` or ``group_limited_greedy``) balanced by auxiliary losses."""
+    if topk_method not in ("greedy", "group_limited_greedy"):
+        raise UserError("model.topk_method", topk_method, "DeepSeek-V2's router chooses experts greedily, or greedily "
+                        "within the model.topk_group best of model.n_group groups.",
+                        "Use model.topk_method=greedy or group_limited_greedy.")
+    return _deepseek("DeepseekV2Config", **locals())
+
+
+def _deepseek(config_class: str, *, num_experts_per_tok: int, n_routed_experts: int, n_group: int, topk_group: int,
+              num_layers: int, num_heads: int, num_kv_heads: int | None, **dims: Any) -> torch.nn.Module:
+    """The DeepSeek-V2/V3 families from their dimensions (the builders' arguments, named as in the HF config
+    but for ``num_layers``, ``num_heads`` and ``num_kv_heads``)."""
+    import transformers
+    from transformers import AutoModelForCausalLM
 
     if num_experts_per_tok > n_routed_experts:
         raise UserError("model.num_experts_per_tok", num_experts_per_tok,
@@ -110,17 +138,10 @@ def deepseek_v3(vocab_size: int, hidden_size: int, intermediate_size: int, num_l
         raise UserError("model.n_group", n_group, f"Routing groups must split model.n_routed_experts={n_routed_experts} "
                         f"evenly, and model.topk_group={topk_group} must lie in 1..n_group.",
                         "Use model.n_group=1 model.topk_group=1 (no group-limited routing) or matching values.")
-    config = DeepseekV3Config(  # type: ignore[call-arg]  # rope_theta, attn_implementation: PretrainedConfig kwargs
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+    config = getattr(transformers, config_class)(
         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads or num_heads,
-        max_position_embeddings=max_position_embeddings, rope_theta=rope_theta, rms_norm_eps=rms_norm_eps,
-        tie_word_embeddings=tie_word_embeddings, initializer_range=initializer_range,
-        attn_implementation=attn_implementation, dtype=torch.float32, q_lora_rank=q_lora_rank,
-        kv_lora_rank=kv_lora_rank, qk_nope_head_dim=qk_nope_head_dim, qk_rope_head_dim=qk_rope_head_dim,
-        v_head_dim=v_head_dim, n_routed_experts=n_routed_experts, n_shared_experts=n_shared_experts,
-        num_experts_per_tok=num_experts_per_tok, moe_intermediate_size=moe_intermediate_size,
-        first_k_dense_replace=first_k_dense_replace, n_group=n_group, topk_group=topk_group,
-        routed_scaling_factor=routed_scaling_factor)
+        num_experts_per_tok=num_experts_per_tok, n_routed_experts=n_routed_experts, n_group=n_group,
+        topk_group=topk_group, dtype=torch.float32, **dims)
     return AutoModelForCausalLM.from_config(config)
 
 
@@ -128,7 +149,7 @@ def deepseek_v3(vocab_size: int, hidden_size: int, intermediate_size: int, num_l
 # own as a ``smoke_shape`` attribute (a dict of its keyword arguments); without one its model is kept as is.
 llama.smoke_shape = dict(  # type: ignore[attr-defined]
     hidden_size=64, intermediate_size=176, num_layers=2, num_heads=4, num_kv_heads=None)
-deepseek_v3.smoke_shape = dict(  # type: ignore[attr-defined]
+deepseek_v3.smoke_shape = deepseek_v2.smoke_shape = dict(  # type: ignore[attr-defined]
     hidden_size=64, intermediate_size=176, num_layers=2, num_heads=4, num_kv_heads=None, q_lora_rank=None,
     kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4, n_shared_experts=1,
     num_experts_per_tok=2, moe_intermediate_size=64, first_k_dense_replace=1, n_group=1, topk_group=1)
@@ -180,12 +201,45 @@ def _weight_files(path: str) -> dict[str, str]:
     return where
 
 
-def checkpoint_name(name: str) -> str:
-    """The name a parameter has in an HF checkpoint: peft's wrappers (``base_model.model.``, ``.base_layer``)
-    and torch's (activation checkpointing, compile) removed."""
-    for wrapper in ("base_model.model.", "_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
-        name = name.replace(wrapper, "")
-    return name.replace(".base_layer.", ".")
+class _StackedExperts:
+    """A fused expert tensor (transformers 5's ``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj``
+    [E, H, I]) read from a checkpoint that stores each expert's projections apart, as ``save_pretrained`` writes
+    them (``experts.3.gate_proj.weight`` ...) and DeepSeek's own releases do: it reads like a safetensors slice,
+    and indexing reads only the experts it covers (an FSDP shard holds a range of experts)."""
+
+    PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+    def __init__(self, reader: Any, prefix: str, parts: tuple[str, ...], experts: int):
+        self.reader, self.names = reader, [[f"{prefix}.{e}.{p}.weight" for p in parts] for e in range(experts)]
+        first = [reader(n) for n in self.names[0]]
+        rows = sum(f.get_shape()[0] for f in first)
+        self.shape, self.dtype = [experts, rows, first[0].get_shape()[1]], first[0].get_dtype()
+
+    @classmethod
+    def find(cls, key: str, where: dict[str, str], reader: Any) -> _StackedExperts | None:
+        import re
+
+        m = re.fullmatch(r"(.*\.experts)\.(gate_up_proj|down_proj)", key)
+        if m is None or f"{m.group(1)}.0.{cls.PARTS[m.group(2)][0]}.weight" not in where:
+            return None
+        parts = cls.PARTS[m.group(2)]
+        experts = 0
+        while all(f"{m.group(1)}.{experts}.{p}.weight" in where for p in parts):
+            experts += 1
+        return cls(reader, m.group(1), parts, experts)
+
+    def get_shape(self) -> list[int]:
+        return self.shape
+
+    def get_dtype(self) -> str:
+        return self.dtype
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        index = index if isinstance(index, tuple) else (index,)
+        rows, rest = (index[0], index[1:]) if index else (slice(None), ())
+        full = torch.stack([torch.cat([self.reader(n)[:] for n in names])
+                            for names in self.names[rows]])  # only the experts asked for
+        return full[(slice(None), *rest)]
 
 
 @torch.no_grad()
@@ -215,16 +269,23 @@ def load_weights(model: torch.nn.Module, path: str) -> None:
 
     tensors: dict[str, torch.Tensor] = dict(model.named_parameters())
     tensors.update((n, b) for n, b in model.named_buffers() if checkpoint_name(n) in where)
-    missing, used = [], set()
+    missing: list[str] = []
+    used: set[str] = set()
     for name, p in tensors.items():
         key = checkpoint_name(name)
         if "lora_" in key:
             continue
-        if key not in where:
+        stacked = _StackedExperts.find(key, where, reader) if key not in where else None
+        if key not in where and stacked is None:
             missing.append(key)
             continue
-        used.add(key)
-        sl = reader(key)
+        sl: Any
+        if stacked is not None:
+            used.update(n for names in stacked.names for n in names)
+            sl = stacked
+        else:
+            used.add(key)
+            sl = reader(key)
         if not sl.get_dtype().startswith(("F", "BF")) or sl.get_dtype().startswith("F8"):
             raise UserError("model.weights", path, f"Its tensor {key} is stored as {sl.get_dtype()}: a quantised "
                             "checkpoint (FP8 or integer blocks with scales), which is not loaded as plain weights.",
@@ -265,30 +326,6 @@ def load_weights(model: torch.nn.Module, path: str) -> None:
 
 
 # ------------------------------------------------------------------------------ facts from a meta build
-@dataclasses.dataclass(frozen=True)
-class ModelFacts:
-    """What the parent learns from one meta-device build: no memory, no init. Carried to the workers."""
-
-    params: int
-    """Parameter count."""
-    flops_per_token: float
-    """Training FLOPs per token (``flops_per_token``)."""
-    embedding_rows: int | None
-    """Rows of the input embedding (the largest token id + 1 the model takes), if it has one."""
-    max_positions: int | None
-    """Longest sequence the model is set up for, if its config says."""
-    shape: dict | None = None
-    """What the memory plan reads of the model (``shardyard.plan.model_shape``)."""
-    attn: str | None = None
-    """The HF attention implementation (``sdpa``, ``eager``, ``flash_attention_2``); None: not an HF model."""
-    trainable: int | None = None
-    """Parameters that train (the adapters under ``peft``); None: all of them."""
-
-    @property
-    def big(self) -> bool:
-        return self.params > META_INIT_ABOVE
-
-
 def shape_model(m: DictConfig) -> torch.nn.Module:
     """The model's structure on the meta device: shapes and names, no memory, no init."""
     with torch.device("meta"):
@@ -309,14 +346,13 @@ def inspect_model(m: DictConfig, seq_len: int, peft: DictConfig | None = None) -
     if not isinstance(model, torch.nn.Module):
         raise UserError("model._target_", m._target_, f"It returned a {type(model).__name__}, not a torch.nn.Module.",
                         "Return a transformers PreTrainedModel or an nn.Module meeting shardyard.model.CausalLM.")
-    from shardyard.plan import model_shape
 
     emb = _input_embeddings(model)
     config = getattr(model, "config", None)
     trainable = None
-    if peft is not None and peft.name != "none":  # the adapters, on the meta device too: their count for the plan
-        from shardyard.adapters import apply
+    from shardyard.adapters import apply, method
 
+    if peft is not None and method(peft).freezes_base:  # the adapters, on the meta device too: their count for the plan
         if not is_hf(model):
             raise UserError("peft", peft.name, f"peft's LoRA wraps transformers models (PreTrainedModel), and model "
                             f"{m.name} ({m._target_}) is a plain module.",
@@ -329,10 +365,14 @@ def inspect_model(m: DictConfig, seq_len: int, peft: DictConfig | None = None) -
         except (ValueError, TypeError, KeyError) as e:
             raise UserError("peft", peft.name, f"peft refused these adapter settings: {type(e).__name__}: {e}",
                             "Fix the peft.* values it names (python train.py --cfg job shows them).") from None
+    found = moe.routers(model)
     return ModelFacts(params=param_count(model), flops_per_token=flops_per_token(model, seq_len),
                       embedding_rows=getattr(emb, "num_embeddings", None),
                       max_positions=getattr(config, "max_position_embeddings", None), shape=model_shape(model),
-                      attn=attn_implementation(model) if is_hf(model) else None, trainable=trainable)
+                      attn=attn_implementation(model) if is_hf(model) else None, trainable=trainable,
+                      moe_layers=len(found), routed_experts=found[0].experts if found else 0,
+                      experts_per_token=found[0].top_k if found else 0,
+                      router_bias=bool(found) and all(r.biased for r in found))
 
 
 def _input_embeddings(model: Any) -> torch.nn.Module | None:
@@ -518,3 +558,78 @@ def packed_kwargs(model: Any, inputs: dict) -> dict:
     if impl == "eager":
         mask = torch.zeros(mask.shape, device=pos.device).masked_fill(~mask, torch.finfo(torch.float32).min)
     return {**inputs, "attention_mask": mask}
+
+
+# ------------------------------------------------------------------------------ what the memory plan reads
+def model_shape(model: Any) -> dict:
+    """What the plan needs of a model built on the meta device: sizes, the largest block, the parameters
+    outside the blocks, and activation bytes per token (summed over blocks, of the largest block, and what
+    activation checkpointing keeps) for each numeric regime.
+
+    Regimes: ``fp32``; ``autocast`` (fp32 parameters, bf16/fp16 matmuls: single, DDP, Horovod);
+    ``half`` (bf16/fp16 parameters: FSDP's MixedPrecisionPolicy, DeepSpeed). Per-block bytes per token
+    were measured with ``torch.autograd.graph.saved_tensors_hooks`` on transformers 5's LLaMA and
+    DeepSeek-V3 blocks (SDPA attention), and fitted exactly (LLaMA) or within 1% (DeepSeek-V3):
+    ``tests/unit/test_plan.py`` re-measures them.
+    """
+    c = getattr(model, "config", None)
+    blocks = transformer_blocks(model)
+    block_params = [sum(p.numel() for p in b.parameters()) for b in blocks]
+    total = sum(p.numel() for p in model.parameters())
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    h = getattr(c, "hidden_size", None) or (emb.embedding_dim if emb is not None else 1024)
+    vocab = getattr(c, "vocab_size", None) or (emb.num_embeddings if emb is not None else 32000)
+    per_block = [_block_bytes_per_token(block, c, h) for block in blocks] or [_llama_bytes(h, 4 * h, h, max(1, h // 64))]
+    act = {}
+    for regime in ("fp32", "autocast", "half"):
+        layer = [b[regime] for b in per_block]
+        resid = 2 if regime == "half" else 4  # the residual stream: fp32 but under half parameters
+        act[regime] = {"blocks": sum(layer), "max_block": max(layer), "ckpt_per_block": resid * h,
+                       "loss": (12 if regime == "fp32" else 10) * vocab + 2 * resid * h}
+    module_params = [sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()]
+    return {"hidden": h, "vocab": vocab, "blocks": len(blocks), "block_params": sum(block_params),
+            "max_block_params": max(block_params, default=total), "root_params": total - sum(block_params),
+            "max_module_params": max(module_params, default=total),
+            "activation_bytes_per_token": act}
+
+
+def _llama_bytes(h: int, i: int, hkv: int, heads: int) -> dict:
+    # Saved tensors of one LLaMA block per token: 2 RMSNorms (input and output each), q/k/v, SDPA's output
+    # and log-sum-exp, o_proj's input, and the SwiGLU MLP's gate, up, silu(gate) and product (4 x i).
+    return {"fp32": 32 * h + 16 * i + 8 * hkv + 4 * heads + 8,
+            "autocast": 30 * h + 8 * i + 4 * hkv + 4 * heads,  # + the bf16 weight copies (``autocast_copies``)
+            "half": 20 * h + 8 * i + 4 * hkv + 4 * heads + 8}
+
+
+# DeepSeek-V3 under autocast / half parameters, relative to fp32 (measured on transformers' implementation:
+# its experts run a grouped matmul outside autocast's cast list, so they stay fp32 under autocast).
+_V3_AUTOCAST, _V3_HALF = 1.09, 0.70
+
+
+def _block_bytes_per_token(block: Any, c: Any, h: int) -> dict:
+    if c is None:  # a plain nn.Module model: a LLaMA-like block of its width
+        return _llama_bytes(h, 4 * h, h, max(1, h // 64))
+    heads = getattr(c, "num_attention_heads", max(1, h // 64))
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    head_dim = getattr(c, "head_dim", None) or h // heads
+    mlp = getattr(block, "mlp", None)
+    moe = mlp is not None and hasattr(mlp, "experts")
+    if getattr(c, "kv_lora_rank", None):  # MLA attention (DeepSeek-V2/V3)
+        dq, dv, rq, rkv = c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim, c.q_lora_rank, c.kv_lora_rank
+        attn = (2 * h + (2 * rq if rq else 0) + heads * dq  # input norm; q (through its low-rank norm)
+                + heads * dq + (rkv + c.qk_rope_head_dim) + rkv + heads * (c.qk_nope_head_dim + dv)  # query; kv latent
+                + heads * dq + 2 * heads * dv + heads + 2 * h)  # key, SDPA out, o_proj in, lse; output norm
+        if moe:  # router scores; per routed token its input, gate|up, silu, product, output; shared experts
+            k, mi = c.num_experts_per_tok, c.moe_intermediate_size
+            ffn = c.n_routed_experts + k * (2 * h + 4 * mi) + 4 * c.n_shared_experts * mi + 1.5 * h
+        else:
+            ffn = 4 * c.intermediate_size
+        fp32 = 4 * (attn + ffn)
+        return {"fp32": fp32, "autocast": _V3_AUTOCAST * fp32, "half": _V3_HALF * fp32}
+    i = getattr(c, "intermediate_size", None) or 4 * h
+    if moe and getattr(c, "num_experts_per_tok", None):  # LLaMA-style attention with routed experts
+        i = c.num_experts_per_tok * (getattr(c, "moe_intermediate_size", None) or i)
+    return _llama_bytes(h, i, kv_heads * head_dim, heads)
+
+
+# ---------------------------------------------------------------------------------------- the optimizer

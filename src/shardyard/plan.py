@@ -4,7 +4,7 @@
 description: per rank, the bytes of parameters, gradients, optimizer state, master weights, the engine's own
 buffers and activations, what offload moves to host RAM or NVMe, the bytes each rank sends per step and the
 step time those bytes and the FLOPs imply. Nothing is allocated: the model's shape comes from the one
-meta-device build validation already does (``model_shape``), the optimizer's bytes per parameter from one
+meta-device build validation already does (``model.model_shape``), the optimizer's bytes per parameter from one
 step on a 64 x 64 probe tensor.
 
 Each engine states what it holds in its own module (``Backend.model_states``), next to the code that
@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import shutil
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from omegaconf import DictConfig
 
+from shardyard.config.schema import Offload, Precision
 from shardyard.errors import UserError
+from shardyard.facts import Plan, split_hardware
 
 GiB = float(2 ** 30)
 
@@ -36,80 +37,6 @@ allocator's slack. Counted when checking the fit, not in the allocated peak the 
 
 
 # ------------------------------------------------------------------------------------------- the model
-def model_shape(model: Any) -> dict:
-    """What the plan needs of a model built on the meta device: sizes, the largest block, the parameters
-    outside the blocks, and activation bytes per token (summed over blocks, of the largest block, and what
-    activation checkpointing keeps) for each numeric regime.
-
-    Regimes: ``fp32``; ``autocast`` (fp32 parameters, bf16/fp16 matmuls: single, DDP, Horovod);
-    ``half`` (bf16/fp16 parameters: FSDP's MixedPrecisionPolicy, DeepSpeed). Per-block bytes per token
-    were measured with ``torch.autograd.graph.saved_tensors_hooks`` on transformers 5's LLaMA and
-    DeepSeek-V3 blocks (SDPA attention), and fitted exactly (LLaMA) or within 1% (DeepSeek-V3):
-    ``tests/unit/test_plan.py`` re-measures them.
-    """
-    from shardyard.model import transformer_blocks
-
-    c = getattr(model, "config", None)
-    blocks = transformer_blocks(model)
-    block_params = [sum(p.numel() for p in b.parameters()) for b in blocks]
-    total = sum(p.numel() for p in model.parameters())
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    h = getattr(c, "hidden_size", None) or (emb.embedding_dim if emb is not None else 1024)
-    vocab = getattr(c, "vocab_size", None) or (emb.num_embeddings if emb is not None else 32000)
-    per_block = [_block_bytes_per_token(block, c, h) for block in blocks] or [_llama_bytes(h, 4 * h, h, max(1, h // 64))]
-    act = {}
-    for regime in ("fp32", "autocast", "half"):
-        layer = [b[regime] for b in per_block]
-        resid = 2 if regime == "half" else 4  # the residual stream: fp32 but under half parameters
-        act[regime] = {"blocks": sum(layer), "max_block": max(layer), "ckpt_per_block": resid * h,
-                       "loss": (12 if regime == "fp32" else 10) * vocab + 2 * resid * h}
-    module_params = [sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()]
-    return {"hidden": h, "vocab": vocab, "blocks": len(blocks), "block_params": sum(block_params),
-            "max_block_params": max(block_params, default=total), "root_params": total - sum(block_params),
-            "max_module_params": max(module_params, default=total),
-            "activation_bytes_per_token": act}
-
-
-def _llama_bytes(h: int, i: int, hkv: int, heads: int) -> dict:
-    # Saved tensors of one LLaMA block per token: 2 RMSNorms (input and output each), q/k/v, SDPA's output
-    # and log-sum-exp, o_proj's input, and the SwiGLU MLP's gate, up, silu(gate) and product (4 x i).
-    return {"fp32": 32 * h + 16 * i + 8 * hkv + 4 * heads + 8,
-            "autocast": 30 * h + 8 * i + 4 * hkv + 4 * heads,  # + the bf16 weight copies (``autocast_copies``)
-            "half": 20 * h + 8 * i + 4 * hkv + 4 * heads + 8}
-
-
-# DeepSeek-V3 under autocast / half parameters, relative to fp32 (measured on transformers' implementation:
-# its experts run a grouped matmul outside autocast's cast list, so they stay fp32 under autocast).
-_V3_AUTOCAST, _V3_HALF = 1.09, 0.70
-
-
-def _block_bytes_per_token(block: Any, c: Any, h: int) -> dict:
-    if c is None:  # a plain nn.Module model: a LLaMA-like block of its width
-        return _llama_bytes(h, 4 * h, h, max(1, h // 64))
-    heads = getattr(c, "num_attention_heads", max(1, h // 64))
-    kv_heads = getattr(c, "num_key_value_heads", None) or heads
-    head_dim = getattr(c, "head_dim", None) or h // heads
-    mlp = getattr(block, "mlp", None)
-    moe = mlp is not None and hasattr(mlp, "experts")
-    if getattr(c, "kv_lora_rank", None):  # MLA attention (DeepSeek-V2/V3)
-        dq, dv, rq, rkv = c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim, c.q_lora_rank, c.kv_lora_rank
-        attn = (2 * h + (2 * rq if rq else 0) + heads * dq  # input norm; q (through its low-rank norm)
-                + heads * dq + (rkv + c.qk_rope_head_dim) + rkv + heads * (c.qk_nope_head_dim + dv)  # query; kv latent
-                + heads * dq + 2 * heads * dv + heads + 2 * h)  # key, SDPA out, o_proj in, lse; output norm
-        if moe:  # router scores; per routed token its input, gate|up, silu, product, output; shared experts
-            k, mi = c.num_experts_per_tok, c.moe_intermediate_size
-            ffn = c.n_routed_experts + k * (2 * h + 4 * mi) + 4 * c.n_shared_experts * mi + 1.5 * h
-        else:
-            ffn = 4 * c.intermediate_size
-        fp32 = 4 * (attn + ffn)
-        return {"fp32": fp32, "autocast": _V3_AUTOCAST * fp32, "half": _V3_HALF * fp32}
-    i = getattr(c, "intermediate_size", None) or 4 * h
-    if moe and getattr(c, "num_experts_per_tok", None):  # LLaMA-style attention with routed experts
-        i = c.num_experts_per_tok * (getattr(c, "moe_intermediate_size", None) or i)
-    return _llama_bytes(h, i, kv_heads * head_dim, heads)
-
-
-# ---------------------------------------------------------------------------------------- the optimizer
 def optimizer_bytes_per_param(o: DictConfig) -> float:
     """Optimizer state bytes per fp32 parameter: one real step of the recipe's optimizer on a 64 x 64 tensor
     (AdamW 8, SGD with momentum 4, Adafactor's factored rows and columns about 0.1)."""
@@ -191,7 +118,7 @@ class Hardware:
         return self.ranks_per_node * self.nodes
 
 
-def hardware(cfg: DictConfig, batch: Any) -> Hardware:
+def hardware(cfg: DictConfig, batch: Plan) -> Hardware:
     """``plan.hardware`` (``8xH100-80GB``, ``H100-80GB``, ``cpu``) with ``plan.nodes``, or this machine."""
     spec = cfg.plan.hardware
     if spec is None:
@@ -200,8 +127,7 @@ def hardware(cfg: DictConfig, batch: Any) -> Hardware:
 
 
 def named(spec: str, nodes: int, precision: str = "bf16", nvme_path: str | None = None) -> Hardware:
-    m = re.fullmatch(r"(?:(\d+)\s*x\s*)?(.+)", spec.strip(), re.IGNORECASE)
-    count, name = (int(m.group(1)) if m and m.group(1) else 1), (m.group(2) if m else spec)
+    count, name = split_hardware(spec)
     if name.lower() == "cpu":
         import psutil
 
@@ -214,12 +140,12 @@ def named(spec: str, nodes: int, precision: str = "bf16", nvme_path: str | None 
         raise UserError("plan.hardware", spec, f"It names no GPU the plan knows ({known}), or a count below 1.",
                         "Use e.g. plan.hardware=8xH100-80GB (GPUs per node x GPU) with plan.nodes=N, or leave it "
                         "unset to plan for this machine.")
-    flops = (gpu.fp32_tflops if precision == "fp32" else gpu.bf16_tflops) * 1e12
+    flops = (gpu.fp32_tflops if Precision(precision) is Precision.fp32 else gpu.bf16_tflops) * 1e12
     return Hardware(f"{count}x{gpu.name}", "cuda", count, nodes, gpu.memory_gib * GiB, gpu.host_gib_per_gpu * count * GiB,
                     _nvme_free(nvme_path), flops, gpu.intra_gbs * 1e9, gpu.inter_gbs * 1e9, False)
 
 
-def this_machine(cfg: DictConfig, batch: Any) -> Hardware:
+def this_machine(cfg: DictConfig, batch: Plan) -> Hardware:
     """The devices this process sees, without creating a CUDA context (a forked worker must not inherit one)."""
     import psutil
 
@@ -229,7 +155,8 @@ def this_machine(cfg: DictConfig, batch: Any) -> Hardware:
     if batch.device_type == "cuda":
         name, total = _gpu_name_and_memory()
         gpu = next((g for g in GPUS if name and g.name.split("-")[0] in name), None)
-        flops = None if gpu is None else (gpu.fp32_tflops if cfg.precision.name == "fp32" else gpu.bf16_tflops) * 1e12
+        fp32 = Precision(cfg.precision.name) is Precision.fp32
+        flops = None if gpu is None else (gpu.fp32_tflops if fp32 else gpu.bf16_tflops) * 1e12
         intra, inter = (gpu.intra_gbs, gpu.inter_gbs) if gpu else (64.0, 12.5)
         return Hardware(f"{batch.nproc_per_node}x {name or 'GPU'} (this machine)", "cuda", batch.nproc_per_node, nodes,
                         total, host, nvme, flops, intra * 1e9, inter * 1e9, True)
@@ -335,23 +262,24 @@ def frozen_base(states: Any, P: int, trainable: int, shape: dict, quantized: boo
                                                            f"({100 * f:.2f}%) hold gradients and optimizer state"])
 
 
-def estimate(cfg: DictConfig, batch: Any, hw: Hardware) -> Estimate:
-    """The plan of ``cfg`` (its engine, model, precision, batch) on ``hw``; ``batch.model.shape`` from the
+def estimate(cfg: DictConfig, batch: Plan, hw: Hardware) -> Estimate:
+    """The plan of ``cfg`` (its engine, model, precision, batch) on ``hw``; ``batch.facts.shape`` from the
     meta build. World size, micro batch and accumulation are those the hardware implies."""
-    from hydra.utils import get_object
+    from shardyard import adapters
+    from shardyard.backends import engine, parallel_dims
 
-    from shardyard.backends import model_parallel_size
-
-    shape = batch.model.shape
-    P, N = batch.model.params, hw.world
-    mp = model_parallel_size(cfg)
-    dp = max(1, N // mp)  # the data-parallel replicas
+    shape = batch.facts.shape
+    P, N = batch.facts.params, hw.world
+    # This engine's layout on the hardware's world: the run's own (batch.dims) when they are the same run,
+    # another engine's or world when the plan compares them.
+    dims = parallel_dims(cfg, N)
+    mp, dp = dims.model_parallel, dims.dp  # dp: the data-parallel replicas
     accum = _accumulation(cfg, batch, dp)
     mbs = batch.micro_batch_size
-    engine = get_object(cfg.backend._target_)
-    states = engine.model_states(cfg, P, N, shape, optimizer_bytes_per_param(cfg.optim))
-    if batch.model.trainable is not None:
-        states = frozen_base(states, P, batch.model.trainable, shape, quantized=cfg.peft.name == "qlora")
+    states = engine(cfg.backend).model_states(cfg, P, N, shape, optimizer_bytes_per_param(cfg.optim))
+    if batch.facts.trainable is not None:
+        quantized = adapters.method(cfg.peft).quantized_base
+        states = frozen_base(states, P, batch.facts.trainable, shape, quantized=quantized)
     ckpt = bool(cfg.model.activation_checkpointing)
     acts = _activations(shape, states.regime, mbs * batch.seq_len, ckpt) * states.activation_factor
     device = dict(states.device)
@@ -368,7 +296,7 @@ def estimate(cfg: DictConfig, batch: Any, hw: Hardware) -> Estimate:
     else:
         host = dict(states.host)
     tokens = mbs * batch.seq_len * accum / mp  # a tensor-parallel or pipeline rank computes its part of each token
-    compute = None if hw.peak_flops is None else batch.model.flops_per_token * tokens * (4 / 3 if ckpt else 1) / (
+    compute = None if hw.peak_flops is None else batch.facts.flops_per_token * tokens * (4 / 3 if ckpt else 1) / (
         hw.peak_flops * cfg.plan.mfu)
     comm_bytes = states.comm_bytes(accum) * (dp - 1) / dp  # the engine's collectives run over its replicas
     bw = hw.intra_bw if hw.nodes == 1 else hw.inter_bw
@@ -378,7 +306,7 @@ def estimate(cfg: DictConfig, batch: Any, hw: Hardware) -> Estimate:
     return e
 
 
-def _accumulation(cfg: DictConfig, batch: Any, world: int) -> int:
+def _accumulation(cfg: DictConfig, batch: Plan, world: int) -> int:
     gbs = cfg.train.global_batch_size
     if gbs is None:
         return batch.grad_accum_steps
@@ -423,7 +351,7 @@ def _check_fit(e: Estimate, hw: Hardware, headroom: float) -> None:
     e.fits, e.shortfall = not short, "; ".join(short)
 
 
-def nodes_needed(cfg: DictConfig, batch: Any, hw: Hardware, limit: int = 4096) -> int | None:
+def nodes_needed(cfg: DictConfig, batch: Plan, hw: Hardware, limit: int = 4096) -> int | None:
     """The fewest nodes of this hardware on which the recipe fits (None: not even ``limit``)."""
     lo = hw.nodes
     if estimate(cfg, batch, hw).fits:
@@ -479,7 +407,7 @@ def describe(e: Estimate, hw: Hardware) -> str:
     return line
 
 # ------------------------------------------------------------------------------- before launch (run.py)
-def before_launch(cfg: DictConfig, batch: Any, rank0: bool = True) -> tuple[Estimate, str] | None:
+def before_launch(cfg: DictConfig, batch: Plan, rank0: bool = True) -> tuple[Estimate, str] | None:
     """This run's plan and the line that describes it; a run that does not fit is refused (``UserError``).
     With ``plan.only`` every engine's plan is printed and None returned (the caller exits 0)."""
     hw = hardware(cfg, batch)
@@ -493,13 +421,13 @@ def before_launch(cfg: DictConfig, batch: Any, rank0: bool = True) -> tuple[Esti
     return e, describe(e, hw)
 
 
-def plan_report(cfg: DictConfig, batch: Any, hw: Hardware) -> str:
+def plan_report(cfg: DictConfig, batch: Plan, hw: Hardware) -> str:
     """``plan.only``: every engine for this recipe on ``hw``, the rules of thumb, and how to read it."""
     rows = []
     for name, variant in engine_variants(cfg, hw.world):
         e = estimate(variant, batch, hw)
         rows.append((e, None if e.fits else nodes_needed(variant, batch, hw)))
-    P = batch.model.params
+    P = batch.facts.params
     mfu = f"at MFU {cfg.plan.mfu:.0%} of {hw.peak_flops / 1e12:.0f} TFLOP/s" if hw.peak_flops else "(no FLOP/s figure for this hardware)"
     notes = [
         f"model {cfg.model.name}: {f'{P / 1e9:.2f}B' if P >= 1e9 else f'{P / 1e6:.1f}M'} parameters | precision {cfg.precision.name} | micro batch "
@@ -519,21 +447,23 @@ def plan_report(cfg: DictConfig, batch: Any, hw: Hardware) -> str:
 
 
 def engine_variants(cfg: DictConfig, world: int) -> list[tuple[str, DictConfig]]:
-    """The recipe under every ``backend`` option (``single`` only for one rank), composed with the run's
-    own overrides; the run's engine first."""
+    """The recipe under every ``backend`` option whose engine takes ``world`` ranks (its class's ``max_ranks``;
+    ``single``: one), composed with the run's own overrides; the run's engine first."""
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.hydra_config import HydraConfig
-
     # With the primary config's name its hydra.searchpath counts: a project's options and shardyard's packaged ones.
     options = GlobalHydra.instance().config_loader().get_group_options("backend", config_name=HydraConfig.get().job.config_name)
-    from shardyard.backends import model_parallel_size
+    from shardyard.backends import engine, parallel_dims
 
     out = [(cfg.backend.name, cfg)]
     for name in options:
-        if name == cfg.backend.name or (name == "single" and world > 1):
+        if name == cfg.backend.name:
             continue
         variant = compose_variant([f"backend={name}"], drop=("backend",))
-        if world % model_parallel_size(variant) == 0:  # tensor/pipeline parallel need a multiple of their degree
+        most = getattr(engine(variant.backend), "max_ranks", None)
+        if most is not None and world > most:
+            continue
+        if parallel_dims(variant, world).product == world:  # tensor/pipeline parallel need a multiple of their degree
             out.append((name, variant))
     return out
 
@@ -555,7 +485,11 @@ def compose_variant(extra: list[str], drop: tuple[str, ...] = ()) -> DictConfig:
         return compose(config_name=name, overrides=[o for o in task if "nvme_path" not in o] + extra)
 
 
-def alternatives(cfg: DictConfig, batch: Any, hw: Hardware, limit: int = 6) -> list[tuple[str, Estimate, int]]:
+def _swaps_to_nvme(b: DictConfig) -> bool:
+    return Offload.nvme in (b.get("offload_param"), b.get("offload_optimizer"))
+
+
+def alternatives(cfg: DictConfig, batch: Plan, hw: Hardware, limit: int = 6) -> list[tuple[str, Estimate, int]]:
     """Changes that would fit, ranked: fewest nodes, then fewest changed settings, then step time (or bytes
     sent). Each is an override string, its estimate and the nodes it needs."""
     from omegaconf import open_dict
@@ -563,8 +497,8 @@ def alternatives(cfg: DictConfig, batch: Any, hw: Hardware, limit: int = 6) -> l
     found = []
     gbs = batch.global_batch_size
     for name, variant in engine_variants(cfg, hw.world):
-        if name == "zero_infinity" and not variant.backend.get("nvme_path"):
-            continue
+        if _swaps_to_nvme(variant.backend) and not variant.backend.get("nvme_path"):
+            continue  # ZeRO-Infinity needs the user's NVMe directory
         for ckpt in sorted({bool(cfg.model.activation_checkpointing), True}):
             mbs = batch.micro_batch_size
             while mbs >= 1:
@@ -601,7 +535,7 @@ def alternatives(cfg: DictConfig, batch: Any, hw: Hardware, limit: int = 6) -> l
     return out[:limit]
 
 
-def refusal(cfg: DictConfig, batch: Any, hw: Hardware, e: Estimate, rank0: bool = True) -> UserError:
+def refusal(cfg: DictConfig, batch: Plan, hw: Hardware, e: Estimate, rank0: bool = True) -> UserError:
     alts = alternatives(cfg, batch, hw)
     if rank0:
         print(table([(e, None)], hw), flush=True)
@@ -616,7 +550,7 @@ def refusal(cfg: DictConfig, batch: Any, hw: Hardware, e: Estimate, rank0: bool 
                      f"per {where} and does not fit: {e.shortfall}.", fix).on_every_rank()
 
 
-def deepspeed_estimates(cfg: DictConfig, batch: Any, hw: Hardware) -> str:
+def deepspeed_estimates(cfg: DictConfig, batch: Plan, hw: Hardware) -> str:
     """DeepSpeed's own model-state estimators (ZeRO-2, ZeRO-3) beside ours, when DeepSpeed is installed."""
     import logging
 
@@ -628,7 +562,7 @@ def deepspeed_estimates(cfg: DictConfig, batch: Any, hw: Hardware) -> str:
         return ""
     finally:
         logging.disable(logging.NOTSET)
-    P, shape = batch.model.params, batch.model.shape
+    P, shape = batch.facts.params, batch.facts.shape
     _, z2 = estimate_zero2_model_states_mem_needs(P, hw.ranks_per_node, hw.nodes, cpu_offload=False)
     _, z3, _ = estimate_zero3_model_states_mem_needs(P, shape["max_module_params"], hw.ranks_per_node, hw.nodes,
                                                       cpu_offload=False, cpu_offload_params=False)

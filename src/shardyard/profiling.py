@@ -9,12 +9,12 @@ from omegaconf import DictConfig
 
 
 class StepProfiler:
-    def __init__(self, cfg: DictConfig, rank: int, device: torch.device):
-        p = cfg.profile
+    def __init__(self, p: DictConfig, run_dir: str, rank: int, device: torch.device):
+        """``p``: the run's ``profile`` section; the trace goes to ``profile.dir``, else ``<run_dir>/profile``."""
         self.enabled = p.enabled
         self.first: int = p.steps[0] if p.enabled else 0
         self.last: int = p.steps[1] if p.enabled else -1
-        self.path = os.path.join(p.dir or os.path.join(cfg.run_dir, "profile"), f"rank{rank}.trace.json")
+        self.path = os.path.join(p.dir or os.path.join(run_dir, "profile"), f"rank{rank}.trace.json")
         self.prof: torch.profiler.profile | None = None
         if self.enabled:
             acts = [torch.profiler.ProfilerActivity.CPU]

@@ -120,14 +120,9 @@ def lock(root: Path) -> None:
 
 
 def _compose(root: Path, overrides: list[str]) -> Any:
-    from hydra import compose, initialize_config_dir
+    from shardyard import config
 
-    from shardyard.config import register_configs, register_resolvers
-
-    register_configs()
-    register_resolvers()
-    with initialize_config_dir(version_base="1.3", config_dir=str(root / "conf")):
-        return compose("project", overrides=[*overrides, "run_dir=RUN_DIR"])
+    return config.compose(overrides, conf_dir=root / "conf", config_name="project")
 
 
 def _flat(cfg: Any) -> dict[str, Any]:

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-CONF_DIR = Path(__file__).resolve().parent / "conf"
-"""shardyard's configs: the checkout's ``conf/`` (``src/shardyard/conf`` links to it), or the copy in the wheel."""
+from shardyard.config import CONF_DIR
+
 RECIPE_DIR = CONF_DIR / "recipe"
 """``conf/recipe`` (the checkout's ``recipes/``)."""
 GiB = 1024**3
@@ -118,30 +118,23 @@ def find(name: str) -> Recipe:
 
 def compose(r: Recipe, extra: list[str] | None = None) -> Any:
     """The recipe's config as its launch command composes it (outside a Hydra app)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
+    from shardyard import config
 
-    from shardyard.config import register_configs, register_resolvers
-
-    register_configs()
-    register_resolvers()
-    with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
-        return hydra_compose("train", overrides=[*r.argv, *(extra or []), "run_dir=RUN_DIR"])
+    return config.compose([*r.argv, *(extra or [])])
 
 
 def planned(r: Recipe) -> tuple[str, bool]:
     """The plan of ``r`` on the hardware its header names, as the header writes it, and whether it fits."""
     from shardyard import plan
-    from shardyard.config.validate import validate
+    from shardyard.validate import validate
 
-    from shardyard.dist_env import DistEnv
-
-    cfg = compose(r, [f"plan.hardware={r.hardware}", f"plan.nodes={r.nodes}"])
-    per_node = plan.named(r.hardware, r.nodes).ranks_per_node
-    # As its launch command starts it: the header's nodes of the header's ranks (the batch arithmetic and a
-    # pipeline's or tensor-parallel split need the whole world).
-    batch = validate(cfg, DistEnv("elastic", 0, 0, per_node * r.nodes, per_node) if r.nodes > 1 else None)
+    # Planned, not launched: the header's hardware fixes the ranks per node and its nodes the world, so the
+    # batch arithmetic and a pipeline's or tensor-parallel split see the world the launch command starts.
+    cfg = compose(r, [f"plan.hardware={r.hardware}", f"plan.nodes={r.nodes}", "plan.only=true",
+                      "launch.nproc_per_node=auto"])
+    batch = validate(cfg, None)
     hw = plan.hardware(cfg, batch)
+    assert batch.dims.world_size == hw.world, (batch.dims, hw)
     e = plan.estimate(cfg, batch, hw)
     text = f"{_gib(e.device_peak)} GiB per {'GPU' if hw.device == 'cuda' else 'rank'}"
     if e.host_peak:

@@ -11,20 +11,17 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from shardyard import dist_env, rundir, scale
-from shardyard.config.validate import Plan, apply_fast_dev_run, validate
+from shardyard import dist_env, errors, rundir, scale
+from shardyard.facts import Plan
+from shardyard.validate import apply_fast_dev_run, validate
 from shardyard.errors import UserError, report_and_exit
 
-
-STARTED = False
-"""Set once Hydra has composed a config and handed it over (so a later exit is not a composition error)."""
 
 
 def run(cfg: DictConfig) -> float | None:
     """The task function's body. One job of a multirun goes through ``sweep.job``, which records its result and
     returns its objective (``sweep.objective``); a failed job does not end the sweep."""
-    global STARTED
-    STARTED = True
+    errors.JOB_STARTED = True  # composed: a later exit is not a composition error
     if _in_multirun():
         from shardyard import sweep
 
@@ -85,9 +82,9 @@ def _run_parent(cfg: DictConfig, plan: Plan) -> None:
     node = cfg.launch.node_rank if plan.nnodes > 1 else 0
     # Node 0 writes the run dir; the other nodes wait until it holds their own config (node_rank aside).
     run_dir = rundir.prepare(cfg, plan) if node == 0 else rundir.wait_for_node0(cfg, cfg.launch.timeout_s)
-    data.prepare(cfg, plan.model.embedding_rows)  # tokenizer + token cache, built once here, not raced by N workers
+    data.prepare(cfg, plan.facts.embedding_rows)  # tokenizer + token cache, built once here, not raced by N workers
     where = " (config and plan written by node 0)" if node else ""
-    print(f"shardyard | run dir {run_dir}{where}\nshardyard | {plan.describe()}\nshardyard | {plan.memory['line']}",
+    print(f"shardyard | run dir {run_dir}{where}\nshardyard | {plan.describe()}\nshardyard | {plan.memory_line}",
           flush=True)
     if plan.world_size == 1:
         launch.single_process_env()
@@ -103,6 +100,6 @@ def _run_external_worker(cfg: DictConfig, env: dist_env.DistEnv, plan: Plan) -> 
     if env.is_rank0:
         run_dir = rundir.prepare(cfg, plan)
         print(f"shardyard | run dir {run_dir} (workers started by {env.launcher})\nshardyard | {plan.describe()}\n"
-              f"shardyard | {plan.memory['line']}", flush=True)
+              f"shardyard | {plan.memory_line}", flush=True)
     # Every rank trains from the config it composed; rank 0 alone wrote it to the run dir.
     worker.main(rundir.resolved(cfg), plan)

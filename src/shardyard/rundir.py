@@ -13,6 +13,7 @@ import os
 from omegaconf import DictConfig, OmegaConf
 
 from shardyard.errors import UserError
+from shardyard.facts import Plan
 
 
 def resolved(cfg: DictConfig) -> DictConfig:
@@ -22,7 +23,7 @@ def resolved(cfg: DictConfig) -> DictConfig:
     return out
 
 
-def prepare(cfg: DictConfig, plan=None) -> str:
+def prepare(cfg: DictConfig, plan: Plan | None = None) -> str:
     """Create the run dir and write ``config.yaml`` (and ``plan.json``) atomically. Called once per run, by the
     process that owns the dir (the parent, node 0, or rank 0 of an external launch), before anything else is
     written: a dir holding another run's results is refused (or moved aside with
@@ -48,7 +49,7 @@ def prepare(cfg: DictConfig, plan=None) -> str:
     if not os.path.exists(path):
         _write(path, text)
     if plan is not None:
-        from shardyard.config.validate import to_json
+        from shardyard.facts import to_json
 
         _write(os.path.join(run_dir, "plan.json"), json.dumps(to_json(plan), indent=1))
     return run_dir
@@ -343,7 +344,7 @@ def _write(path: str, text: str) -> None:
 
 def load(run_dir: str):
     """``(config, plan)`` as the parent wrote them."""
-    from shardyard.config.validate import from_json
+    from shardyard.facts import from_json
 
     with open(os.path.join(run_dir, "plan.json")) as f:
         plan = from_json(json.load(f))

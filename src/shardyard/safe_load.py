@@ -278,6 +278,19 @@ def _weights_only_refusal(file: Any, source: str, e: pickle.UnpicklingError) -> 
     return _unreadable(name, f"torch's weights-only loader refused it ({reason[:300]})")
 
 
+def _opcodes(*ops: bytes) -> frozenset[str]:
+    """pickletools' ``op.code`` (a one-character str) of each of pickle's opcode constants."""
+    return frozenset(o.decode("latin-1") for o in ops)
+
+
+_NAMES_A_GLOBAL = _opcodes(pickle.GLOBAL, pickle.INST)  # the global's module and name in the argument
+_STACK_GLOBAL = _opcodes(pickle.STACK_GLOBAL)  # ... in the last two values pushed
+_EXTENSION = _opcodes(pickle.EXT1, pickle.EXT2, pickle.EXT4)  # ... in copyreg's extension registry
+_MEMOIZE = _opcodes(pickle.MEMOIZE)
+_PUT = _opcodes(pickle.MEMOIZE, pickle.PUT, pickle.BINPUT, pickle.LONG_BINPUT)
+_GET = _opcodes(pickle.GET, pickle.BINGET, pickle.LONG_BINGET)
+
+
 def _globals_named(file: Any) -> list[str]:
     """The globals (and extension codes) the pickle in a torch file names, in order; [] if unreadable."""
     import pickletools
@@ -300,17 +313,17 @@ def _globals_named(file: Any) -> list[str]:
     memo: dict[Any, Any] = {}
     try:
         for op, arg, _ in pickletools.genops(data):
-            if op.name in ("GLOBAL", "INST"):
+            if op.code in _NAMES_A_GLOBAL:
                 names.append(str(arg).replace(" ", "."))
-            elif op.name == "STACK_GLOBAL":
+            elif op.code in _STACK_GLOBAL:
                 names.append(f"{pushed[-2]}.{pushed[-1]}")
-            elif op.name.startswith("EXT"):
+            elif op.code in _EXTENSION:
                 key = copyreg._inverted_registry.get(arg)  # type: ignore[attr-defined]
                 names.append(f"extension code {arg}" + (f" ({key[0]}.{key[1]})" if key else ""))
-            elif op.name in ("MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT"):
-                memo[len(memo) if op.name == "MEMOIZE" else arg] = pushed[-1]
+            elif op.code in _PUT:
+                memo[len(memo) if op.code in _MEMOIZE else arg] = pushed[-1]
                 continue
-            if op.name in ("GET", "BINGET", "LONG_BINGET"):
+            if op.code in _GET:
                 pushed.append(memo.get(arg))
             elif op.stack_after:
                 pushed.append(arg if isinstance(arg, str) else None)

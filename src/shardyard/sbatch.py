@@ -99,7 +99,7 @@ def _compose_check(overrides: list[str], project: bool) -> str:
     from omegaconf.errors import OmegaConfBaseException
 
     from shardyard import project as projects
-    from shardyard.testing import compose
+    from shardyard.config import compose
 
     try:
         projects._compose(Path.cwd(), overrides) if project else compose(overrides)

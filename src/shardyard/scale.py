@@ -17,15 +17,29 @@ from omegaconf import DictConfig, open_dict
 
 
 def apply(cfg: DictConfig) -> str | None:
-    """Rewrite ``cfg`` in place when ``scale.name`` is ``smoke`` (before validation and the plan); the line that
-    says what was scaled, or None."""
-    if cfg.scale.name == "full":
+    """Rewrite ``cfg`` in place with the function ``scale._target_`` names (before validation and the plan);
+    the line that says what was scaled, or None for the recipe as written."""
+    target = cfg.scale._target_
+    if target is None:
         return None
+    from hydra.utils import get_object
+
     from shardyard.errors import UserError
 
-    if cfg.scale.name != "smoke":
-        raise UserError("scale.name", cfg.scale.name, "The scales are `full` (the recipe as written) and `smoke`.",
-                        "Use +scale=smoke, or leave scale out.")
+    try:
+        scaler = get_object(target)
+    except Exception as e:
+        raise UserError("scale._target_", target, f"It cannot be imported ({type(e).__name__}: {e}).",
+                        "Use +scale=smoke, or leave scale out.") from None
+    return scaler(cfg)
+
+
+def smoke(cfg: DictConfig) -> str:
+    """``+scale=smoke``: the recipe shrunk to ``scale.world_size`` ranks, ``scale.steps`` steps and a tiny model
+    of its family (the module's docstring says what is kept)."""
+    from shardyard import adapters, monitors
+    from shardyard.config.schema import Precision
+
     s = cfg.scale
     was = (f"{cfg.model.name}, {cfg.launch.nproc_per_node} ranks x {cfg.launch.nnodes} node(s), "
            f"{cfg.train.steps} steps, {cfg.precision.name}")
@@ -35,7 +49,7 @@ def apply(cfg: DictConfig) -> str | None:
         accum = _accumulation(cfg, world)
         cfg.launch.nproc_per_node, cfg.launch.nnodes = world, 1
         cfg.train.micro_batch_size = min(cfg.train.micro_batch_size, 2)
-        _model_parallel(cfg, world)
+        _model_parallel(cfg, world)  # after the micro batch: a pipeline raises it to its stages
         cfg.train.grad_accum_steps, cfg.train.global_batch_size = accum, None
         cfg.train.steps = s.steps
         cfg.train.eval_every_n_steps, cfg.train.eval_batches = 0, 1  # step 0 and the end, on the same batch
@@ -43,15 +57,13 @@ def apply(cfg: DictConfig) -> str | None:
         cfg.data.seq_len = min(cfg.data.seq_len, s.seq_len)
         if "warmup_steps" in cfg.sched:
             cfg.sched.warmup_steps = min(cfg.sched.warmup_steps, 1)
-        if cfg.precision.name == "fp16":
-            cfg.precision.name = "bf16"
-        if cfg.peft.name == "qlora":
-            cfg.peft.name = "lora"
+        if Precision(cfg.precision.name) is Precision.fp16:
+            cfg.precision.name = Precision.bf16  # the CPU's reduced precision; DeepSpeed's loss scaler is CUDA-only
+        adapters.method(cfg.peft).for_smoke(cfg.peft)
         if cfg.backend.get("device") == "cuda":
             cfg.backend.device = "auto"
         cfg.checkpoint.every_n_steps, cfg.checkpoint.save_final, cfg.checkpoint.export_hf = 0, False, False
-        for name in [m for m in cfg.monitor or {} if m != "console"]:
-            del cfg.monitor[name]
+        monitors.check_run_only(cfg.monitor)
         cfg.profile.enabled = False
         cfg.plan.hardware, cfg.plan.nodes = None, 1
     return (f"+scale=smoke: the recipe ({was}) scaled down to a tiny {cfg.model.name}-family model, "
@@ -81,7 +93,7 @@ def _world(cfg: DictConfig, most: int) -> int:
 
 def _accumulation(cfg: DictConfig, world_smoke: int) -> int:
     """The recipe's own accumulation (from its global batch over its own data-parallel ranks), at most 2."""
-    from shardyard.backends import model_parallel_size
+    from shardyard.backends import parallel_dims
 
     tr, launch = cfg.train, cfg.launch
     if tr.global_batch_size is None:
@@ -89,22 +101,17 @@ def _accumulation(cfg: DictConfig, world_smoke: int) -> int:
     else:
         n = launch.nproc_per_node
         world = (int(n) if str(n).isdigit() else 1) * max(int(launch.nnodes), 1)
-        dp = max(1, world // model_parallel_size(cfg))
+        dp = parallel_dims(cfg, world).dp  # the recipe's layout on its own world (validation derives the smoke run's)
         accum = max(1, tr.global_batch_size // (tr.micro_batch_size * dp))
     return min(int(accum), 2)
 
 
 def _model_parallel(cfg: DictConfig, world: int) -> None:
-    """Tensor parallel and pipeline stages shrink to the smoke world (the largest degree that divides it, kept
-    at 2 or more where the world allows, so that the split itself is exercised); a pipeline keeps a layer per
-    chunk and splits the micro batch as often as it has stages."""
-    b = cfg.backend
-    for key in ("tp", "stages"):
-        if key in b:
-            b[key] = max(d for d in range(1, world + 1) if world % d == 0 and d <= max(int(b[key]), 1))
-    if "stages" in b:
-        chunks = b.stages * (b.virtual_stages if b.schedule == "interleaved" else 1)
-        if "num_layers" in cfg.model:
-            cfg.model.num_layers = max(int(cfg.model.num_layers), chunks)
-        b.microbatches = b.stages
-        cfg.train.micro_batch_size = max(cfg.train.micro_batch_size, b.stages)
+    """The engine's own parallel degrees shrink to the smoke world (its class's ``for_smoke``: the engine knows
+    its options); the data-parallel engines have none."""
+    from shardyard.backends import engine
+
+    for_smoke = getattr(engine(cfg.backend), "for_smoke", None)
+    if for_smoke is not None:
+        for_smoke(cfg, world)
+

@@ -20,7 +20,6 @@ from __future__ import annotations
 import ast
 import os
 import sysconfig
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -47,17 +46,21 @@ SYSTEM = "You answer questions about the Python standard library."
 
 
 # ------------------------------------------------------------------------------------------ conversations
+_SKIPPED_PACKAGES = frozenset({"test", "tests", "idlelib"})
+"""Standard-library packages whose docstrings are not questions a user asks."""
+
+
 def stdlib_qa(max_examples: int) -> Iterator[tuple[str, list[dict]]]:
     """The embedded instruction set: for each public documented function, method and class of the standard
     library (read with ``ast``, nothing imported), "What does ``mod.f(sig)`` do?" -> the docstring's first
     paragraph. In file order, so the set and its train/val split are stable."""
     root = Path(sysconfig.get_paths()["stdlib"])
     files = sorted((p for p in root.glob("*.py")), key=lambda p: p.name)
-    files += sorted((p for p in root.glob("*/*.py") if p.parent.name not in ("test", "tests", "idlelib")
-                     and p.name == "__init__.py"), key=lambda p: p.parent.name)
+    files += sorted((p for p in root.glob("*/__init__.py") if p.parent.name not in _SKIPPED_PACKAGES),
+                    key=lambda p: p.parent.name)
     n = 0
     for path in files:
-        module = path.parent.name if path.name == "__init__.py" else path.stem
+        module = path.parent.name if path.parent != root else path.stem  # a package: its directory's name
         if module.startswith("_"):
             continue
         try:
@@ -283,30 +286,3 @@ def pack(docs: list[tuple[list[int], list[int]]], seq_len: int, pad: int, packin
         out["input_ids"][r, :k], out["targets"][r, :k], out["position_ids"][r, :k] = ids, targets, pos
         out["position_ids"][r, k:] = np.arange(seq_len - k)
     return out
-
-
-@dataclass
-class SFTRows:
-    """Rows of one split, read like ``data.PackedSequences``: ``get(indices)`` returns the model's inputs
-    (``input_ids``, ``position_ids``) and the targets."""
-
-    prefix: str
-    """``<token dir>/<split>``: ``<prefix>.input_ids.npy``, ``.targets.npy``, ``.position_ids.npy``."""
-
-    def __post_init__(self):
-        def load(name: str) -> np.ndarray:
-            return np.load(f"{self.prefix}.{name}.npy", mmap_mode="r")
-
-        self.input_ids, self.targets, self.position_ids = load("input_ids"), load("targets"), load("position_ids")
-        self.n = len(self.input_ids)
-
-    def __len__(self) -> int:
-        return self.n
-
-    def get(self, indices):
-        import torch
-
-        idx = np.asarray(indices, dtype=np.int64)
-        inputs = {"input_ids": torch.from_numpy(self.input_ids[idx].astype(np.int64)),
-                  "position_ids": torch.from_numpy(self.position_ids[idx].astype(np.int64))}
-        return inputs, torch.from_numpy(self.targets[idx].astype(np.int64))

@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterator
 from omegaconf import DictConfig
 
 from shardyard.errors import UserError
+from shardyard.trial import PRUNER_ATTR, make_pruner  # noqa: F401 - the sweeper reaches them here
 
 RESULT = "result.json"
 """Each job's record in its own directory: status, error, objective value, slot and port (written by rank 0)."""
@@ -222,66 +223,9 @@ def _visible_gpus() -> list[str]:
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     if env is not None:
         return [d for d in env.split(",") if d.strip()]
-    from shardyard.config.validate import _cuda_count
+    from shardyard.validate import _cuda_count
 
     return [str(i) for i in range(_cuda_count())]
-
-
-PRUNER_ATTR = "shardyard_pruner"
-"""The study's user attribute holding the sweeper's pruner settings: Optuna does not store the pruner, and every
-trial's job must prune as the sweeper was told to."""
-
-
-def make_pruner(name: str, startup: int, warmup: int) -> Any:
-    import optuna
-
-    pruners = {"median": lambda: optuna.pruners.MedianPruner(n_startup_trials=startup, n_warmup_steps=warmup),
-               "hyperband": lambda: optuna.pruners.HyperbandPruner(),
-               "none": lambda: optuna.pruners.NopPruner()}
-    if name not in pruners:
-        raise UserError("hydra.sweeper.pruner", name, "Unknown pruner.", "Use median, hyperband or none.")
-    return pruners[name]()
-
-
-class Trial:
-    """A job of ``hydra/sweeper=optuna`` (``sweep.trial`` set): rank 0 reports each evaluation's objective to
-    its Optuna trial and asks the pruner (built from the sweeper's settings, stored in the study); one
-    all-reduce per evaluation tells every rank, so all stop together. A journal that cannot be read or
-    written only means no pruning (with a warning): never a rank left waiting in the all-reduce."""
-
-    def __init__(self, cfg: DictConfig, backend: Any) -> None:
-        self.backend, self.metric, self.trial = backend, str(cfg.sweep.objective), None
-        if backend.rank == 0:
-            try:
-                import optuna
-                from optuna.storages import JournalStorage
-                from optuna.storages.journal import JournalFileBackend
-
-                storage = JournalStorage(JournalFileBackend(str(cfg.sweep.storage)))
-                name = str(cfg.sweep.study)
-                study_id = storage.get_study_id_from_name(name)
-                settings = storage.get_study_user_attrs(study_id).get(PRUNER_ATTR, {"name": "median", "startup": 5,
-                                                                                    "warmup": 0})
-                study = optuna.load_study(study_name=name, storage=storage, pruner=make_pruner(
-                    settings["name"], int(settings["startup"]), int(settings["warmup"])))
-                trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, int(cfg.sweep.trial))
-                self.trial = optuna.Trial(study, trial_id)
-            except Exception as e:  # noqa: BLE001
-                print(f"shardyard | this trial cannot reach its Optuna study ({type(e).__name__}: {e}); it runs "
-                      "without pruning", file=sys.stderr, flush=True)
-
-    def should_stop(self, step: int, metrics: dict) -> bool:
-        import torch
-
-        prune = 0.0
-        if self.trial is not None and step > 0 and self.metric in metrics:  # step 0: the untrained baseline
-            try:
-                self.trial.report(float(metrics[self.metric]), step)
-                prune = float(self.trial.should_prune())
-            except Exception as e:  # noqa: BLE001 - the other ranks are waiting in the all-reduce below
-                print(f"shardyard | Optuna report failed at step {step} ({type(e).__name__}: {e}); not pruning",
-                      file=sys.stderr, flush=True)
-        return bool(self.backend.all_reduce_mean(torch.tensor(prune, device=self.backend.device)).item() > 0)
 
 
 # --------------------------------------------------------------------------------- naming and planning
@@ -432,7 +376,7 @@ def check(config_loader: Any, config: DictConfig, sweep_dir: str, jobs: list[tup
 
     from shardyard import plan as memory_plan
     from shardyard import scale
-    from shardyard.config.validate import apply_fast_dev_run, validate
+    from shardyard.validate import apply_fast_dev_run, validate
 
     env, remote = _launcher_world(config)
     for j, overrides in jobs:

@@ -22,7 +22,9 @@ from typing import Any, Callable
 
 from omegaconf import DictConfig, OmegaConf
 
-CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
+from shardyard import config
+
+CONF_DIR = str(config.CONF_DIR)  # the checkout's conf/ (tests read its files)
 
 # A model and data shape small enough for 2 CPU cores, still the real architecture.
 TINY = ["model.hidden_size=64", "model.intermediate_size=176", "model.num_layers=2", "model.num_heads=4",
@@ -32,26 +34,15 @@ TINY = ["model.hidden_size=64", "model.intermediate_size=176", "model.num_layers
 
 
 def compose(overrides: list[str], run_dir: str | None = None) -> DictConfig:
-    """The config ``python train.py <overrides>`` composes (typed, as ``run.validate`` sees it), outside a
-    Hydra app. ``shardyard.rundir.resolved`` turns it into what the workers get."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    from shardyard.config import register_configs, register_resolvers
-
-    register_configs()
-    register_resolvers()
-    extra = [f"run_dir={run_dir}"] if run_dir else ["run_dir=unused"]
-    with initialize_config_dir(version_base="1.3", config_dir=CONF_DIR):
-        cfg = hydra_compose("train", overrides=list(overrides) + extra)
-    return cfg
+    """``config.compose`` with a run dir that a test names (or a placeholder)."""
+    return config.compose(overrides, run_dir=run_dir or "unused")
 
 
 def _one_run(rank: int, world: int, overrides: list[str], run_dir: str) -> None:
     import torch
 
     from shardyard import worker
-    from shardyard.config.validate import validate
+    from shardyard.validate import validate
     from shardyard.dist_env import detect
     from shardyard.memory import local
     from shardyard.rundir import resolved
@@ -442,3 +433,81 @@ def run_python(argv: list[str], cwd: str, env: dict, timeout: float) -> subproce
 def _close_zygote() -> None:
     for zygote in _ZYGOTE:
         zygote.close()
+
+
+# ------------------------------------------------------------------------------ memory measured on real ranks
+def _planned(cfg, plan) -> dict:
+    """The plan's per-rank figures for this run on this machine (what ``plan.only=true`` prints)."""
+    from shardyard import plan as memory_plan
+
+    e = memory_plan.estimate(cfg, plan, memory_plan.hardware(cfg, plan))
+    return {"device": e.device, "peak": e.device_peak}
+
+
+def measure_engines(rank: int, world: int, ports: list[int], jobs: list[list[str]], out: str) -> None:
+    """In a spawned rank of ``world``: for each job (overrides), build the engine, train one step and run the
+    backward of the next (gradients and optimizer state both alive), and record what this rank holds
+    (``held_by``) beside the parameter count. Rank 0 writes ``[{"overrides", "P", "params", ...}]`` to ``out``."""
+    import json
+    import os
+    import tempfile
+
+    import hydra.utils
+    import torch
+
+    from shardyard import data
+    from shardyard.validate import validate
+    from shardyard.dist_env import detect
+    from shardyard.memory import held_by
+    from shardyard.model import build_model, param_count
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1")
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    results = []
+    for port, overrides in zip(ports, jobs):
+        os.environ["MASTER_PORT"] = str(port)
+        cfg = compose([*overrides, "train.steps=2"], run_dir=tempfile.mkdtemp(prefix="shardyard-mem-"))
+        plan = validate(cfg, detect())
+        backend = hydra.utils.get_object(cfg.backend._target_)(cfg, plan)
+        backend.init()
+        built: dict = {}
+
+        def build(allow_meta: bool) -> torch.nn.Module:
+            from shardyard.adapters import apply
+
+            model = build_model(cfg.model, cfg.seed)
+            built["P"] = param_count(model)
+            built["m"] = apply(model, cfg.peft, cfg.seed)  # peft=lora: adapters, the base frozen
+            return built["m"]
+
+        backend.prepare(build, 2)
+        prep = data.prepare(cfg)
+        stream = data.TrainStream(data.open_split(prep, "train", cfg.data.seq_len), 0,
+                                  plan.global_batch_size, plan.micro_batch_size, backend.dp_rank, backend.dp_size)
+        x, y = stream.micro_batch(0, 0)
+        backend.forward_backward(x, y, True)
+        backend.step()
+        x, y = stream.micro_batch(1, 0)
+        backend.forward_backward(x, y, True)  # gradients of step 2 alive, optimizer state from step 1
+        engine = getattr(backend, "engine", None)  # DeepSpeed's ZeRO optimizer, or the torch one of the stepper
+        optimizer = engine.optimizer if engine is not None else getattr(backend, "stepper").optimizer
+        results.append({"overrides": overrides, "P": built["P"], "trainable": param_count(backend.hf_model(), trainable=True),
+                        "plan": _planned(cfg, plan), **held_by(backend.hf_model(), optimizer)})
+        backend.close()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+
+
+def run_measurements(world: int, jobs: list[list[str]]) -> list[dict]:
+    """``measure_engines`` on ``world`` gloo ranks (``on_ranks``' pool); one result per job."""
+    import json
+    import tempfile
+
+    from shardyard.launch import free_port
+
+    out = tempfile.mktemp(suffix=".json", prefix=f"shardyard-memory-w{world}-")
+    on_ranks(world, measure_engines, [free_port() for _ in jobs], jobs, out)
+    with open(out) as f:
+        return json.load(f)

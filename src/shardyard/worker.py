@@ -17,17 +17,17 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from shardyard import data, drills, loop, monitors
+from shardyard import data, drills, loop, moe, monitors
 from shardyard.backends import Backend
+from shardyard.backends.process_group import elastic_start
 from shardyard.checkpoint import Checkpointer
-from shardyard.config.validate import Plan
+from shardyard.facts import Plan
 from shardyard.errors import UserError, report_and_exit
-from shardyard.export import save_hf
 from shardyard.metrics import run_peak_memory
 from shardyard import adapters
 from shardyard.backends.torch_step import COMPUTE_DTYPES
 from shardyard.model import build_model, load_weights, logits, wants_meta, weights_dir
-from shardyard.sweep import Trial
+from shardyard.trial import Trial
 
 
 def seed_everything(seed: int) -> None:
@@ -42,7 +42,7 @@ def main(cfg: DictConfig, plan: Plan, after_train: Callable[[Backend], None] | N
 
     backend: Backend = get_object(cfg.backend._target_)(cfg, plan)
     backend.init()
-    hosts = _hosts_by_rank(cfg, plan)
+    hosts = _hosts_by_rank(cfg.launch, plan)
     failed = True
     try:
         summary = train(cfg, plan, backend)
@@ -52,7 +52,7 @@ def main(cfg: DictConfig, plan: Plan, after_train: Callable[[Backend], None] | N
         return summary
     except Exception as e:
         if hosts:
-            _name_lost_peers(e, hosts, cfg)
+            _name_lost_peers(e, hosts, cfg.launch)
         raise
     finally:
         try:
@@ -62,23 +62,23 @@ def main(cfg: DictConfig, plan: Plan, after_train: Callable[[Backend], None] | N
                 raise  # a failed run's teardown fails too when its peers are gone: its first error is the one to read
 
 
-def _hosts_by_rank(cfg: DictConfig, plan: Plan) -> list[str] | None:
+def _hosts_by_rank(launch: DictConfig, plan: Plan) -> list[str] | None:
     """Multi-node: every rank's host address (``launch.socket_ifname``'s, else the hostname), so that a lost
     connection can be named by rank and node."""
     import socket
 
     import torch.distributed as dist
 
-    from shardyard.launch import interface_address
+    from shardyard.dist_env import interface_address
 
     if plan.nnodes == 1 or not dist.is_initialized():
         return None
     table: list = [None] * dist.get_world_size()
-    dist.all_gather_object(table, interface_address(cfg.launch.socket_ifname) or socket.gethostname())
+    dist.all_gather_object(table, interface_address(launch.socket_ifname) or socket.gethostname())
     return table
 
 
-def _name_lost_peers(e: Exception, hosts: list[str], cfg: DictConfig) -> None:
+def _name_lost_peers(e: Exception, hosts: list[str], launch: DictConfig) -> None:
     """gloo names the peer it lost ("Read error [10.0.0.2]:41234: Connection reset by peer"); a cable pulled
     shows as a timeout only."""
     import re
@@ -88,12 +88,12 @@ def _name_lost_peers(e: Exception, hosts: list[str], cfg: DictConfig) -> None:
     text, me = str(e), dist.get_rank()
     addrs = set(re.findall(r"\[([0-9A-Fa-f.:]+)\]:\d+", text))
     lost = [f"rank {r} at {h}" for r, h in enumerate(hosts) if h in addrs and r != me]
-    node = os.environ.get("GROUP_RANK", cfg.launch.node_rank)
+    node = os.environ.get("GROUP_RANK", launch.node_rank)
     if lost:
         why = f"lost its connection to {', '.join(lost)}: that node's workers stopped or the node is unreachable"
     elif "timeout" in text.lower() or "timed out" in text.lower():
         others = ", ".join(sorted(set(hosts) - {hosts[me]})) or "the other ranks"
-        why = (f"heard nothing from {others} within launch.timeout_s={cfg.launch.timeout_s} s: a node stopped "
+        why = (f"heard nothing from {others} within launch.timeout_s={launch.timeout_s} s: a node stopped "
                "or its network went down")
     else:
         return
@@ -122,7 +122,7 @@ def train(cfg: DictConfig, plan: Plan, backend: Backend) -> dict:
 
     def build(allow_meta: bool) -> torch.nn.Module:
         # QLoRA quantises the loaded weights as it builds: never on the meta device.
-        meta = allow_meta and wants_meta(cfg.model, plan.model) and cfg.peft.name != "qlora"
+        meta = allow_meta and wants_meta(cfg.model, plan.facts) and not adapters.method(cfg.peft).quantized_base
         model = build_model(cfg.model, cfg.seed, on_meta=meta)
         weights = weights_dir(cfg.model)
         if weights is not None and not any(p.is_meta for p in model.parameters()):
@@ -132,25 +132,30 @@ def train(cfg: DictConfig, plan: Plan, backend: Backend) -> dict:
         return model
 
     backend.prepare(build, cfg.train.steps)
+    # MoE routers, wherever the engine put them: their loads counted, their balance kept (shardyard.moe).
+    balancer = moe.Balancer.install(backend.hf_model(), cfg.model.balance, plan.facts.routed_experts, plan.dims.ep,
+                                    backend.device)
     if rank0:
-        trainable = plan.model.trainable  # counted on the meta build at validation
-        tuned = (f" ({trainable:,} trainable: {cfg.peft.name} adapters, {100 * trainable / plan.model.params:.2f}%)"
+        trainable = plan.facts.trainable  # counted on the meta build at validation
+        tuned = (f" ({trainable:,} trainable: {cfg.peft.name} adapters, {100 * trainable / plan.facts.params:.2f}%)"
                  if trainable is not None else "")
-        print(f"shardyard | model {cfg.model.name}: {plan.model.params:,} parameters{tuned}, "
-              f"{plan.model.flops_per_token / 1e9:.4g} GFLOPs per training token | engine {cfg.backend.name} | "
+        print(f"shardyard | model {cfg.model.name}: {plan.facts.params:,} parameters{tuned}, "
+              f"{plan.facts.flops_per_token / 1e9:.4g} GFLOPs per training token | engine {cfg.backend.name} | "
               f"precision {cfg.precision.name} | {len(seqs):,} train / {len(val):,} val sequences "
               f"({stream.steps_per_epoch} steps per epoch)", flush=True)
 
     # 3. Resume: model, optimizer, schedule, RNG and data position, or a fresh start.
     seed_everything(cfg.seed + backend.rank)  # per-rank streams (dropout, sampling) after identical init
-    ckpt = Checkpointer(cfg, backend, plan, prepared.tokenizer_dir)
+    ckpt = Checkpointer(cfg.checkpoint, backend, plan, run_dir=cfg.run_dir, tokenizer_dir=prepared.tokenizer_dir,
+                        engine=cfg.backend.name, model_name=cfg.model.name,
+                        restarted=elastic_start(cfg) > 0)  # a restart of the workers (on any node of the job)
     start = ckpt.restore()
     if start >= cfg.train.steps:
         return _already_complete(cfg, start, rank0)
     step["now"] = start + 1
 
     # 4. Train.
-    mon = monitors.build(cfg, rank0)
+    mon = monitors.build(cfg.monitor, run_dir=cfg.run_dir, config=cfg, is_rank0=rank0)
     mon.resume(ckpt.start)  # an earlier attempt's steps after the checkpoint are logged again: each step once
     try:
         def after_step(done: int) -> None:
@@ -158,21 +163,22 @@ def train(cfg: DictConfig, plan: Plan, backend: Backend) -> dict:
             ckpt.maybe_save(done, stream)
             drills.crash_after(done, backend.rank, cfg.run_dir)
 
-        trial = Trial(cfg, backend) if OmegaConf.select(cfg, "sweep.trial") is not None else None
+        trial = Trial.of(OmegaConf.select(cfg, "sweep"), backend)
         result = loop.train(cfg, plan, backend, stream, val, mon, start_step=start, after_step=after_step,
-                            after_eval=trial.should_stop if trial else None, history=ckpt.history)
-        summary = _finish(cfg, plan, backend, prepared, result, history=ckpt.history)
+                            after_eval=trial.should_stop if trial else None, history=ckpt.history,
+                            balancer=balancer)
+        summary = _finish(cfg, plan, backend, prepared, result, ckpt)
     except BaseException as e:  # mark wandb/mlflow runs failed, flush the event files, then re-raise
         mon.fail(e.paragraph() if isinstance(e, UserError) else f"{type(e).__name__}: {e}")
         raise
     mon.close(summary)
-    if rank0 and not cfg.debug.fast_dev_run and cfg.scale.name == "full":  # no report.png for a check run
+    if rank0 and not cfg.debug.fast_dev_run and cfg.scale._target_ is None:  # no report.png for a check run
         _draw_report(cfg.run_dir)
     return summary
 
 
 def _finish(cfg: DictConfig, plan: Plan, backend: Backend, prepared: data.Prepared, result: loop.LoopResult,
-            history: dict) -> dict:
+            ckpt: Checkpointer) -> dict:
     """Export, sample and summary. A resumed run's curves start from its own history (metrics.jsonl), so it
     reports what an uninterrupted run would."""
     rank0 = backend.rank == 0
@@ -180,12 +186,13 @@ def _finish(cfg: DictConfig, plan: Plan, backend: Backend, prepared: data.Prepar
     if result.pruned_at is not None and rank0:
         print(f"shardyard | the sweep's pruner stopped this trial after step {result.pruned_at}'s evaluation "
               "(no export, no sample)", flush=True)
-    if cfg.checkpoint.save_final and result.pruned_at is None:
-        export = save_hf(backend, prepared.tokenizer_dir, os.path.join(cfg.run_dir, "hf"))
+    if result.pruned_at is None:
+        export = ckpt.export_final()
+    history = ckpt.history
     eval_losses = history["eval_losses"] + result.eval_losses
     summary = {
         "steps": cfg.train.steps, "wall_s": result.wall_s, "tokens": result.tokens,
-        "tokens_per_s": result.tokens / max(result.wall_s, 1e-9), "params": plan.model.params,
+        "tokens_per_s": result.tokens / max(result.wall_s, 1e-9), "params": plan.facts.params,
         "backend": cfg.backend.name, "world_size": backend.world_size, "final_train_loss": result.final_train_loss,
         "eval_losses": eval_losses, "train_losses": history["train_losses"] + result.train_losses,
         "grad_norms": history["grad_norms"] + result.grad_norms,
@@ -195,7 +202,8 @@ def _finish(cfg: DictConfig, plan: Plan, backend: Backend, prepared: data.Prepar
         "stopped_early_at": result.stopped_early_at, "warnings": result.warnings,
     }
     if cfg.train.sample_tokens > 0 and result.pruned_at is None:  # every rank: sharded engines all-gather inside the forward
-        summary["sample"] = sample_text(backend.hf_model(), prepared.tokenizer_dir, cfg, backend.device)
+        summary["sample"] = sample_text(backend.hf_model(), prepared.tokenizer_dir, cfg.train, seed=cfg.seed,
+                                        seq_len=cfg.data.seq_len, device=backend.device)
         if rank0:
             print(f"sample ({cfg.train.sample_tokens} tokens after {cfg.train.sample_prompt!r}):\n"
                   f"{summary['sample']}\n", flush=True)
@@ -236,14 +244,16 @@ def _draw_report(run_dir: str) -> None:
 
 
 @torch.no_grad()
-def sample_text(model: torch.nn.Module, tokenizer_dir: str, cfg: DictConfig, device: torch.device) -> str:
+def sample_text(model: torch.nn.Module, tokenizer_dir: str, train: DictConfig, *, seed: int, seq_len: int,
+                device: torch.device) -> str:
+    """``train.sample_tokens`` tokens after ``train.sample_prompt`` (``train``: the run's ``train`` section)."""
     tok = data.load_tokenizer(tokenizer_dir)
-    ids = tok(cfg.train.sample_prompt, return_tensors="pt", add_special_tokens=False).input_ids.to(device)
-    g = torch.Generator(device=device).manual_seed(cfg.seed)
+    ids = tok(train.sample_prompt, return_tensors="pt", add_special_tokens=False).input_ids.to(device)
+    g = torch.Generator(device=device).manual_seed(seed)
     was_training = model.training
     model.eval()
-    for _ in range(cfg.train.sample_tokens):  # plain top-k sampling: works for every engine's module
-        out = logits(model(ids[:, -cfg.data.seq_len:]))[:, -1].float()
+    for _ in range(train.sample_tokens):  # plain top-k sampling: works for every engine's module
+        out = logits(model(ids[:, -seq_len:]))[:, -1].float()
         top = torch.topk(out, min(20, out.size(-1)))
         probs = torch.softmax(top.values / 0.8, dim=-1)
         nxt = top.indices.gather(-1, torch.multinomial(probs, 1, generator=g))
@@ -267,7 +277,7 @@ def from_run_dir(run_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    from shardyard.cli import leave
+    from shardyard.errors import leave
 
     from_run_dir(sys.argv[1])
     leave(0)  # a spawned worker (GPU, horovodrun) skips the interpreter's teardown too

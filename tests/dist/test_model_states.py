@@ -4,8 +4,8 @@ every tensor of parameters, gradients and optimizer state a rank holds, each sto
 import pytest
 
 from shardyard import plan as memory_plan
-from shardyard.config.validate import validate
-from shardyard.memory import run_measurements
+from shardyard.validate import validate
+from shardyard.testing import run_measurements
 from shardyard.testing import compose
 
 ENGINES = ["ddp", "zero1", "zero2", "zero3", "fsdp"]

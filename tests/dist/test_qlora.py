@@ -6,7 +6,7 @@ the eval set as the engine did. The CUDA run is in the gpu tier."""
 import pytest
 import torch
 
-from shardyard.config.validate import validate
+from shardyard.validate import validate
 from shardyard.errors import UserError
 from shardyard.testing import TINY, compose, hf_eval_loss, run_many
 

@@ -169,7 +169,7 @@ def test_plain_module_exports_its_weights(trained):
 
 
 def test_a_misspelt_plugin_argument_is_refused(project):
-    from shardyard.config.validate import validate
+    from shardyard.validate import validate
     from shardyard.errors import UserError
     from shardyard.testing import compose
 

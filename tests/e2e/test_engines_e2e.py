@@ -59,7 +59,7 @@ def test_zero_infinity_without_async_io_says_so(tmp_path, monkeypatch):
     runs in the parent's validation (here in-process), before any worker starts."""
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
-    from shardyard.config.validate import validate
+    from shardyard.validate import validate
     from shardyard.errors import UserError
     from shardyard.testing import compose
 

@@ -179,8 +179,8 @@ def test_kill_9_inside_saves_then_resume_auto_is_bitwise_exact(engine, world, tm
                                                                           (DRILLS[engine], DRILLS[engine] + 1)]
     final = [json.load(open(d / "summary.json")) for d in (tmp_path / "clean", run)]
     assert final[0]["train_losses"] == final[1]["train_losses"] and final[0]["grad_norms"] == final[1]["grad_norms"]
-    # ZeRO-2 on CPU too: its Adam kernel's beta powers are rebuilt on resume (DeepSpeedBackend.
-    # _continue_adam_bias_correction); without that, the run resumed at step 5 differed by 1 ulp from step 6 on.
+    # ZeRO-2 on CPU too: its Adam kernel's beta powers are rebuilt on resume (backends/deepspeed_patches.py
+    # continue_adam_bias_correction); without that, the run resumed at step 5 differed by 1 ulp from step 6 on.
     assert (run / "hf/model.safetensors").read_bytes() == (tmp_path / "clean/hf/model.safetensors").read_bytes()
 
 

@@ -3,7 +3,7 @@
 import pytest
 from hydra.errors import ConfigCompositionException
 
-from shardyard.config.validate import plan, validate
+from shardyard.validate import plan, validate
 from shardyard.errors import UserError
 from shardyard.testing import CONF_DIR, compose
 from pathlib import Path
@@ -152,7 +152,7 @@ def test_a_missing_monitor_package_is_named_before_launch(monkeypatch):
 
 
 def test_fast_dev_run_shortens_the_run_and_saves_nothing():
-    from shardyard.config.validate import apply_fast_dev_run
+    from shardyard.validate import apply_fast_dev_run
 
     cfg = compose(["debug.fast_dev_run=true", "checkpoint.every_n_steps=10", "checkpoint.export_hf=true"])
     apply_fast_dev_run(cfg)
@@ -165,7 +165,7 @@ def test_plugins_import_nothing_heavy_until_built():
     import subprocess
     import sys
 
-    code = ("import sys; import shardyard.monitors, shardyard.config.validate; "
+    code = ("import sys; import shardyard.monitors, shardyard.validate; "
             "print(sorted(m for m in ('wandb', 'mlflow', 'tensorboard', 'matplotlib', 'deepspeed') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

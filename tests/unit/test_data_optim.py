@@ -139,7 +139,7 @@ def test_a_broken_tokenizer_or_cut_short_weights_are_refused_at_validation(tmp_p
 
     from safetensors.numpy import save_file
 
-    from shardyard.config.validate import _safetensors_problem
+    from shardyard.validate import _safetensors_problem
     from shardyard.errors import UserError
 
     (tmp_path / "tok").mkdir()
@@ -158,7 +158,7 @@ def test_a_broken_tokenizer_or_cut_short_weights_are_refused_at_validation(tmp_p
     os.truncate(weights, os.path.getsize(weights) - 4)
     assert "up to byte" in _safetensors_problem(str(weights))
     with pytest.raises(UserError) as e:
-        from shardyard.config.validate import validate
+        from shardyard.validate import validate
 
         validate(compose([f"model.weights={weights.parent}"]), None)
     assert e.value.key == "model.weights" and e.value.value == str(weights), e.value.paragraph()

@@ -101,11 +101,11 @@ def test_anomaly_detection_switch():
 
     from shardyard.debug import anomaly_detection
 
-    with anomaly_detection(compose(["debug.detect_anomaly=true"])):
+    with anomaly_detection(compose(["debug.detect_anomaly=true"]).debug):
         assert torch.is_anomaly_enabled()
         x = torch.ones(2, requires_grad=True)
         y = torch.sqrt(x - 2)  # NaN in forward; backward of sqrt at a NaN input returns NaN
         with pytest.raises(RuntimeError, match="SqrtBackward0"):
             y.sum().backward()
-    with anomaly_detection(compose([])):
+    with anomaly_detection(compose([]).debug):
         assert not torch.is_anomaly_enabled()

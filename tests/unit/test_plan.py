@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from shardyard import plan as memory_plan
-from shardyard.config.validate import validate
+from shardyard.model import model_shape
+from shardyard.validate import validate
 from shardyard.errors import UserError
 from shardyard.model import causal_lm_loss
 from shardyard.testing import compose
@@ -62,7 +63,7 @@ def builder(spec):
                                              (V3, "fp32", 0.03), (V3, "half", 0.05), (V3, "autocast", 0.05)])
 def test_block_activations_equal_what_autograd_saves(spec, regime, rel):
     measured, model = block_bytes(builder(spec), regime)
-    shape = memory_plan.model_shape(model)
+    shape = model_shape(model)
     act = shape["activation_bytes_per_token"][regime]
     planned = act["max_block"]
     if regime == "autocast":  # autocast's bf16 weight copies are per block, not per token
@@ -78,7 +79,7 @@ def test_checkpointing_keeps_only_block_inputs():
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
         out.append(saved_bytes(model, torch.randint(0, 512, (2, 32))))
-    shape = memory_plan.model_shape(model)
+    shape = model_shape(model)
     assert (out[1] - out[0]) / 64 == shape["activation_bytes_per_token"]["fp32"]["ckpt_per_block"]
 
 
@@ -120,6 +121,28 @@ def test_hardware_names():
     with pytest.raises(UserError) as e:
         memory_plan.named("8xH900", 1)
     assert e.value.key == "plan.hardware" and "H100-80GB" in e.value.paragraph()
+
+
+def test_named_hardware_fixes_the_ranks_of_an_auto_launch():
+    """`plan.only=true plan.hardware=8xH100-80GB backend=fsdp_tp backend.tp=8` on this box: nproc `auto` takes the
+    named hardware's 8 GPUs per node (x plan.nodes), one layout is derived (tp 8 x FSDP 1) and planned; a tp that
+    does not divide the world is refused with the layout's paragraph."""
+    from shardyard.facts import from_json, to_json
+
+    over = ["plan.only=true", "plan.hardware=8xH100-80GB", "backend=fsdp_tp", "backend.tp=8"]
+    cfg = compose(over)
+    p = validate(cfg, None)
+    assert (p.world_size, p.nproc_per_node, p.nnodes) == (8, 8, 1)
+    assert (p.dims.tp, p.dims.dp_shard, p.dims.dp_replicate, p.dims.pp, p.dp_size, p.model_parallel) == (8, 1, 1, 1, 1, 8)
+    assert p.global_batch_size == p.micro_batch_size * p.grad_accum_steps  # one data-parallel replica
+    assert memory_plan.estimate(cfg, p, memory_plan.hardware(cfg, p)).fits
+    assert from_json(to_json(p)) == p  # plan.json rebuilds the layout
+    two = validate(compose([*over, "plan.nodes=2"]), None)
+    assert (two.world_size, two.nnodes, two.dims.tp, two.dims.dp_shard) == (16, 2, 8, 2)
+    with pytest.raises(UserError) as e:
+        validate(compose([*over[:-1], "backend.tp=3"]), None)
+    assert e.value.key == "backend.tp" and e.value.value == 3
+    assert "world size 8 must be a multiple" in e.value.problem and "tensor parallel x pipeline stages = 3" in e.value.problem
 
 
 def test_every_engine_shards_as_its_paper_says():

@@ -157,7 +157,7 @@ def test_hostile_dcp_metadata_corpus_is_refused_and_runs_nothing(tmp_path, exten
         files.append(d)
     for c, d in zip(cases, files):
         with pytest.raises(UserError) as e:
-            read_dcp_metadata(str(d))  # what load_dcp (checkpoint.resume=, every DCP engine) reads first
+            read_dcp_metadata(str(d))  # what every DCP engine's load_checkpoint (checkpoint.resume=) reads first
         assert e.value.key == "checkpoint.resume" and e.value.value == str(d / ".metadata"), c.name
         assert c.expect in e.value.problem, (c.name, e.value.problem)
         assert not c.sentinel.exists(), c.name

@@ -173,21 +173,21 @@ def test_health_warns_on_rising_eval_loss_and_stops_early(capsys):
     from shardyard.loop import Health
 
     cfg = OmegaConf.create({"train": {"steps": 100, "warn_after_evals": 2, "early_stopping_patience": 3}})
-    h = Health(cfg, rank0=True)
+    h = Health(cfg.train, rank0=True)
     stops = [h.on_eval(step, loss) for step, loss in [(0, 3.0), (10, 2.0), (20, 2.1), (30, 2.2), (40, 2.15)]]
     assert stops == [False, False, False, False, True]  # 3 evaluations without beating 2.0
     assert any("rose 2 evaluations in a row" in w for w in h.warnings)
     out = capsys.readouterr().out
     assert "overfitting" in out and "early stopping after step 40" in out
-    flat = Health(cfg, rank0=False)
+    flat = Health(cfg.train, rank0=False)
     for step in range(10, 60, 10):
         flat.on_train(step, 5.0 + 0.001 * step)
     assert any("has not fallen" in w for w in flat.warnings)
-    swing = Health(OmegaConf.create({"train": {"steps": 10, "warn_after_evals": 0, "early_stopping_patience": None}}), False)
+    swing = Health(OmegaConf.create({"steps": 10, "warn_after_evals": 0, "early_stopping_patience": None}), False)
     for step, loss in enumerate([4.0, 5.0, 4.0, 5.0, 4.0, 5.0], 1):
         swing.on_train(step, loss)
     assert any("oscillates" in w for w in swing.warnings)
-    quiet = Health(cfg, rank0=False)  # an ordinary falling curve: nothing to say
+    quiet = Health(cfg.train, rank0=False)  # an ordinary falling curve: nothing to say
     for step, loss in enumerate([5.0, 4.5, 4.2, 4.0, 3.9, 3.85, 3.8], 1):
         quiet.on_train(step * 10, loss)
         quiet.on_eval(step * 10, loss + 0.1)

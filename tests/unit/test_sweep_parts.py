@@ -87,7 +87,7 @@ def test_jobs_left_to_run_are_launched_in_runs_of_consecutive_numbers():
 @pytest.mark.parametrize("override,key", [("sweep.objective=eval/los", "sweep.objective"),
                                           ("sweep.base_port=80", "sweep.base_port")])
 def test_bad_sweep_settings_name_their_key(override, key):
-    from shardyard.config.validate import validate
+    from shardyard.validate import validate
     from shardyard.errors import UserError
     from shardyard.testing import compose
 

@@ -20,10 +20,10 @@ reports every evaluation to the trial, and all ranks stop together when the prun
 # module light too: the scan runs it for every Hydra app, so it imports no torch (optuna only in a sweep).
 import os
 import sys
-from dataclasses import dataclass, field
+
 from typing import Any, Dict, List, Optional, Sequence
 
-from hydra.core.config_store import ConfigStore
+
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.plugins.launcher import Launcher
 from hydra.plugins.sweeper import Sweeper
@@ -32,57 +32,9 @@ from omegaconf import DictConfig
 
 from shardyard import sweep
 from shardyard.sweep import Job
+from shardyard import errors
+from shardyard.config.sweepers import register  # noqa: F401 - Hydra's name for the plug-in's configs
 from shardyard.errors import UserError, report_and_exit
-
-
-@dataclass
-class GridSweeperConf:
-    _target_: str = "hydra_plugins.shardyard_sweepers.GridSweeper"
-    max_batch_size: Optional[int] = None
-    """Jobs handed to the launcher at once (``null``: all); joblib then runs ``n_jobs`` of them side by side."""
-    params: Optional[Dict[str, str]] = None
-    """Sweep parameters in a recipe, as on the command line: ``optim.lr: 1e-3,3e-3``."""
-
-
-@dataclass
-class OptunaSweeperConf:
-    _target_: str = "hydra_plugins.shardyard_sweepers.OptunaSweeper"
-    params: Dict[str, str] = field(default_factory=dict)
-    """The search space in Hydra's override grammar: ``tag(log, interval(1e-4, 1e-2))`` (a float, log-uniform),
-    ``interval(0, 1)``, ``range(10, 100, step=10)`` (integers), ``choice(a, b)``, or a single fixed value."""
-    n_trials: int = 20
-    """Trials that finish or are pruned, in all (a resumed sweep counts its earlier ones). A failed trial is
-    retried with new parameters, at most ``n_trials`` times in one run."""
-    n_jobs: int = 1
-    """Trials launched together, one launcher batch (side by side with ``hydra/launcher=parallel``)."""
-    sampler: str = "tpe"
-    """``tpe``, ``random`` or ``grid`` (every ``choice``/``range`` combination; intervals need tpe or random)."""
-    seed: Optional[int] = 0
-    """The sampler's seed: the same sweep proposes the same trials."""
-    pruner: str = "median"
-    """``median`` (stop a trial whose evaluation is worse than the median of earlier trials at that step),
-    ``hyperband``, or ``none``. Pruning needs an ``eval/*`` objective (``sweep.objective``)."""
-    pruner_startup_trials: int = 2
-    """Trials that always run to the end before the median pruner prunes any."""
-    pruner_warmup_steps: int = 0
-    """Optimizer steps of each trial before it can be pruned."""
-    study_name: Optional[str] = None
-    """The study's name in its journal; ``null``: ``shardyard``."""
-
-
-@dataclass
-class ParallelLauncherConf:
-    _target_: str = "hydra_plugins.shardyard_sweepers.ParallelLauncher"
-    n_jobs: int = 2
-    """Jobs running at once on this machine, each in a slot of its own: a rendezvous port range
-    (``sweep.base_port``), ``1/n_jobs`` of the visible GPUs and of the CPU cores."""
-
-
-def register() -> None:
-    cs = ConfigStore.instance()
-    cs.store(group="hydra/sweeper", name="shardyard", node=GridSweeperConf, provider="shardyard")
-    cs.store(group="hydra/sweeper", name="optuna", node=OptunaSweeperConf, provider="shardyard")
-    cs.store(group="hydra/launcher", name="parallel", node=ParallelLauncherConf, provider="shardyard")
 
 
 def _setup(self: Any, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
@@ -174,7 +126,7 @@ class ParallelLauncher(Launcher):
         from hydra.core.utils import run_job, setup_globals
         from omegaconf import open_dict
 
-        from shardyard.cli import leave
+        from shardyard.errors import leave
 
         assert self.hydra_context is not None and self.config is not None
         setup_globals()
@@ -207,7 +159,7 @@ def _prepare(self: Any, key: Any, jobs: list[sweep.Job]) -> tuple[str, bool]:
     from shardyard import run
 
     config = self.config
-    run.STARTED = True  # composed: an exit from here on is the sweep's own, not a composition error
+    errors.JOB_STARTED = True  # composed: an exit from here on is the sweep's own, not a composition error
     resume = any(sweep.resuming(j.overrides) for j in jobs)
     previous = sweep.find_previous(config, key) if resume else None
     sweep_dir = previous or str(config.hydra.sweep.dir)
@@ -331,9 +283,10 @@ class OptunaSweeper(Sweeper):
             sampler, pruner = self._sampler(space), sweep.make_pruner(self.pruner_name, self.startup, self.warmup)
         except UserError as err:
             report_and_exit(err)
-        if config.scale.name == "smoke" and self.n_trials > 3:  # +scale=smoke: the search scaled down too
-            print(f"shardyard | +scale=smoke: 3 of the recipe's {self.n_trials} trials", flush=True)
-            self.n_trials = 3
+        most = config.scale.get("trials")
+        if most is not None and self.n_trials > most:  # +scale=smoke: the search scaled down too
+            print(f"shardyard | scale.trials={most}: {most} of the recipe's {self.n_trials} trials", flush=True)
+            self.n_trials = most
         key = {"fixed": sorted(sweep.identity(fixed)), "space": {k: repr(v) for k, v in sorted(space.items())}}
         # Checked before the first trial: the search space's corners (trials are sampled inside them).
         corners = sweep.name_jobs([fixed + [f"{k}={_as_override(v)}" for k, v in c.items()] for c in _corners(space)])

@@ -12,6 +12,8 @@ from typing import Any, Callable, ClassVar, Optional, Protocol
 import torch
 from omegaconf import DictConfig
 
+from shardyard.facts import ParallelDims, Plan
+
 
 @dataclass
 class StepStats:
@@ -63,13 +65,27 @@ HALF = 2
 FP32 = 4
 
 
-def model_parallel_size(cfg: DictConfig) -> int:
-    """Ranks that together hold one replica of the model: ``backend.tp`` x ``backend.stages`` where the
-    engine has them (the convention every model-parallel engine's schema follows), else 1. The batch
-    arithmetic divides the world by it to find the data-parallel replicas."""
-    from omegaconf import OmegaConf
+def engine(backend_cfg: DictConfig) -> Any:
+    """The engine class ``backend._target_`` names (a class meeting ``Backend``): the one place that resolves it,
+    for building the engine and for the facts the class states (``degrees``, ``quantized_base``, ``max_ranks``,
+    ``model_states``, ``validate``, ``for_smoke``)."""
+    from hydra.utils import get_object
 
-    return int(OmegaConf.select(cfg, "backend.tp", default=1)) * int(OmegaConf.select(cfg, "backend.stages", default=1))
+    return get_object(backend_cfg._target_)
+
+
+def parallel_dims(cfg: DictConfig, world: int) -> ParallelDims:
+    """The layout of ``world`` ranks under ``cfg``'s engine, from its class's ``degrees``; an engine without
+    them (a user's plug-in) is plain data parallel. Validation calls it once for the run (and checks it); the
+    plan calls it for each engine it compares on the planned hardware's world."""
+    degrees = getattr(engine(cfg.backend), "degrees", None)
+    return ParallelDims.of(world, degrees(cfg.backend) if degrees else {})
+
+
+def smoke_degree(degree: int, world: int) -> int:
+    """A parallel degree shrunk to a smoke run's ``world`` (``+scale=smoke``): the largest that divides it, so
+    that the split itself is still exercised (2 or more where the world allows)."""
+    return max(d for d in range(1, world + 1) if world % d == 0 and d <= max(int(degree), 1))
 
 
 class Backend(Protocol):
@@ -90,10 +106,20 @@ class Backend(Protocol):
     """Number of data-parallel replicas (``world_size`` / (tensor-parallel x pipeline degree))."""
     device: torch.device
 
-    def __init__(self, cfg: DictConfig, plan: Any) -> None: ...
+    degree_keys: ClassVar[dict[str, str]]
+    """The option setting each degree ``degrees`` fixes (``{"tp": "backend.tp"}``), named by validation's
+    refusals; empty on the data-parallel engines."""
+
+    def __init__(self, cfg: DictConfig, plan: Plan) -> None: ...
 
     @staticmethod
-    def validate(cfg: DictConfig, plan: Any) -> None:
+    def degrees(b: DictConfig) -> dict[str, int | None]:
+        """The ``ParallelDims`` degrees this engine's options (``b``: the backend config) fix, and as None the
+        data-parallel one that takes the rest of the world: ``{"tp": b.tp, "dp_shard": None}``. The run reads
+        the layout from ``plan.dims``, never from these options."""
+
+    @staticmethod
+    def validate(cfg: DictConfig, plan: Plan) -> None:
         """Engine-specific checks of the composed config; raise ``UserError``."""
 
     @staticmethod

@@ -5,14 +5,16 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+from typing import ClassVar
 
 import torch
-import torch.distributed as dist
 from omegaconf import DictConfig
 from torch.nn.parallel import DistributedDataParallel
 
-from shardyard.backends import StepStats
-from shardyard.backends.process_group import all_reduce_mean, init_process_group, teardown
+from shardyard.facts import Plan
+from shardyard.backends import process_group
+from shardyard.backends.forward import forward_to
+from shardyard.backends.process_group import init_process_group, teardown
 from shardyard.backends.torch_step import TorchStepper, pick_device, replica_states
 from shardyard.errors import UserError
 from shardyard.model import prepare_replica
@@ -27,9 +29,14 @@ def _buffer_sync_kwargs(sync: bool) -> dict:
 class DDPBackend:
     quantized_base = True
     """peft=qlora: every rank holds the whole 4-bit base (bitsandbytes' packed weights are not sharded)."""
-    launcher = "elastic"
+    launcher: ClassVar[str] = "elastic"
+    degree_keys: ClassVar[dict[str, str]] = {}
 
-    def __init__(self, cfg: DictConfig, plan):
+    @staticmethod
+    def degrees(b: DictConfig) -> dict[str, int | None]:
+        return {"dp_replicate": None}  # every rank a whole replica
+
+    def __init__(self, cfg: DictConfig, plan: Plan):
         self.cfg, self.plan, self.bcfg = cfg, plan, cfg.backend
         self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         self.dp_rank, self.dp_size = self.rank, self.world_size
@@ -74,31 +81,17 @@ class DDPBackend:
         sync = contextlib.nullcontext() if is_last_micro else self.ddp.no_sync()
         return self.stepper.forward_backward(inputs, targets, sync)
 
-    def step(self, guard: bool = False) -> StepStats:
-        return self.stepper.step(guard)  # gradients are already averaged: the norm is the global one
+    step = forward_to("stepper", TorchStepper.step)  # gradients are already averaged: the norm is the global one
+    eval_loss = forward_to("stepper", TorchStepper.eval_loss)
 
-    def eval_loss(self, inputs, targets) -> torch.Tensor:
-        return self.stepper.eval_loss(inputs, targets)
+    checkpoint_format: ClassVar[str] = "dcp"
+    save_checkpoint = forward_to("stepper", TorchStepper.save_checkpoint)  # of self.ddp, the stepper's model
+    load_checkpoint = forward_to("stepper", TorchStepper.load_checkpoint)
+    training_state = forward_to("stepper", TorchStepper.training_state)
+    load_training_state = forward_to("stepper", TorchStepper.load_training_state)
 
-    checkpoint_format = "dcp"
-
-    def save_checkpoint(self, path: str) -> None:
-        self.stepper.save_dcp(path, self.ddp)
-
-    def load_checkpoint(self, path: str, meta: dict) -> None:
-        self.stepper.load_dcp(path, self.ddp)
-
-    def training_state(self) -> dict:
-        return self.stepper.training_state()
-
-    def load_training_state(self, state: dict) -> None:
-        self.stepper.load_training_state(state)
-
-    def all_reduce_mean(self, t: torch.Tensor) -> torch.Tensor:
-        return all_reduce_mean(t)
-
-    def barrier(self) -> None:
-        dist.barrier()
+    all_reduce_mean = staticmethod(process_group.all_reduce_mean)
+    barrier = staticmethod(process_group.barrier)
 
     def hf_model(self) -> torch.nn.Module:
         return self.ddp.module

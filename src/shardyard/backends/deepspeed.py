@@ -14,15 +14,18 @@ import logging
 import math
 import os
 import shutil
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from shardyard.backends import FP32, HALF, ModelStates, StepStats
-from shardyard.backends.process_group import all_reduce_mean, init_process_group, teardown
+from shardyard.facts import Plan
+from shardyard.backends import FP32, HALF, ModelStates, StepStats, deepspeed_patches, process_group
+from shardyard.backends.process_group import init_process_group, teardown
 from shardyard.backends.torch_step import pick_device
 from shardyard.errors import UserError
+from shardyard import moe
 from shardyard.model import apply_activation_checkpointing, causal_lm_loss, wants_meta
 from shardyard.optim import build_optimizer, build_scheduler, optimizer_kwargs, param_groups
 from shardyard.safe_load import weights_only_loads
@@ -112,31 +115,6 @@ def remove_swap_files(cfg: DictConfig, rank: int) -> None:
             pass  # another rank's files are still there: that rank removes the directory
 
 
-def _zero3_keeps_the_given_dtype() -> None:
-    """Make ZeRO-3's ``Init`` use the dtype the engine passes it (idempotent).
-
-    DeepSpeed 0.19's ``Init._set_dtype`` reads ``dtype or torch.float16 if <fp16 supported> else torch.bfloat16
-    if ...``, which Python parses as ``(dtype or float16) if <fp16 supported> else bfloat16 ...``: on an
-    accelerator without fp16 (the CPU) the dtype the engine passes is ignored and every ZeRO-3 conversion
-    gets bfloat16. Training is unaffected until ZeRO-Infinity swaps parameters: its swapper takes that dtype
-    and stored fp32 weights as bf16 (measured on 1 rank: first loss 8.351967 against ZeRO-3's 8.351947).
-    Upstream PR deepspeedai/DeepSpeed#8428 adds the missing ``()`` after ``is_bf16_supported`` but keeps the
-    precedence. A dtype that is given is kept; without one DeepSpeed's own choice stands."""
-    from deepspeed.runtime.zero.partition_parameters import Init
-
-    original = Init._set_dtype
-    if getattr(original, "shardyard", False):
-        return
-
-    def _set_dtype(self, ds_config, dtype):
-        original(self, ds_config, dtype)
-        if dtype is not None:
-            self.dtype = dtype
-
-    _set_dtype.shardyard = True  # type: ignore[attr-defined]
-    Init._set_dtype = _set_dtype
-
-
 def ds_optimizer(o: DictConfig) -> dict | None:
     """The JSON ``optimizer`` section for ``optim._target_``, or None when DeepSpeed is handed the built
     optimizer object instead (a client optimizer).
@@ -154,9 +132,16 @@ def ds_optimizer(o: DictConfig) -> dict | None:
 
 
 class DeepSpeedBackend:
-    launcher = "elastic"
+    launcher: ClassVar[str] = "elastic"
+    degree_keys: ClassVar[dict[str, str]] = {}
 
-    def __init__(self, cfg: DictConfig, plan):
+    @staticmethod
+    def degrees(b: DictConfig) -> dict[str, int | None]:
+        # ZeRO-3 shards the parameters; ZeRO-1/2 keep them whole on every rank (their optimizer-state and
+        # gradient partitions do not change which batches a rank reads).
+        return {"dp_shard" if b.stage == 3 else "dp_replicate": None}
+
+    def __init__(self, cfg: DictConfig, plan: Plan):
         self.cfg, self.plan, self.bcfg = cfg, plan, cfg.backend
         self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         self.dp_rank, self.dp_size = self.rank, self.world_size
@@ -289,9 +274,9 @@ class DeepSpeedBackend:
         # (an in-process sweep job, a test's shared workers); that engine is closed, so no two live ids clash.
         ZeroInit.param_id = 0
         if self.bcfg.stage == 3:
-            _zero3_keeps_the_given_dtype()
+            deepspeed_patches.keep_given_zero3_dtype()
         m = self.cfg.model
-        if self.bcfg.stage == 3 and wants_meta(m, self.plan.model):
+        if self.bcfg.stage == 3 and wants_meta(m, self.plan.facts):
             # HF sees the live ZeRO-3 config and builds under deepspeed.zero.Init: every parameter is
             # partitioned as soon as its module exists, and HF's init gathers each one to initialise it.
             from transformers.integrations import HfDeepSpeedConfig
@@ -319,7 +304,8 @@ class DeepSpeedBackend:
 
     def forward_backward(self, inputs, targets, is_last_micro: bool) -> torch.Tensor:
         loss = causal_lm_loss(self.engine, inputs, targets)
-        self.engine.backward(loss)  # DeepSpeed divides by the accumulation steps itself
+        # DeepSpeed divides by the accumulation steps itself; MoE balance losses train, the cross-entropy is reported.
+        self.engine.backward(loss + moe.aux_loss(self.engine))
         if not is_last_micro:
             self.engine.step()  # bookkeeping only: not an accumulation boundary
         return loss.detach()
@@ -361,7 +347,7 @@ class DeepSpeedBackend:
     def eval_loss(self, inputs, targets) -> torch.Tensor:
         return causal_lm_loss(self.engine, inputs, targets).detach()
 
-    checkpoint_format = "deepspeed"
+    checkpoint_format: ClassVar[str] = "deepspeed"
 
     def save_checkpoint(self, path: str) -> None:
         # Collective: each rank writes its ZeRO partitions; DeepSpeed also saves our scheduler and its scaler.
@@ -513,7 +499,8 @@ class DeepSpeedBackend:
         return {"zero_stage": self.bcfg.stage, "nvme": self._swaps_optimizer()}
 
     def load_training_state(self, state: dict) -> None:
-        self._continue_adam_bias_correction()
+        opt = getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)  # ZeRO's base optimizer
+        deepspeed_patches.continue_adam_bias_correction(opt, self.device)
 
     def _vet_pickles(self, path: str) -> None:
         """Rank 0 reads the globals of every rank's files (as opcodes) before any collective load: ZeRO-3 ranks
@@ -530,47 +517,8 @@ class DeepSpeedBackend:
             raise UserError("checkpoint.resume", path, "Rank 0 refused one of its files (its error is above).",
                             "Resume from an earlier checkpoint of the run.").on_every_rank()
 
-    def _continue_adam_bias_correction(self) -> None:
-        """Give DeepSpeed's host Adam kernel the beta powers an uninterrupted process holds at the restored
-        step, so that a resumed run continues bit for bit.
-
-        Its C++ optimizer (csrc/includes/cpu_adam.h ``IncrementStep``: FusedAdam on the CPU accelerator, and
-        DeepSpeedCPUAdam, which every ``_offload`` engine uses on GPUs too) keeps beta^t across calls: a float32
-        product, times beta at each step, in a process that counts from step 1, but ``pow(beta, t)`` in one
-        that starts at t > 1, as a resumed process does. The two differ in the last bit at some t (beta2 = 0.95:
-        t = 6), so the bias correction, and then every weight, differed by up to 1 ulp from the uninterrupted
-        run (measured: ZeRO-2 on CPU resumed at step 5; Adam's moments stayed equal). Replaying steps 1..t, group
-        by group as ZeRO steps them, on 1-element tensors rebuilds that product. The CUDA FusedAdam computes
-        pow at every step. Measured: about 3 us per replayed step and group (one thread)."""
-        from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
-
-        opt = getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)  # ZeRO's base optimizer
-        if not (isinstance(opt, DeepSpeedCPUAdam) or (isinstance(opt, FusedAdam) and self.device.type == "cpu")):
-            return
-        steps = max((int(s["step"]) for s in opt.state.values() if "step" in s), default=0)
-        steps = min(steps, max(_steps_that_matter(b, steps) for g in opt.param_groups for b in g["betas"]))
-        p, g, m, v = (torch.zeros(1) for _ in range(4))
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # the kernel's OpenMP loop over one element: its thread start-up is the cost
-        try:
-            for step in range(1, steps + 1):
-                for group in opt.param_groups:
-                    b1, b2 = group["betas"]
-                    if isinstance(opt, DeepSpeedCPUAdam):
-                        opt.ds_opt_adam.adam_update(opt.opt_id, step, group["lr"], b1, b2, group["eps"],
-                                                    group["weight_decay"], group["bias_correction"], p, g, m, v)
-                    else:
-                        opt.multi_tensor_adam(2048 * 32, opt._dummy_overflow_buf, [[g], [p], [m], [v]], group["lr"],
-                                              b1, b2, group["eps"], step, opt.adam_w_mode,
-                                              int(group["bias_correction"]), group["weight_decay"])
-        finally:
-            torch.set_num_threads(threads)
-
-    def all_reduce_mean(self, t: torch.Tensor) -> torch.Tensor:
-        return all_reduce_mean(t)
-
-    def barrier(self) -> None:
-        dist.barrier()
+    all_reduce_mean = staticmethod(process_group.all_reduce_mean)
+    barrier = staticmethod(process_group.barrier)
 
     def hf_model(self) -> torch.nn.Module:
         return self.engine.module
@@ -585,63 +533,17 @@ class DeepSpeedBackend:
     def close(self) -> None:
         import deepspeed.comm
 
-        from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as ZeroInit
-
         if hasattr(self, "engine"):
             module = self.engine.module
             self.engine.destroy()  # removes its hooks and buffers
             if self.bcfg.stage == 3:
-                _release_zero3(module)
-        # ZeRO-3 swaps torch.nn.functional.linear for its own memory-efficient version "until manually
-        # reset"; left in place it slows down (and changes the autograd graph of) any later model in
-        # this process.
-        if hasattr(ZeroInit, "linear_bk"):
-            torch.nn.functional.linear = ZeroInit.linear_bk
+                deepspeed_patches.release_zero3(module)
+        deepspeed_patches.restore_torch_linear()
         # DeepSpeed's own teardown also drops its cached groups, so a later engine in this process (the
         # next job of an in-process sweep) starts from a clean slate.
         teardown(self, "engine", "_hf_ds", destroy=deepspeed.comm.destroy_process_group)
         if "nvme" in (self.bcfg.offload_optimizer, self.bcfg.offload_param):  # after the engine closed its files
             remove_swap_files(self.cfg, self.rank)
-
-
-def _steps_that_matter(beta: float, steps: int) -> int:
-    """The steps after which beta^t < 2^-27 (by a margin, whether computed as a product or by pow): then
-    ``1 - beta^t`` rounds to 1.0 in float32, so the bias correction no longer depends on how it was computed."""
-    if beta <= 0:
-        return 1
-    if beta >= 1:
-        return steps
-    return math.ceil(-27 * math.log(2) / math.log(beta)) + 1
-
-
-def _release_zero3(module: torch.nn.Module) -> None:
-    """Free what DeepSpeed 0.19's ZeRO-3 keeps of a model after ``engine.destroy()``, for the processes that
-    run several engines: an in-process sweep, the tests' kept ranks. Measured by the RSS a process kept after
-    each 2-rank ZeRO-Infinity run: about 1.9 GB per run per rank before, none after.
-
-    1. ``DeepSpeedZeRoOffload`` pushes the model onto the module-level ``parameter_offload.FWD_MODULE_STACK``
-       and never pops it.
-    2. ``PartitionedParameterCoordinator.__params_to_release`` is a method under ``functools.lru_cache``,
-       whose class-wide cache holds every coordinator and the submodules it was asked about. Clearing it
-       costs only a recomputation; this process runs one engine at a time.
-    3. ZeRO-Infinity's parameter swapper takes its buffers (``buffers``: ``nvme_buffer_count`` x
-       ``nvme_buffer_size`` elements, and ``partitioned_swap_buffer``) as page-locked memory from the
-       process-wide pinned-tensor manager, which keeps them until ``free_cpu_locked_tensor``; DeepSpeed frees
-       its optimizer swapper's buffers that way, but never these."""
-    from deepspeed.runtime.zero import parameter_offload
-    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
-
-    parameter_offload.FWD_MODULE_STACK[:] = [m for m in parameter_offload.FWD_MODULE_STACK if m is not module]
-    wrapped = vars(PartitionedParameterCoordinator)["_PartitionedParameterCoordinator__params_to_release"]
-    for cell in wrapped.__closure__ or ():  # DeepSpeed's NVTX wrapper around the lru_cache
-        if hasattr(cell.cell_contents, "cache_clear"):
-            cell.cell_contents.cache_clear()
-    swapper = next((getattr(p, "nvme_swapper") for p in module.parameters() if getattr(p, "nvme_swapper", None)), None)
-    if swapper is not None:
-        for handle, name in ((swapper.aio_read_handle, "buffers"), (swapper.aio_write_handle, "partitioned_swap_buffer")):
-            if getattr(swapper, name, None) is not None:
-                handle.free_cpu_locked_tensor(getattr(swapper, name))
-                setattr(swapper, name, None)
 
 
 def _safe_globals() -> list:

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import os
+from typing import ClassVar
 
 import torch
-import torch.distributed as dist
 from omegaconf import DictConfig
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from shardyard.backends import FP32, HALF, ModelStates, StepStats
-from shardyard.backends.process_group import all_reduce_mean, init_process_group, teardown
+from shardyard.facts import Plan
+from shardyard.backends import FP32, HALF, ModelStates, process_group
+from shardyard.backends.forward import forward_to
+from shardyard.backends.process_group import init_process_group, teardown
 from shardyard.backends.torch_step import COMPUTE_DTYPES, TorchStepper, pick_device
 from shardyard.errors import UserError
 from shardyard.model import apply_activation_checkpointing, apply_compile, materialize, transformer_blocks
@@ -47,10 +49,22 @@ def parallelize_fsdp(model: torch.nn.Module, cfg: DictConfig, device: torch.devi
     return model
 
 
-class FSDPBackend:
-    launcher = "elastic"
+def gather_full_state_dict(model: torch.nn.Module, rank: int) -> dict | None:
+    """The full state dict of a model sharded by FSDP2 (over a 1D or a 2D mesh): gathered tensor by tensor
+    into rank 0's CPU memory; the other ranks receive nothing (None)."""
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return sd if rank == 0 else None
 
-    def __init__(self, cfg: DictConfig, plan):
+
+class FSDPBackend:
+    launcher: ClassVar[str] = "elastic"
+    degree_keys: ClassVar[dict[str, str]] = {}
+
+    @staticmethod
+    def degrees(b: DictConfig) -> dict[str, int | None]:
+        return {"dp_shard": None}  # every rank a shard of the one replica
+
+    def __init__(self, cfg: DictConfig, plan: Plan):
         self.cfg, self.plan, self.bcfg = cfg, plan, cfg.backend
         self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         self.dp_rank, self.dp_size = self.rank, self.world_size
@@ -114,39 +128,23 @@ class FSDPBackend:
         self.model.set_requires_gradient_sync(sync)  # type: ignore[operator]  # FSDPModule method, added at runtime
         return self.stepper.forward_backward(inputs, targets)
 
-    def step(self, guard: bool = False) -> StepStats:
-        return self.stepper.step(guard)  # clip_grad_norm_ on DTensors: the global norm over all shards
+    step = forward_to("stepper", TorchStepper.step)  # the norm of DTensor gradients: global, over all shards
+    eval_loss = forward_to("stepper", TorchStepper.eval_loss)
 
-    def eval_loss(self, inputs, targets) -> torch.Tensor:
-        return self.stepper.eval_loss(inputs, targets)
+    checkpoint_format: ClassVar[str] = "dcp"
+    save_checkpoint = forward_to("stepper", TorchStepper.save_checkpoint)
+    load_checkpoint = forward_to("stepper", TorchStepper.load_checkpoint)
+    training_state = forward_to("stepper", TorchStepper.training_state)
+    load_training_state = forward_to("stepper", TorchStepper.load_training_state)
 
-    checkpoint_format = "dcp"
-
-    def save_checkpoint(self, path: str) -> None:
-        self.stepper.save_dcp(path, self.model)
-
-    def load_checkpoint(self, path: str, meta: dict) -> None:
-        self.stepper.load_dcp(path, self.model)
-
-    def training_state(self) -> dict:
-        return self.stepper.training_state()
-
-    def load_training_state(self, state: dict) -> None:
-        self.stepper.load_training_state(state)
-
-    def all_reduce_mean(self, t: torch.Tensor) -> torch.Tensor:
-        return all_reduce_mean(t)
-
-    def barrier(self) -> None:
-        dist.barrier()
+    all_reduce_mean = staticmethod(process_group.all_reduce_mean)
+    barrier = staticmethod(process_group.barrier)
 
     def hf_model(self) -> torch.nn.Module:
         return self.model
 
     def full_state_dict(self) -> dict | None:
-        # Gathered tensor by tensor into rank 0's CPU memory; the other ranks receive nothing.
-        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return sd if self.rank == 0 else None
+        return gather_full_state_dict(self.model, self.rank)
 
     def close(self) -> None:
         teardown(self, "stepper", "model")

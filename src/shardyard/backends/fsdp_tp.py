@@ -5,20 +5,20 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
-import torch.distributed as dist
 from omegaconf import DictConfig
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from shardyard.backends import ModelStates, StepStats
-from shardyard.backends.fsdp import FSDPBackend
-from shardyard.backends.process_group import all_reduce_mean, init_process_group, teardown
+from shardyard.facts import Plan
+from shardyard.backends import ModelStates, process_group, smoke_degree
+from shardyard.backends.forward import forward_to
+from shardyard.backends.fsdp import FSDPBackend, gather_full_state_dict
+from shardyard.backends.process_group import init_process_group, teardown
 from shardyard.backends.torch_step import COMPUTE_DTYPES, TorchStepper, pick_device
 from shardyard.errors import UserError
 from shardyard.model import apply_activation_checkpointing, apply_compile, materialize, transformer_blocks
@@ -118,16 +118,26 @@ def check_tp_model(model: Any, tp: int) -> None:
 
 
 class FSDPTPBackend:
-    launcher = "elastic"
-    checkpoint_format = "dcp"
+    launcher: ClassVar[str] = "elastic"
+    checkpoint_format: ClassVar[str] = "dcp"
+    degree_keys: ClassVar[dict[str, str]] = {"tp": "backend.tp"}
 
-    def __init__(self, cfg: DictConfig, plan):
+    @staticmethod
+    def degrees(b: DictConfig) -> dict[str, int | None]:
+        return {"tp": int(b.tp), "dp_shard": None}  # FSDP over the world / tp replicas
+
+    @staticmethod
+    def for_smoke(cfg: DictConfig, world: int) -> None:
+        """``+scale=smoke``: tensor parallel over the largest part of the smoke world it fits."""
+        cfg.backend.tp = smoke_degree(cfg.backend.tp, world)
+
+    def __init__(self, cfg: DictConfig, plan: Plan):
         self.cfg, self.plan, self.bcfg = cfg, plan, cfg.backend
         self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        self.tp = int(cfg.backend.tp)
+        self.tp = plan.dims.tp
         # The mesh is (dp, tp), tp innermost: the tp ranks of a replica are consecutive, i.e. on one node,
         # where their per-block all-reduces use NVLink; only FSDP's traffic crosses nodes.
-        self.dp_rank, self.dp_size = self.rank // self.tp, self.world_size // self.tp
+        self.dp_rank, self.dp_size = self.rank // self.tp, plan.dims.dp
 
     @staticmethod
     def validate(cfg: DictConfig, plan) -> None:
@@ -137,10 +147,7 @@ class FSDPTPBackend:
         if cfg.precision.name == "fp16":  # the loss scaler's found-inf would have to agree across every split rank
             raise UserError("precision", "fp16", "fp16 loss scaling is not implemented with tensor parallel here (it is "
                             "untested on GPUs, and CPUs cannot run fp16).", "Use precision=bf16 (or fp32).")
-        tp = int(cfg.backend.tp)
-        if tp < 1:
-            raise UserError("backend.tp", tp, "It is the number of ranks one layer is split across.",
-                            "Use backend.tp=2 (or the GPUs of a node, 8), dividing the world size.")
+        tp = plan.dims.tp  # at least 1, dividing the world (validation's layout check)
         if cfg.backend.cpu_offload:
             raise UserError("backend.cpu_offload", True, "CPU offload is not supported with tensor parallelism here.",
                             "Use backend=fsdp_offload, or backend.cpu_offload=false.")
@@ -186,37 +193,21 @@ class FSDPTPBackend:
         self.model.set_requires_gradient_sync(is_last_micro or self.bcfg.reduce_every_micro_batch)  # type: ignore[operator]
         return self.stepper.forward_backward(inputs, targets)
 
-    def step(self, guard: bool = False) -> StepStats:
-        return self.stepper.step(guard)  # every gradient is a (dp, tp) DTensor: one global norm
+    step = forward_to("stepper", TorchStepper.step)  # every gradient is a (dp, tp) DTensor: one global norm
+    eval_loss = forward_to("stepper", TorchStepper.eval_loss)
+    save_checkpoint = forward_to("stepper", TorchStepper.save_checkpoint)  # HF names: any dp x tp layout loads them
+    load_checkpoint = forward_to("stepper", TorchStepper.load_checkpoint)
+    training_state = forward_to("stepper", TorchStepper.training_state)
+    load_training_state = forward_to("stepper", TorchStepper.load_training_state)
 
-    def eval_loss(self, inputs, targets) -> torch.Tensor:
-        return self.stepper.eval_loss(inputs, targets)
-
-    def save_checkpoint(self, path: str) -> None:
-        self.stepper.save_dcp(path, self.model)  # keys are the HF names: any dp x tp layout loads them
-
-    def load_checkpoint(self, path: str, meta: dict) -> None:
-        self.stepper.load_dcp(path, self.model)
-
-    def training_state(self) -> dict:
-        return self.stepper.training_state()
-
-    def load_training_state(self, state: dict) -> None:
-        self.stepper.load_training_state(state)
-
-    def all_reduce_mean(self, t: torch.Tensor) -> torch.Tensor:
-        return all_reduce_mean(t)  # the tp ranks of a replica hold the same value: the mean is dp's
-
-    def barrier(self) -> None:
-        dist.barrier()
+    all_reduce_mean = staticmethod(process_group.all_reduce_mean)  # tp ranks of a replica agree: the mean is dp's
+    barrier = staticmethod(process_group.barrier)
 
     def hf_model(self) -> torch.nn.Module:
         return self.model
 
     def full_state_dict(self) -> dict | None:
-        # Each (dp, tp) DTensor gathered in full, tensor by tensor, into rank 0's CPU memory.
-        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return sd if self.rank == 0 else None
+        return gather_full_state_dict(self.model, self.rank)  # each (dp, tp) DTensor gathered in full
 
     def close(self) -> None:
         teardown(self, "stepper", "model")

@@ -4,21 +4,27 @@ plain ``mpirun``; ``backend.controller`` says which controller coordinates the w
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from omegaconf import DictConfig
 
-from shardyard.backends import StepStats
+from shardyard.facts import Plan
+from shardyard.backends.forward import forward_to
 from shardyard.backends.torch_step import TorchStepper, pick_device, replica_states
 from shardyard.errors import UserError
 from shardyard.model import prepare_replica
 
 
 class HorovodBackend:
-    launcher = "horovod"
+    launcher: ClassVar[str] = "horovod"
+    degree_keys: ClassVar[dict[str, str]] = {}
 
-    def __init__(self, cfg: DictConfig, plan):
+    @staticmethod
+    def degrees(b: DictConfig) -> dict[str, int | None]:
+        return {"dp_replicate": None}  # every rank a whole replica
+
+    def __init__(self, cfg: DictConfig, plan: Plan):
         self.cfg, self.plan, self.bcfg = cfg, plan, cfg.backend
 
     @staticmethod
@@ -43,7 +49,7 @@ class HorovodBackend:
         if env is None and plan.nnodes > 1:
             raise UserError("launch.nnodes", plan.nnodes, "Horovod's runner reaches other hosts over ssh (or MPI), "
                             "not through launch.rdzv_endpoint.", "Start it on the first host with `horovodrun -np N "
-                            "-H host1:n,host2:n python train.py backend=horovod` (README, 'Clusters'), leaving "
+                            "-H host1:n,host2:n python train.py backend=horovod` (docs/clusters.md), leaving "
                             "launch.nnodes=1.")
         controller = cfg.backend.controller
         wants_mpi = controller == "mpi" or (env is not None and env.launcher == "mpi")
@@ -131,13 +137,10 @@ class HorovodBackend:
     def forward_backward(self, inputs, targets, is_last_micro: bool) -> torch.Tensor:
         return self.stepper.forward_backward(inputs, targets)
 
-    def step(self, guard: bool = False) -> StepStats:
-        return self.stepper.step(guard)  # synchronize() -> unscale -> clip -> skip_synchronize(): step
+    step = forward_to("stepper", TorchStepper.step)  # synchronize() -> unscale -> clip -> skip_synchronize(): step
+    eval_loss = forward_to("stepper", TorchStepper.eval_loss)
 
-    def eval_loss(self, inputs, targets) -> torch.Tensor:
-        return self.stepper.eval_loss(inputs, targets)
-
-    checkpoint_format = "torch-rank0"
+    checkpoint_format: ClassVar[str] = "torch-rank0"
 
     def save_checkpoint(self, path: str) -> None:
         # Every rank holds the same replica and optimizer state: rank 0 writes them, once.
@@ -161,11 +164,8 @@ class HorovodBackend:
         self.stepper.optimizer.load_state_dict(load_weights_only(os.path.join(path, "optimizer.pt"),
                                                                  map_location=self.device))
 
-    def training_state(self) -> dict:
-        return self.stepper.training_state()
-
-    def load_training_state(self, state: dict) -> None:
-        self.stepper.load_training_state(state)
+    training_state = forward_to("stepper", TorchStepper.training_state)
+    load_training_state = forward_to("stepper", TorchStepper.load_training_state)
 
     def all_reduce_mean(self, t: torch.Tensor) -> torch.Tensor:
         return self.hvd.allreduce(t.detach(), op=self.hvd.Average, name="shardyard.metric")

@@ -3,10 +3,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -16,9 +17,12 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from shardyard.backends import ModelStates, StepStats
+from shardyard import moe
+from shardyard.facts import Plan
+from shardyard.backends import ModelStates, process_group, smoke_degree
+from shardyard.backends.forward import forward_to
 from shardyard.backends.fsdp import FSDPBackend
-from shardyard.backends.process_group import all_reduce_mean, init_process_group, teardown
+from shardyard.backends.process_group import init_process_group, teardown
 from shardyard.backends.torch_step import COMPUTE_DTYPES, TorchStepper, pick_device
 from shardyard.errors import UserError
 from shardyard.model import apply_activation_checkpointing, apply_compile, materialize, signature
@@ -43,6 +47,16 @@ class Stage(torch.nn.Module):
         self.head: Any = hf.lm_head if last else None
         # Shared by every stage of this rank and without parameters: kept out of the module tree (and FSDP).
         object.__setattr__(self, "_hf", hf)
+        self.loss_scale = 1.0
+        """What the pipeline's loss function multiplies the loss by (set by the engine)."""
+        self.pipe: Any = None
+        """The ``PipelineStage`` that drives this module (set by the engine)."""
+
+    def _infers_shapes(self) -> bool:
+        """The schedule's first step runs this stage once on placeholder tensors to learn the shapes it sends
+        (torch.distributed.pipelining's metadata inference, before its output metadata exists): not training."""
+        meta = getattr(self.pipe, "_stage_meta", None) if self.pipe is not None else None
+        return meta is not None and getattr(meta, "outputs", True) is None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from transformers.masking_utils import create_causal_mask
@@ -53,11 +67,13 @@ class Stage(torch.nn.Module):
         mask = create_causal_mask(config=inner.config, inputs_embeds=h, attention_mask=None, past_key_values=None,
                                   position_ids=pos)
         rope = inner.rotary_emb(h, position_ids=pos)
-        for layer in self.layers.values():
-            h = layer(h, attention_mask=mask, position_embeddings=rope, position_ids=pos)
+        with moe.paused(self._hf) if self._infers_shapes() else contextlib.nullcontext():
+            for layer in self.layers.values():
+                h = layer(h, attention_mask=mask, position_embeddings=rope, position_ids=pos)
         if self.last:
             h = self.head(self.norm(h))
-        return h
+        # The loss function sees only the last stage: this stage's MoE balance losses ride on its output's gradient.
+        return moe.attach(h, self._hf, self.loss_scale)
 
 
 def layer_split(layers: int, chunks: int) -> list[tuple[int, int]]:
@@ -139,16 +155,33 @@ def check_pipeline_model(model: Any, cfg: DictConfig) -> None:
 
 
 class PipelineBackend:
-    launcher = "elastic"
-    checkpoint_format = "dcp"
+    launcher: ClassVar[str] = "elastic"
+    checkpoint_format: ClassVar[str] = "dcp"
+    degree_keys: ClassVar[dict[str, str]] = {"pp": "backend.stages"}
 
-    def __init__(self, cfg: DictConfig, plan):
+    @staticmethod
+    def degrees(b: DictConfig) -> dict[str, int | None]:
+        return {"pp": int(b.stages), "dp_shard": None}  # each stage FSDP over the world / stages replicas
+
+    @staticmethod
+    def for_smoke(cfg: DictConfig, world: int) -> None:
+        """``+scale=smoke``: as many stages as the smoke world fits, a layer per chunk, and the micro batch split
+        as often as there are stages."""
+        b = cfg.backend
+        b.stages = smoke_degree(b.stages, world)
+        chunks = b.stages * (b.virtual_stages if b.schedule == "interleaved" else 1)
+        if "num_layers" in cfg.model:
+            cfg.model.num_layers = max(int(cfg.model.num_layers), chunks)
+        b.microbatches = b.stages
+        cfg.train.micro_batch_size = max(cfg.train.micro_batch_size, b.stages)
+
+    def __init__(self, cfg: DictConfig, plan: Plan):
         self.cfg, self.plan, self.bcfg = cfg, plan, cfg.backend
         self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        self.pp = int(cfg.backend.stages)
+        self.pp = plan.dims.pp
         # The mesh is (pp, dp), dp innermost: a stage's FSDP replicas are consecutive ranks (within a node when
         # they fit in one), and the stages' point-to-point activations cross between those groups.
-        self.dp_size = self.world_size // self.pp
+        self.dp_size = plan.dims.dp
         self.pp_rank, self.dp_rank = divmod(self.rank, self.dp_size)
         self.chunks = self.pp * (cfg.backend.virtual_stages if cfg.backend.schedule == "interleaved" else 1)
 
@@ -231,7 +264,11 @@ class PipelineBackend:
         self.model = build(allow_meta=True)
         self.stages = parallelize_pipeline(self.model, self.cfg, self.mesh, self.device)
         self.mine = list(range(self.pp_rank, self.chunks, self.pp))
+        for stage in self.stages:
+            stage.loss_scale = 1 / (b.microbatches * self.plan.grad_accum_steps)  # as _scaled_loss
         pipe = [PipelineStage(s, c, self.chunks, self.device, group=self.pp_group) for s, c in zip(self.stages, self.mine)]
+        for stage, driver in zip(self.stages, pipe):
+            object.__setattr__(stage, "pipe", driver)  # not a submodule
         self.accum = self.plan.grad_accum_steps
         schedule: Any = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}[b.schedule]
         # scale_grads=False: the loss function divides by micro-batches x accumulation itself, so gradients add
@@ -239,8 +276,10 @@ class PipelineBackend:
         # what earlier micro-batches accumulated again).
         self.schedule = schedule(pipe if b.schedule == "interleaved" else pipe[0], n_microbatches=b.microbatches,
                                  loss_fn=self._scaled_loss, scale_grads=False)
+        # norm_group: the norm over every stage's gradients. own_param_groups: a resumed later stage keeps its
+        # optimizer's param groups, since DCP stores them from rank 0 (the first stage's parameters) only.
         self.stepper = TorchStepper(self.model, self.cfg, self.device, self.accum, total_steps, autocast=False,
-                                    norm_group=self.pp_group)  # the norm over every stage's gradients
+                                    norm_group=self.pp_group, own_param_groups=True)
         self.model.forward = self._forward_whole  # for sampling through hf_model(): the whole model's logits
 
     def _scaled_loss(self, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -256,8 +295,7 @@ class PipelineBackend:
         dist.broadcast(loss, group=self.pp_group, group_src=self.pp - 1)
         return loss
 
-    def step(self, guard: bool = False) -> StepStats:
-        return self.stepper.step(guard)
+    step = forward_to("stepper", TorchStepper.step)
 
     @torch.no_grad()
     def eval_loss(self, inputs, targets) -> torch.Tensor:
@@ -280,23 +318,13 @@ class PipelineBackend:
             h = out
         return h
 
-    def save_checkpoint(self, path: str) -> None:
-        self.stepper.save_dcp(path, self.model)  # this rank's layers under the whole model's names
+    save_checkpoint = forward_to("stepper", TorchStepper.save_checkpoint)  # this rank's layers, whole-model names
+    load_checkpoint = forward_to("stepper", TorchStepper.load_checkpoint)  # with own_param_groups (prepare)
+    training_state = forward_to("stepper", TorchStepper.training_state)
+    load_training_state = forward_to("stepper", TorchStepper.load_training_state)
 
-    def load_checkpoint(self, path: str, meta: dict) -> None:
-        self.stepper.load_dcp(path, self.model, own_param_groups=True)
-
-    def training_state(self) -> dict:
-        return self.stepper.training_state()
-
-    def load_training_state(self, state: dict) -> None:
-        self.stepper.load_training_state(state)
-
-    def all_reduce_mean(self, t: torch.Tensor) -> torch.Tensor:
-        return all_reduce_mean(t)  # every stage holds its pipeline's (broadcast) value: the mean is dp's
-
-    def barrier(self) -> None:
-        dist.barrier()
+    all_reduce_mean = staticmethod(process_group.all_reduce_mean)  # stages hold their pipeline's value: dp's mean
+    barrier = staticmethod(process_group.barrier)
 
     def hf_model(self) -> torch.nn.Module:
         return self.model

@@ -81,6 +81,12 @@ def teardown(backend, *attrs: str, destroy=None) -> None:
 
 
 def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
+    """``Backend.all_reduce_mean`` of the engines on this process group (a ``staticmethod`` in each)."""
     t = t.detach().clone()
     dist.all_reduce(t, op=dist.ReduceOp.SUM)  # gloo has no AVG
     return t / dist.get_world_size()
+
+
+def barrier() -> None:
+    """``Backend.barrier`` of the engines on this process group."""
+    dist.barrier()

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from omegaconf import DictConfig
 
-from shardyard.backends import StepStats
+from shardyard.facts import Plan
+from shardyard.backends.forward import forward_to
 from shardyard.backends.torch_step import TorchStepper, pick_device, replica_states
 from shardyard.errors import UserError
 from shardyard.model import prepare_replica
@@ -14,9 +17,16 @@ from shardyard.model import prepare_replica
 class SingleBackend:
     quantized_base = True
     """peft=qlora: every rank holds the whole 4-bit base (bitsandbytes' packed weights are not sharded)."""
-    launcher = "elastic"
+    max_ranks = 1
+    """It trains in one process: the plan offers it as an alternative only to a one-rank run."""
+    launcher: ClassVar[str] = "elastic"
+    degree_keys: ClassVar[dict[str, str]] = {}
 
-    def __init__(self, cfg: DictConfig, plan):
+    @staticmethod
+    def degrees(b: DictConfig) -> dict[str, int | None]:
+        return {"dp_replicate": None}  # its one rank (``validate`` refuses more)
+
+    def __init__(self, cfg: DictConfig, plan: Plan):
         self.cfg, self.plan = cfg, plan
         self.rank, self.world_size = 0, 1
         self.dp_rank, self.dp_size = 0, 1
@@ -41,25 +51,14 @@ class SingleBackend:
     def forward_backward(self, inputs, targets, is_last_micro: bool) -> torch.Tensor:
         return self.stepper.forward_backward(inputs, targets)
 
-    def step(self, guard: bool = False) -> StepStats:
-        return self.stepper.step(guard)
+    step = forward_to("stepper", TorchStepper.step)
+    eval_loss = forward_to("stepper", TorchStepper.eval_loss)
 
-    def eval_loss(self, inputs, targets) -> torch.Tensor:
-        return self.stepper.eval_loss(inputs, targets)
-
-    checkpoint_format = "dcp"
-
-    def save_checkpoint(self, path: str) -> None:
-        self.stepper.save_dcp(path, self.model)
-
-    def load_checkpoint(self, path: str, meta: dict) -> None:
-        self.stepper.load_dcp(path, self.model)
-
-    def training_state(self) -> dict:
-        return self.stepper.training_state()
-
-    def load_training_state(self, state: dict) -> None:
-        self.stepper.load_training_state(state)
+    checkpoint_format: ClassVar[str] = "dcp"
+    save_checkpoint = forward_to("stepper", TorchStepper.save_checkpoint)
+    load_checkpoint = forward_to("stepper", TorchStepper.load_checkpoint)
+    training_state = forward_to("stepper", TorchStepper.training_state)
+    load_training_state = forward_to("stepper", TorchStepper.load_training_state)
 
     def all_reduce_mean(self, t: torch.Tensor) -> torch.Tensor:
         return t

@@ -10,6 +10,7 @@ import torch
 from omegaconf import DictConfig
 
 from shardyard.backends import FP32, ModelStates, StepStats
+from shardyard import moe
 from shardyard.memory import local
 from shardyard.model import causal_lm_loss
 from shardyard.optim import build_optimizer, build_scheduler
@@ -26,12 +27,13 @@ class TorchStepper:
                  wrap_optimizer: Callable[[torch.optim.Optimizer], torch.optim.Optimizer] | None = None,
                  before_unscale: Callable[[], None] | None = None,
                  step_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                 norm_group: Any = None):
+                 norm_group: Any = None, own_param_groups: bool = False):
         """``before_unscale`` / ``step_context``: an engine that reduces gradients inside its optimizer
         (Horovod) finishes the reduction before unscale and clip, and keeps the step from waiting again.
         ``norm_group``: the process group over which the rest of the model lives (a pipeline's stages): the
-        global gradient norm sums the squared norms of every part."""
-        self.norm_group = norm_group
+        global gradient norm sums the squared norms of every part. ``own_param_groups``: see
+        ``load_checkpoint``."""
+        self.norm_group, self.own_param_groups = norm_group, own_param_groups
         pr = cfg.precision
         self.model, self.accum, self.device_type = model, accum, device.type
         self.max_norm = cfg.train.max_grad_norm
@@ -56,8 +58,8 @@ class TorchStepper:
             with self.autocast():
                 loss = causal_lm_loss(self.model, inputs, targets)
             # Each micro-batch holds the same number of tokens, so scaling by 1/accum makes the summed
-            # gradient the mean over the global batch.
-            self.scaler.scale(loss / self.accum).backward()
+            # gradient the mean over the global batch. MoE balance losses train too; the cross-entropy is reported.
+            self.scaler.scale((loss + moe.aux_loss(self.model)) / self.accum).backward()
         return loss.detach()
 
     def step(self, guard: bool = False) -> StepStats:
@@ -108,36 +110,39 @@ class TorchStepper:
     def load_training_state(self, state: dict) -> None:
         self.scheduler.load_state_dict({**self.scheduler.state_dict(), **state["scheduler"]})
         # The learning rate the saved run would step with next (the same value its optimizer held; set here for
-        # engines whose param groups come from the fresh optimizer: load_dcp(own_param_groups=True)).
+        # engines whose param groups come from the fresh optimizer: own_param_groups=True).
         for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
             group["lr"] = lr
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
 
-    def save_dcp(self, path: str, model: torch.nn.Module) -> None:
-        """torch.distributed.checkpoint: every rank writes its own shards (replicated tensors once). A partly
-        frozen model (adapters) saves only its trainable tensors: the base is re-read from model.weights."""
+    def save_checkpoint(self, path: str) -> None:
+        """torch.distributed.checkpoint (the ``dcp`` format): every rank writes its own shards (replicated
+        tensors once). A partly frozen model (adapters) saves only its trainable tensors: the base is re-read
+        from model.weights."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_sd, optim_sd = get_state_dict(model, self.optimizer, options=_dcp_options(model))
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_dcp_options(self.model))
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
 
-    def load_dcp(self, path: str, model: torch.nn.Module, own_param_groups: bool = False) -> None:
-        """Loads into this run's layout, so a checkpoint resumes at another world size (DCP reshards).
-        ``own_param_groups``: keep this optimizer's param groups (hyperparameters from the recipe, the learning
-        rate from the scheduler's state). DCP writes non-tensor values from rank 0 only, so a rank whose
-        parameters rank 0 does not hold (a later pipeline stage) finds no param groups of its own in the file."""
+    def load_checkpoint(self, path: str, meta: dict) -> None:
+        """Loads into this run's layout, so a checkpoint resumes at another world size (DCP reshards; ``meta``
+        is not needed). ``own_param_groups``: keep this optimizer's param groups (hyperparameters from the
+        recipe, the learning rate from the scheduler's state). DCP writes non-tensor values from rank 0 only, so
+        a rank whose parameters rank 0 does not hold (a later pipeline stage) finds no param groups of its own
+        in the file."""
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         from shardyard.safe_load import dcp_load
 
+        model = self.model
         options = _dcp_options(model)
         model_sd, optim_sd = get_state_dict(model, self.optimizer, options=options)
         state: dict = {"model": model_sd, "optim": optim_sd}
         groups = copy.deepcopy(optim_sd["param_groups"])
         dcp_load(state, path)  # dcp.load, unpickling nothing but data (DCP's own reads pickle.load)
-        if own_param_groups:
+        if self.own_param_groups:
             state["optim"]["param_groups"] = groups
         set_state_dict(model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=options)

@@ -1,16 +1,21 @@
-"""Config schemas (ConfigStore), resolvers and cross-group validation."""
+"""The config layer: schemas (ConfigStore), resolvers, plug-in building, migrations, and the one ``compose()``
+outside a Hydra app. Cross-group validation lives above it (``shardyard.validate``)."""
 
 from __future__ import annotations
 
 import datetime
 import os
-from typing import Callable
+from pathlib import Path
+from typing import Any, Callable
 
 from omegaconf import OmegaConf
 
 from shardyard.config.schema import register_configs
 
-__all__ = ["register_configs", "register_resolvers", "run_dir_defaulted"]
+__all__ = ["CONF_DIR", "compose", "register_configs", "register_resolvers", "run_dir_defaulted"]
+
+CONF_DIR = (Path(__file__).parents[1] / "conf").resolve()
+"""shardyard's configs: the checkout's ``conf/`` (``src/shardyard/conf`` links to it), or the copy in the wheel."""
 
 _TIMESTAMPED: list[str] = []
 """Run dirs this process named by the clock (``sy_run_dir``), which another node would name differently."""
@@ -49,3 +54,17 @@ def register_resolvers() -> None:
     for name, fn in resolvers.items():
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)
+
+
+def compose(overrides: list[str], conf_dir: Path | str = CONF_DIR, config_name: str = "train",
+            run_dir: str = "RUN_DIR") -> Any:
+    """The config ``python train.py <overrides>`` composes (typed, as ``run.validate`` sees it), outside a Hydra
+    app: the one composer of the recipe book, ``shardyard sbatch``, projects and the tests. ``run_dir`` stands in
+    for the run's directory (``rundir.resolved`` turns the config into what the workers get)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    register_configs()
+    register_resolvers()
+    with initialize_config_dir(version_base="1.3", config_dir=str(conf_dir)):
+        return hydra_compose(config_name, overrides=[*overrides, f"run_dir={run_dir}"])

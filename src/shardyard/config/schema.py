@@ -60,6 +60,11 @@ class AttnImplementation(Choice):
     flash_attention_2 = "flash_attention_2"
 
 
+class TopkMethod(Choice):
+    greedy = "greedy"
+    group_limited_greedy = "group_limited_greedy"
+
+
 class InitDevice(Choice):
     auto = "auto"
     cpu = "cpu"
@@ -288,6 +293,53 @@ class HorovodBackendConfig(BackendConfig):
 
 # ----------------------------------------------------------------------------------------------- model
 @dataclass
+class BalanceConfig:
+    """How a mixture-of-experts model's routing is kept balanced in training (``shardyard.moe``); a dense model
+    has no router and uses none of it. Each key's default is off here; the DeepSeek families set their papers'
+    values (``DeepseekV3ModelConfig``, ``DeepseekV2ModelConfig``), and a model option may set its own. 0 turns
+    each mechanism off."""
+
+    bias_update_speed: float = 0.0
+    """DeepSeek-V3's auxiliary-loss-free balancing (gamma): after each optimizer step every router's selection
+    bias moves by ``gamma * sign(mean load - expert load)``, the loads counted over the whole global batch.
+    Only routers with a selection bias (``e_score_correction_bias``, DeepSeek-V3's) have one to move."""
+    seq_aux_alpha: float = 0.0
+    """Weight of the sequence-wise balance loss ``alpha * sum_i f_i P_i`` (DeepSeek-V3's complementary loss;
+    DeepSeek-V2's expert-level loss, alpha_1, computed per sequence as its released models do)."""
+    device_aux_alpha: float = 0.0
+    """DeepSeek-V2's device-level balance loss (alpha_2) over the expert-parallel groups; no effect at ep 1."""
+    comm_aux_alpha: float = 0.0
+    """DeepSeek-V2's communication balance loss (alpha_3) over the expert-parallel groups; no effect at ep 1."""
+    warn_max_over_mean: float = 2.0
+    """Training-health warning when a MoE layer's busiest expert gets more than this many times the mean load
+    at 5 log steps in a row, after the first tenth of the run (top-k of E routes at most E / k)."""
+
+
+BALANCE_RANGES = {**{k: Range(0, multiple_of=None, becomes=what) for k, what in (
+    ("bias_update_speed", "gamma, the step of DeepSeek-V3's bias update"), ("seq_aux_alpha", "alpha, a loss weight"),
+    ("device_aux_alpha", "alpha_2, a loss weight"), ("comm_aux_alpha", "alpha_3, a loss weight"))},
+    "warn_max_over_mean": Range(1, multiple_of=None, becomes="max/mean, which is never below 1")}
+
+
+@dataclass
+class V3BalanceConfig(BalanceConfig):
+    bias_update_speed: float = 0.001
+    """DeepSeek-V3's gamma (0.001 for most of its training: section 4.2)."""
+    seq_aux_alpha: float = 0.0001
+    """DeepSeek-V3's sequence-wise balance loss weight (0.0001: section 4.2)."""
+
+
+@dataclass
+class V2BalanceConfig(BalanceConfig):
+    seq_aux_alpha: float = 0.003
+    """DeepSeek-V2's expert-level balance loss weight alpha_1 (0.003: section 3.1.2)."""
+    device_aux_alpha: float = 0.05
+    """DeepSeek-V2's device-level balance loss weight alpha_2 (0.05)."""
+    comm_aux_alpha: float = 0.02
+    """DeepSeek-V2's communication balance loss weight alpha_3 (0.02)."""
+
+
+@dataclass
 class ModelConfig:
     """What shardyard itself reads of every ``model`` option. Every other key of the option is an argument
     of its ``_target_``, a builder returning the model (``shardyard.model.CausalLM``)."""
@@ -311,6 +363,8 @@ class ModelConfig:
     ``model=deepseek7b``). Loaded after the engine has placed the model, each rank reading only what it keeps
     (FSDP shards, ZeRO-3 partitions). ``auto`` (``model=hf``): ``model.path``'s own weights when it has any;
     ``null``: a fresh init."""
+    balance: BalanceConfig = field(default_factory=BalanceConfig)
+    """Routing balance of mixture-of-experts layers (``shardyard.moe``); unused by dense models."""
 
 
 @dataclass
@@ -369,6 +423,17 @@ class DeepseekV3ModelConfig(LlamaModelConfig):
     """Groups each token may route into."""
     routed_scaling_factor: float = 1.0
     """Scale applied to the routed experts' output."""
+    balance: V3BalanceConfig = field(default_factory=V3BalanceConfig)
+    """Routing balance: DeepSeek-V3's selection-bias update and sequence-wise loss (``shardyard.moe``)."""
+
+
+@dataclass
+class DeepseekV2ModelConfig(DeepseekV3ModelConfig):
+    topk_method: TopkMethod = TopkMethod.greedy
+    """How the softmax router picks experts: ``greedy`` (the top-k of all) or ``group_limited_greedy`` (within
+    the ``topk_group`` best of ``n_group`` groups)."""
+    balance: V2BalanceConfig = field(default_factory=V2BalanceConfig)  # type: ignore[assignment]
+    """Routing balance: DeepSeek-V2's expert-, device- and communication-level losses (``shardyard.moe``)."""
 
 
 @dataclass
@@ -455,12 +520,6 @@ class TextFilesDataConfig(DataConfig):
 
 
 # ------------------------------------------------------------------------------------------------ peft
-class PeftMethod(Choice):
-    none = "none"
-    lora = "lora"
-    qlora = "qlora"
-
-
 class QuantType(Choice):
     nf4 = "nf4"
     fp4 = "fp4"
@@ -468,9 +527,12 @@ class QuantType(Choice):
 
 @dataclass
 class PeftConfig:
-    name: PeftMethod = PeftMethod.none
-    """``none`` (train every parameter), ``lora`` (low-rank adapters through the peft library; the base is
-    frozen) or ``qlora`` (LoRA on 4-bit NF4 base weights through bitsandbytes; CUDA only)."""
+    _target_: str = "shardyard.adapters.Full"
+    """The method, a class meeting ``shardyard.adapters.PeftMethod``: ``Full`` (``peft=none``: train every
+    parameter), ``LoRA`` (``peft=lora``: low-rank adapters through the peft library; the base is frozen) or
+    ``QLoRA`` (``peft=qlora``: LoRA on 4-bit NF4 base weights through bitsandbytes; CUDA only)."""
+    name: str = "none"
+    """The method's name in logs and messages (the option's name); nothing decides on it."""
     r: int = 16
     """Rank of each adapter."""
     alpha: float = 32.0
@@ -569,7 +631,7 @@ PRECISION_RANGES = {
 }
 
 RANGES: dict[type, dict[str, Range]] = {DDPBackendConfig: DDP_RANGES, ZeroBackendConfig: ZERO_RANGES,
-                                        PrecisionConfig: PRECISION_RANGES}
+                                        PrecisionConfig: PRECISION_RANGES, BalanceConfig: BALANCE_RANGES}
 """Every numeric key an engine constrains, by the schema that holds it (options inheriting it are checked too)."""
 
 
@@ -726,7 +788,7 @@ class LaunchConfig:
     nnodes: int = 1
     """Nodes. ``python train.py`` is started on every node with the same overrides and run dir
     (``hydra.run.dir`` on a shared file system) and its own ``launch.node_rank``; or torchrun, srun or
-    deepspeed start the workers on each node themselves (README, 'Clusters')."""
+    deepspeed start the workers on each node themselves (docs/clusters.md)."""
     node_rank: int = 0
     """This node, 0 to ``nnodes - 1``. Node 0 hosts the rendezvous and writes the run dir's config and plan;
     the other nodes wait for them. Global ranks are then assigned by torch's c10d rendezvous."""
@@ -767,19 +829,24 @@ class PlanConfig:
 
 @dataclass
 class ScaleConfig:
-    name: str = "full"
-    """``full``: the recipe as written. ``smoke`` (``+scale=smoke``): any recipe scaled down to run on a CPU
-    box in seconds, with everything that decides *how* it trains kept: the same engine and its options, a tiny
-    model of the same architecture family (the builder's ``smoke_shape``), activation checkpointing and
+    _target_: Optional[str] = None
+    """``null``: the recipe as written. Else a function ``(cfg) -> str`` that rewrites the composed run config in
+    place before validation and the plan, and returns the line saying what it changed; such a run is a check
+    run (no ``report.png``). ``+scale=smoke`` sets ``shardyard.scale.smoke``: any recipe scaled down to run on
+    a CPU box in seconds, with everything that decides *how* it trains kept: the same engine and its options, a
+    tiny model of the same architecture family (the builder's ``smoke_shape``), activation checkpointing and
     accumulation as the recipe has them (accumulation at most 2), at most ``world_size`` local ranks, fp16
     mapped to bf16 (the CPU's reduced precision), ``steps`` steps with an evaluation before and after, and no
-    checkpoints, exports or monitors but the console (``shardyard.scale``)."""
+    checkpoints, exports or monitors but the console."""
     world_size: int = 2
     """``smoke``: local ranks at most (a recipe for 8 GPUs or 2 nodes runs on this many)."""
     steps: int = 3
     """``smoke``: optimizer steps."""
     seq_len: int = 64
     """``smoke``: sequence length at most."""
+    trials: Optional[int] = None
+    """An Optuna sweep (``hydra/sweeper=optuna``) runs at most this many of its trials; ``null``: all
+    (``+scale=smoke``: 3)."""
 
 
 @dataclass
@@ -841,7 +908,7 @@ class TrainConfig:
     plan: PlanConfig = field(default_factory=PlanConfig)
     """The memory and launch plan: checked before launch, printed at start (``shardyard.plan``)."""
     scale: ScaleConfig = field(default_factory=ScaleConfig)
-    """``full``, or ``smoke`` (``+scale=smoke``): any recipe scaled down to run here (``shardyard.scale``)."""
+    """The recipe as written, or (``+scale=smoke``) scaled down to run here (``shardyard.scale``)."""
     sweep: SweepConfig = field(default_factory=SweepConfig)
     """How a multirun ranks its jobs (``sweep.objective``), and the settings its sweepers give each job
     (``shardyard.sweep``)."""
@@ -859,6 +926,7 @@ SCHEMAS = {
     "schema_model_llama": LlamaModelConfig,
     "schema_model_hf": HFModelConfig,
     "schema_model_deepseek_v3": DeepseekV3ModelConfig,
+    "schema_model_deepseek_v2": DeepseekV2ModelConfig,
     "schema_data_stdlib_code": StdlibCodeDataConfig,
     "schema_data_text_files": TextFilesDataConfig,
     "schema_data_sft": SFTDataConfig,
@@ -890,7 +958,7 @@ def register_configs() -> None:
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
-    from hydra_plugins.shardyard_sweepers import register as register_sweepers
+    from shardyard.config.sweepers import register as register_sweepers
 
     register_sweepers()  # hydra/sweeper=shardyard (the default) and hydra/sweeper=optuna
     cs = ConfigStore.instance()

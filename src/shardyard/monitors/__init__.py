@@ -36,7 +36,8 @@ METRICS = {
 
 class Monitor(Protocol):
     """Built as ``_target_(run_dir=..., config=<the run config>, **its option's keys)`` on rank 0. A class
-    attribute ``requires = "package"`` lets validation name a missing package before launch.
+    attribute ``requires = "package"`` lets validation name a missing package before launch; a class
+    attribute ``in_check_runs = True`` keeps the monitor in a check run (``check_run_only``).
 
     Optional: ``resume(step)``, called once before the first ``log``. The run trains on from a checkpoint at
     ``step`` (-1: from scratch) in a run dir that may hold an earlier attempt's log (a crash after that
@@ -80,17 +81,39 @@ class Monitors:
                 print(f"shardyard | monitor {type(m).__name__} could not record the failure: {e}", file=sys.stderr)
 
 
-def build(cfg: DictConfig, is_rank0: bool) -> Monitors:
-    """Each selected monitor is ``monitor.<name>._target_(run_dir=..., config=<the run config>, **its keys)``."""
+def build(monitor: DictConfig | None, run_dir: str, config: DictConfig, is_rank0: bool) -> Monitors:
+    """Each selected monitor (``monitor``: the run's ``monitor`` section) is
+    ``monitor.<name>._target_(run_dir=..., config=<the run config>, **its keys)``. The plug-ins get the whole
+    resolved ``config`` on purpose: a tracker records it as the run's parameters (wandb's run config, MLflow's
+    params), and one call shape serves every plug-in."""
     if not is_rank0:
         return Monitors([])
     from shardyard.config.plugins import build as build_plugin
     from shardyard.monitors.jsonl import JsonlMonitor
 
-    out: list[Monitor] = [JsonlMonitor(cfg.run_dir)]
-    for node in (cfg.monitor or {}).values():
-        out.append(build_plugin(node, run_dir=cfg.run_dir, config=cfg))
+    out: list[Monitor] = [JsonlMonitor(run_dir)]
+    for node in (monitor or {}).values():
+        out.append(build_plugin(node, run_dir=run_dir, config=config))
     return Monitors(out)
+
+
+def check_run_only(monitor: DictConfig | None) -> None:
+    """A check run (``debug.fast_dev_run``, ``+scale=smoke``) drops from ``monitor`` every monitor whose class
+    does not say ``in_check_runs`` (all but the console): nothing of a check run belongs in a tracker or a
+    results file. A ``_target_`` that does not import is dropped too (validation would refuse it)."""
+    from hydra.utils import get_object
+
+    if monitor is None:
+        return
+
+    def kept(node: DictConfig) -> bool:
+        try:
+            return bool(getattr(get_object(node._target_), "in_check_runs", False))
+        except Exception:
+            return False
+
+    for name in [n for n, node in monitor.items() if not kept(node)]:
+        del monitor[name]
 
 
 def history(run_dir: str, upto_step: int) -> dict:

@@ -14,6 +14,9 @@ def _fmt_time(s: float) -> str:
 
 
 class ConsoleMonitor:
+    in_check_runs = True
+    """Kept by a check run (``debug.fast_dev_run``, ``+scale=smoke``): it writes nothing and reaches no service."""
+
     def __init__(self, run_dir: str, config: DictConfig, style: str = "auto"):
         self.total, self.t0 = config.train.steps, time.perf_counter()
         self.rich = style == "rich" or (style == "auto" and sys.stdout.isatty())
@@ -31,7 +34,8 @@ class ConsoleMonitor:
             info = (f"loss {m['train/loss']:.4f} | lr {m['lr']:.2e} | grad {m['grad_norm']:.3f} | "
                     f"{m['tokens_per_s']:,.0f} tok/s" + (f" | MFU {100 * m['mfu']:.1f}%" if "mfu" in m else "")
                     + (f" | scale {m['loss_scale']:.0f}" if "loss_scale" in m else "")
-                    + (f" | skipped {m['skipped_steps']}" if m.get("skipped_steps") else ""))
+                    + (f" | skipped {m['skipped_steps']}" if m.get("skipped_steps") else "")
+                    + (f" | MoE max/mean {m['moe/max_over_mean']:.2f}" if "moe/max_over_mean" in m else ""))
             if self.progress is not None:
                 self.progress.update(self.task, completed=step, info=info)
             else:

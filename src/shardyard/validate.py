@@ -8,54 +8,13 @@ import inspect
 import os
 import re
 import sys
-from dataclasses import dataclass
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from shardyard.dist_env import DistEnv
 from shardyard.errors import UserError
-
-
-@dataclass(frozen=True)
-class Plan:
-    """Numbers derived from the config and the launch; printed at start, used by every worker."""
-
-    device_type: str
-    nproc_per_node: int
-    world_size: int
-    micro_batch_size: int
-    grad_accum_steps: int
-    global_batch_size: int
-    seq_len: int
-    nnodes: int = 1
-    model_parallel: int = 1
-    """Ranks holding one model replica together (tensor parallel x pipeline stages); 1 on the data-parallel
-    engines."""
-    model: Any = None
-    """``shardyard.model.ModelFacts`` from one meta-device build (parameters, FLOPs/token, ...)."""
-    memory: Any = None
-    """The memory plan's figures for one rank of this run (``{"device": {category: bytes}, "peak": bytes,
-    "where": "cuda"|"cpu"}``), set by ``shardyard.plan.before_launch``; the worker reports its measured peak
-    beside it."""
-
-    @property
-    def tokens_per_step(self) -> int:
-        return self.global_batch_size * self.seq_len
-
-    @property
-    def dp_size(self) -> int:
-        """Data-parallel replicas: the ranks that read different batches."""
-        return self.world_size // self.model_parallel
-
-    def describe(self) -> str:
-        nodes = f" x {self.nnodes} nodes" if self.nnodes > 1 else ""
-        replicas = (f"data-parallel {self.dp_size} (world {self.world_size} / model-parallel {self.model_parallel})"
-                    if self.model_parallel > 1 else f"world {self.world_size}")
-        return (f"world size {self.world_size} ({self.nproc_per_node}/node{nodes} on {self.device_type}) | "
-                f"global batch {self.global_batch_size} = micro {self.micro_batch_size} x accumulation "
-                f"{self.grad_accum_steps} x {replicas} | seq_len {self.seq_len} | "
-                f"tokens/step {self.tokens_per_step:,}")
+from shardyard.facts import ModelFacts, ParallelDims, Plan, split_hardware
 
 
 def _cuda_count() -> int:
@@ -83,27 +42,36 @@ def plan(cfg: DictConfig, env: DistEnv | None) -> Plan:
     launch, tr = cfg.launch, cfg.train
     n_gpu = _cuda_count()
     nproc = launch.nproc_per_node
+    # Named hardware fixes the ranks per node an `auto` launch has; a plan-only run starts nothing here, so
+    # it plans the named nodes (plan.nodes) and this machine's GPUs do not bound it.
+    named = cfg.plan.hardware is not None and nproc == "auto"
+    planning = named and cfg.plan.only
     if env is not None:
         nproc, world = env.local_world_size, env.world_size
     else:
-        if nproc == "auto":
+        if named:
+            nproc = split_hardware(cfg.plan.hardware)[0]
+        elif nproc == "auto":
             nproc = max(n_gpu, 1) if dev == "cuda" else 1
         elif not (isinstance(nproc, int) or (isinstance(nproc, str) and nproc.isdigit())) or int(nproc) < 1:
             raise UserError("launch.nproc_per_node", nproc, "It must be a positive integer or `auto`.",
                             "Use launch.nproc_per_node=auto (all GPUs, or 1 on CPU) or e.g. launch.nproc_per_node=2.")
         nproc = int(nproc)
-        if dev == "cuda" and nproc > n_gpu:
-            raise UserError("launch.nproc_per_node", nproc,
-                            f"This node has {n_gpu} visible GPU(s), and each worker needs its own.",
-                            f"Use launch.nproc_per_node={n_gpu} (or auto), or backend.device=cpu to run gloo workers.")
-        world = nproc * _nodes(launch)
+        if dev == "cuda" and nproc > n_gpu and not planning:
+            raise UserError("plan.hardware" if named else "launch.nproc_per_node", cfg.plan.hardware if named else nproc,
+                            f"This node has {n_gpu} visible GPU(s), and each worker needs its own"
+                            + (f"; the named hardware has {nproc} per node." if named else "."),
+                            f"Use launch.nproc_per_node={n_gpu}" + (" (or plan.only=true to plan the named hardware)"
+                                                                    if named else " (or auto)")
+                            + ", or backend.device=cpu to run gloo workers.")
+        world = nproc * (cfg.plan.nodes if planning else _nodes(launch))
     if launch.socket_ifname and not os.path.exists(f"/sys/class/net/{launch.socket_ifname}"):
         have = ", ".join(sorted(os.listdir("/sys/class/net"))) if os.path.isdir("/sys/class/net") else "none listed"
         raise UserError("launch.socket_ifname", launch.socket_ifname,
                         f"This node has no network interface of that name (it has: {have}).",
                         "Name one of them (`ip addr` shows their addresses), or leave launch.socket_ifname unset.")
-    mp = _model_parallel(cfg, world)
-    dp = world // mp  # the replicas that read different batches
+    dims = _parallel_dims(cfg, world)
+    mp, dp = dims.model_parallel, dims.dp  # dp: the replicas that read different batches
     mbs = tr.micro_batch_size
     if mbs < 1:
         raise UserError("train.micro_batch_size", mbs, "It must be at least 1.", "Use train.micro_batch_size=1 or more.")
@@ -129,26 +97,29 @@ def plan(cfg: DictConfig, env: DistEnv | None) -> Plan:
                             "accumulation steps, which contradicts it.",
                             "Set only one of train.grad_accum_steps and train.global_batch_size.")
         accum = derived
-    return Plan(dev, nproc, world, mbs, accum, gbs, cfg.data.seq_len, nnodes=max(1, world // nproc), model_parallel=mp)
+    return Plan(dev, nproc, world, mbs, accum, gbs, cfg.data.seq_len, dims, nnodes=max(1, world // nproc))
 
 
-def _model_parallel(cfg: DictConfig, world: int) -> int:
-    """``backend.tp`` x ``backend.stages``, checked against the world size."""
-    from shardyard.backends import model_parallel_size
+def _parallel_dims(cfg: DictConfig, world: int) -> ParallelDims:
+    """The run's layout (``backends.parallel_dims``), derived here once and checked: every degree the engine
+    fixes is at least 1, and together they divide the world size."""
+    from shardyard.backends import engine, parallel_dims
 
-    for key in ("backend.tp", "backend.stages"):
-        value = OmegaConf.select(cfg, key)
-        if value is not None and value < 1:
-            raise UserError(key, value, "It is a number of ranks, at least 1.", f"Use {key}=2 (or 1 for none).")
-    mp = model_parallel_size(cfg)
-    if world % mp:
-        key = "backend.tp" if OmegaConf.select(cfg, "backend.tp") not in (None, 1) else "backend.stages"
-        raise UserError(key, OmegaConf.select(cfg, key),
+    dims = parallel_dims(cfg, world)
+    keys = getattr(engine(cfg.backend), "degree_keys", {})
+    for field, key in keys.items():
+        if getattr(dims, field) < 1:
+            raise UserError(key, getattr(dims, field), "It is a number of ranks, at least 1.", f"Use {key}=2 (or 1 for none).")
+    if dims.product != world:
+        mp = dims.product // dims.dp  # the ranks holding one model replica
+        key = next((k for f, k in keys.items() if getattr(dims, f) > 1), next(iter(keys.values()), "backend"))
+        field = next((f for f, k in keys.items() if k == key), "")
+        raise UserError(key, getattr(dims, field, cfg.backend.name),
                         f"The world size {world} must be a multiple of the ranks holding one model replica "
                         f"(tensor parallel x pipeline stages = {mp}); the quotient is the data-parallel size.",
                         f"Use a world size (launch.nproc_per_node x launch.nnodes) that is a multiple of {mp}, "
                         f"or a {key} that divides {world}.")
-    return mp
+    return dims
 
 
 def _nodes(launch: DictConfig) -> int:
@@ -175,20 +146,9 @@ def _nodes(launch: DictConfig) -> int:
     return n
 
 
-def to_json(p: Plan) -> dict:
-    return dataclasses.asdict(p)
-
-
-def from_json(d: dict) -> Plan:
-    from shardyard.model import ModelFacts
-
-    return Plan(**{**d, "model": ModelFacts(**d["model"]) if d.get("model") else None})
-
-
 def validate(cfg: DictConfig, env: DistEnv | None) -> Plan:
     """All cross-group rules, run once before any worker starts; the Plan it returns goes to the workers."""
-    from hydra.utils import get_object
-
+    from shardyard.backends import engine
     from shardyard.model import inspect_model
 
     check_keys(cfg)
@@ -227,6 +187,7 @@ def validate(cfg: DictConfig, env: DistEnv | None) -> Plan:
                         f"Use data.seq_len<={facts.max_positions}" + (f" or raise {key}." if key != "model.path" else "."))
     src = _validate_data(cfg)
     _validate_finetune(cfg, src, facts)
+    _validate_balance(m.balance, facts)
     _validate_precision(cfg.precision, p.device_type)
     if cfg.optim.lr <= 0:
         raise UserError("optim.lr", cfg.optim.lr, "The learning rate must be positive.", "Use e.g. optim.lr=3e-4.")
@@ -240,7 +201,7 @@ def validate(cfg: DictConfig, env: DistEnv | None) -> Plan:
     _validate_profile_debug(cfg)
     _validate_plan(cfg.plan)
     p = dataclasses.replace(p, model=facts)
-    get_object(cfg.backend._target_).validate(cfg, p)
+    engine(cfg.backend).validate(cfg, p)
     return p
 
 
@@ -248,9 +209,9 @@ def check_ranges(cfg: DictConfig) -> None:
     """Every key ``schema.RANGES`` bounds (the engines' numeric settings), in the groups whose schema holds it."""
     from shardyard.config.schema import RANGES
 
-    for group in ("backend", "precision"):
-        node = cfg[group]
-        typ = OmegaConf.get_type(node)
+    for group in ("backend", "precision", "model.balance"):
+        node = OmegaConf.select(cfg, group)
+        typ = OmegaConf.get_type(node) if isinstance(node, DictConfig) else None
         for cls in getattr(typ, "__mro__", ()):
             defaults = {f.name: f.default for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {}
             for key, r in RANGES.get(cls, {}).items():
@@ -388,14 +349,15 @@ def apply_fast_dev_run(cfg: DictConfig) -> None:
     metrics.jsonl), as Lightning's fast_dev_run. It costs what a sweep or a test pays per job."""
     if not cfg.debug.fast_dev_run:
         return
+    from shardyard import monitors
+
     with open_dict(cfg):
         cfg.train.steps = min(cfg.train.steps, 2)
         cfg.train.eval_every_n_steps = 0
         cfg.train.eval_batches = 1
         cfg.train.log_every_n_steps = 1
         cfg.train.sample_tokens = 0
-        for name in [m for m in cfg.monitor or {} if m != "console"]:
-            del cfg.monitor[name]
+        monitors.check_run_only(cfg.monitor)
         cfg.checkpoint.every_n_steps = 0
         cfg.checkpoint.save_final = False
         cfg.checkpoint.export_hf = False
@@ -459,8 +421,8 @@ def _validate_weights_and_peft(cfg: DictConfig, device_type: str) -> None:
     import glob
     import importlib.util
 
-    from hydra.utils import get_object
-
+    from shardyard import adapters
+    from shardyard.backends import engine
     from shardyard.data import has_tokenizer
     from shardyard.model import weights_dir
 
@@ -493,7 +455,8 @@ def _validate_weights_and_peft(cfg: DictConfig, device_type: str) -> None:
             raise UserError("model.weights", wdir, "The pretrained weights come without their tokenizer, and a "
                             "tokenizer trained on this data would give the model token ids that mean nothing to it.",
                             "Put the model's tokenizer files in that directory, or give data.tokenizer.path=DIR.")
-    if p.name == "none":
+    method = adapters.method(p)
+    if not method.freezes_base:
         return
     if p.r < 1:
         raise UserError("peft.r", p.r, "An adapter needs rank 1 or more.", "Use e.g. peft.r=16.")
@@ -508,9 +471,9 @@ def _validate_weights_and_peft(cfg: DictConfig, device_type: str) -> None:
     if w is None:
         print(f"shardyard | warning: peft={p.name} trains adapters on a base model with no pretrained weights "
               "(model.weights is null): the frozen base is a random init.", file=sys.stderr, flush=True)
-    if p.name != "qlora":
+    if not method.quantized_base:
         return
-    if not getattr(get_object(cfg.backend._target_), "quantized_base", False):
+    if not getattr(engine(cfg.backend), "quantized_base", False):
         raise UserError("peft", "qlora", f"backend={cfg.backend.name} shards or partitions parameters itself, and "
                         "bitsandbytes' packed 4-bit weights cannot be sharded or all-gathered by it.",
                         "Use backend=single or backend=ddp with peft=qlora (each rank holds the 4-bit base), or "
@@ -547,6 +510,23 @@ def _safetensors_problem(path: str) -> str | None:
     if 8 + n + end != size:
         return f"it has {size} bytes, and its header places tensor data up to byte {8 + n + end}"
     return None
+
+
+def _validate_balance(b: DictConfig, facts: ModelFacts) -> None:
+    """``model.balance`` keys that would do nothing are refused: any of them on a dense model, the bias update on
+    routers without a selection bias (DeepSeek-V2's softmax routers)."""
+    on = [k for k in ("bias_update_speed", "seq_aux_alpha", "device_aux_alpha", "comm_aux_alpha") if b[k]]
+    if on and not facts.moe_layers:
+        raise UserError(f"model.balance.{on[0]}", b[on[0]], "It balances the routing of mixture-of-experts layers, "
+                        "and this model has none (no router).",
+                        f"Leave model.balance.{on[0]}=0 for a dense model, or choose a MoE model "
+                        "(model=deepseek_moe_tiny, deepseek_v2_lite, deepseek_v3).")
+    if b.bias_update_speed and not facts.router_bias:
+        raise UserError("model.balance.bias_update_speed", b.bias_update_speed, "This model's routers have no "
+                        "selection bias to move (DeepSeek-V3's e_score_correction_bias): DeepSeek-V2's softmax "
+                        "routers are balanced by the auxiliary losses.",
+                        "Use model.balance.bias_update_speed=0, and model.balance.seq_aux_alpha (with "
+                        "device_aux_alpha and comm_aux_alpha under expert parallelism) to balance them.")
 
 
 def _validate_finetune(cfg: DictConfig, src, facts) -> None:
@@ -592,7 +572,10 @@ def _gpu_capability() -> tuple[str, float] | None:
 def _validate_precision(pr: DictConfig, dev: str) -> None:
     import torch
 
-    if pr.name == "bf16" and dev == "cuda":
+    from shardyard.config.schema import Precision
+
+    precision = Precision(pr.name)
+    if precision is Precision.bf16 and dev == "cuda":
         gpu = _gpu_capability()
         if gpu is None:  # no nvidia-smi: ask torch (this initialises CUDA here)
             gpu = (torch.cuda.get_device_name(), 8.0 if torch.cuda.is_bf16_supported() else 0.0)
@@ -600,9 +583,9 @@ def _validate_precision(pr: DictConfig, dev: str) -> None:
             raise UserError("precision", "bf16", f"This GPU ({gpu[0]}, compute capability {gpu[1]}) has no native "
                             "bf16 (Ampere, 8.0, and later have it; older GPUs would emulate it, slowly).",
                             "Use precision=fp16 (loss-scaled) or precision=fp32.")
-    if pr.name != "fp32" and not torch.amp.autocast_mode.is_autocast_available(dev):
+    if precision is not Precision.fp32 and not torch.amp.autocast_mode.is_autocast_available(dev):
         raise UserError("precision", pr.name, f"This torch build has no autocast for {dev}.", "Use precision=fp32.")
-    if pr.name == "fp16" and dev == "cpu":
+    if precision is Precision.fp16 and dev == "cpu":
         try:
             with torch.autocast("cpu", dtype=torch.float16):
                 torch.ones(2, 2) @ torch.ones(2, 2)

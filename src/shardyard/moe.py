@@ -1,0 +1,332 @@
+"""Mixture-of-experts routing kept balanced in training, the same on every engine, and measured.
+
+A MoE layer's router sends each token to ``top_k`` of ``E`` routed experts. Left alone, training collapses the
+routing onto a few experts (measured here: 50% of a layer's routed slots on one expert of 8 after 150 steps).
+The DeepSeek papers keep it balanced in two ways, chosen by what the router is:
+
+* **DeepSeek-V3** (arXiv 2412.19437, "Auxiliary-Loss-Free Load Balancing"): the router adds a per-expert bias
+  ``b`` to its sigmoid affinities only to choose the top-k (HF's ``e_score_correction_bias`` buffer, which
+  nothing in transformers updates). After every optimizer step ``b_i += gamma * sign(mean load - load_i)``,
+  the loads counted over the whole global batch: every micro-batch of every data-parallel rank, one
+  all-reduce per step for all layers (``model.balance.bias_update_speed`` = gamma). Beside it, a small
+  sequence-wise balance loss (``model.balance.seq_aux_alpha``).
+* **DeepSeek-V2** (arXiv 2405.04434, section 2.2.3): softmax routers without a bias, balanced by auxiliary
+  losses: expert-level (``seq_aux_alpha``, computed per sequence as the released V2 models do), device-level
+  (``device_aux_alpha``) and communication (``comm_aux_alpha``) over the expert-parallel groups.
+
+The balance losses all have the paper's form ``alpha * sum_i f_i * P_i`` for one sequence of T tokens, averaged
+over the sequences of the micro-batch: ``f_i = E / (K T) * #tokens routed to i`` (1 for every expert when
+balanced) and ``P_i`` the mean over the sequence of the expert's normalised affinity ``s_i / sum_j s_j``
+(softmax scores are normalised already). The device-level and communication forms group the experts into the
+``D`` expert-parallel groups (section 2.2.3); with D = 1 they are constant and are not computed.
+
+How it meets the engines (no engine needs to know any of this but one call):
+
+1. ``Balancer.install(model, ...)`` after the engine placed the model: a forward hook on every router (found
+   by what it has, not by name) counts the routed slots of each expert in training mode, and computes the
+   balance losses of the micro-batch. A forward that activation checkpointing recomputes inside backward
+   runs the same computations (its saved tensors must match) but counts nothing and adds no loss again.
+2. The engines add ``aux_loss(model)`` (the micro-batch's pending balance losses, 0 without MoE) to the loss
+   they backpropagate, and still report the cross-entropy alone. A pipeline stage attaches its own layers'
+   losses to its output (``attach``), since its loss function sees only the last stage.
+3. The loop calls ``after_step`` once per optimizer step: one all-reduce of the loads of every layer (a mean
+   over the world: each layer's rows are scaled alike, which leaves signs and ratios as they are), then the
+   bias update. The biases are buffers of the model: every checkpoint and the HF export carry them.
+4. ``metrics()`` at each log step: per layer the max/mean and min/mean load and the experts that got no
+   token over the interval, and the balance loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+from omegaconf import DictConfig
+
+
+@dataclass
+class Router:
+    """One MoE layer's router, as the balancer reads it."""
+
+    layer: int
+    """The layer index (the first number in the module's name: ``model.layers.3.mlp.gate`` is 3)."""
+    module: torch.nn.Module
+    experts: int
+    """Routed experts it chooses among (E)."""
+    top_k: int
+    """Experts each token goes to (K)."""
+    biased: bool
+    """A DeepSeek-V3 router: sigmoid affinities and a selection bias (``e_score_correction_bias``) added to them
+    only to choose the top-k; else a softmax router (DeepSeek-V2, Mixtral)."""
+
+    @property
+    def bias(self) -> torch.Tensor:
+        """The selection bias, read from the module each time (an engine or a load may replace the buffer)."""
+        b = getattr(self.module, "e_score_correction_bias")
+        assert isinstance(b, torch.Tensor) and self.biased
+        return b
+
+
+def routers(model: torch.nn.Module) -> list[Router]:
+    """The MoE routers of ``model``: modules with a ``weight`` of shape [num_experts, hidden] that choose
+    ``top_k`` experts (transformers' DeepSeek-V2/V3 and Mixtral-style routers), found by what they have."""
+    found: list[Router] = []
+    for name, m in model.named_modules():
+        w, k, e = getattr(m, "weight", None), getattr(m, "top_k", None), getattr(m, "num_experts", None)
+        if isinstance(k, int) and isinstance(e, int) and isinstance(w, torch.Tensor) \
+                and len(getattr(w, "ds_shape", w.shape)) == 2:  # a ZeRO-3 partition is flat: its shape is ds_shape
+            idx = re.search(r"(?:^|\.)(\d+)(?:\.|$)", name)
+            found.append(Router(int(idx.group(1)) if idx else len(found), m, e, k,
+                                isinstance(getattr(m, "e_score_correction_bias", None), torch.Tensor)))
+    return found
+
+
+def balance_loss(logits: torch.Tensor, chosen: torch.Tensor, batch: int, sigmoid: bool, groups: int = 1,
+                 alphas: tuple[float, float, float] = (0.0, 0.0, 0.0)) -> torch.Tensor:
+    """``alpha * sum_i f_i P_i`` per sequence, averaged over the ``batch`` sequences, for the expert-level
+    (``alphas[0]``), device-level (``alphas[1]``) and communication (``alphas[2]``) forms.
+
+    ``logits``: the router's [tokens, E] logits (fp32); ``chosen``: the [tokens, K] experts each token went to;
+    ``sigmoid``: the router scores with sigmoid (DeepSeek-V3) rather than softmax (V2); ``groups``: the D
+    expert-parallel groups (consecutive experts), for the device-level and communication forms."""
+    tokens, E = logits.shape
+    K = chosen.shape[-1]
+    T = tokens // batch
+    s = logits.sigmoid() if sigmoid else logits.softmax(-1)
+    p = (s / s.sum(-1, keepdim=True)).view(batch, T, E).mean(1)  # P_i per sequence: [batch, E]
+    routed = torch.zeros(batch, E, device=logits.device, dtype=p.dtype)
+    routed.scatter_add_(1, chosen.reshape(batch, T * K), torch.ones(batch, T * K, device=logits.device, dtype=p.dtype))
+    f = routed * (E / (K * T))  # 1 for every expert when balanced
+    loss = alphas[0] * (f * p).sum(-1).mean()
+    if groups > 1 and (alphas[1] or alphas[2]):
+        per = E // groups
+        p_dev = p.view(batch, groups, per).sum(-1)  # P'_i: the group's summed affinity
+        f_dev = f.view(batch, groups, per).mean(-1)  # f'_i: the mean f of its experts
+        loss = loss + alphas[1] * (f_dev * p_dev).sum(-1).mean()
+        # f''_i = D / (M T) * #tokens sent to group i, M = the most groups one token can reach
+        reach = torch.zeros(tokens, groups, device=logits.device, dtype=p.dtype)
+        reach.scatter_(1, torch.div(chosen, per, rounding_mode="floor"), 1.0)
+        M = min(K, groups)
+        f_comm = reach.view(batch, T, groups).sum(1) * (groups / (M * T))
+        loss = loss + alphas[2] * (f_comm * p_dev).sum(-1).mean()
+    return loss
+
+
+def bias_update(bias: torch.Tensor, load: torch.Tensor, gamma: float) -> None:
+    """DeepSeek-V3's update, in place: ``b_i += gamma * sign(mean load - load_i)`` (an overloaded expert is
+    chosen less next step, an underloaded one more; an expert exactly at the mean stays)."""
+    bias += gamma * torch.sign(load.mean() - load).to(bias.dtype)
+
+
+def _recomputing() -> bool:
+    """True inside backward, where activation checkpointing re-runs a block's forward."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class Balancer:
+    """The routers of one model, their step's loads and pending balance losses (see the module docstring)."""
+
+    def __init__(self, found: list[Router], b: DictConfig, layers: int, experts: int, groups: int,
+                 device: torch.device):
+        self.routers, self.b, self.groups, self.device = found, b, groups, device
+        self.experts, self.layers = experts, layers
+        self.counts: torch.Tensor | None = None  # this rank's routed slots per [layer, expert], this step
+        self.window: torch.Tensor | None = None  # the global loads since the last log step
+        self.pending: list[torch.Tensor] = []  # balance losses of the micro-batch being run
+        self.aux: torch.Tensor | None = None  # this step's balance losses (summed) and micro-batches, on device
+        self.aux_window: torch.Tensor | None = None  # the same, global, since the last log step
+        self.alphas = (float(b.seq_aux_alpha), float(b.device_aux_alpha), float(b.comm_aux_alpha))
+        self.paused = False  # a forward that is not training (a pipeline's metadata inference): not counted
+        self.handles = [r.module.register_forward_hook(self._hook(r)) for r in found]
+
+    @classmethod
+    def install(cls, model: torch.nn.Module, b: DictConfig, experts: int, groups: int = 1,
+                device: torch.device | None = None) -> Balancer | None:
+        """Hooks on the routers ``model`` holds on this rank (None: a dense model, ``experts`` = 0). ``b``: the
+        ``model.balance`` section; ``experts``: routed experts per layer (``ModelFacts.routed_experts``);
+        ``groups``: the expert-parallel degree; ``device``: where the engine's collectives run (the model's
+        first parameter's by default). Every rank of a MoE model gets one, also a pipeline stage that
+        holds no MoE layer: each takes part in the step's all-reduce. It rides on the model (``of``)."""
+        if not experts:
+            return None
+        found = routers(model)
+        config = getattr(model, "config", None)
+        layers = max(getattr(config, "num_hidden_layers", 0) or 0, max((r.layer for r in found), default=-1) + 1)
+        balancer = cls(found, b, layers, experts, groups, device or next(model.parameters()).device)
+        object.__setattr__(model, "shardyard_balancer", balancer)
+        return balancer
+
+    def _hook(self, router: Router) -> Callable:
+        layer, sigmoid = router.layer, router.biased
+
+        def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
+            if not module.training or self.paused:
+                return
+            logits, chosen = output[0], output[-1]
+            hidden = args[0]
+            recompute = _recomputing()
+            if any(self.alphas) and torch.is_grad_enabled():
+                batch = hidden.shape[0] if hidden.dim() == 3 else 1
+                loss = balance_loss(logits.float(), chosen, batch, sigmoid, self.groups, self.alphas)
+                if not recompute:
+                    self.pending.append(loss)
+            if recompute:
+                return
+            with torch.no_grad():
+                if self.counts is None:
+                    self.counts = torch.zeros(self.layers, self.experts, device=self.device, dtype=torch.float64)
+                self.counts[layer] += torch.bincount(chosen.reshape(-1), minlength=self.experts).to(torch.float64)
+
+        return hook
+
+    def take_loss(self) -> torch.Tensor | float:
+        """The pending balance losses of the micro-batch just run (summed over its MoE layers), and clear them."""
+        if not self.pending:
+            return 0.0
+        loss = torch.stack(self.pending).sum()
+        self.pending = []
+        seen = torch.stack([loss.detach().double(), torch.ones((), dtype=torch.float64, device=loss.device)])
+        self.aux = seen if self.aux is None else self.aux + seen  # no host sync: read at the log step
+        return loss
+
+    @torch.no_grad()
+    def after_step(self, all_reduce_mean: Callable[[torch.Tensor], torch.Tensor], applied: bool = True) -> None:
+        """One all-reduce of this step's loads of every layer, then (DeepSeek-V3 routers) the bias update.
+        Every rank calls it once per optimizer step; an update that was not applied (non-finite gradients, an
+        fp16 overflow) leaves the biases as they are too."""
+        device = self.device
+        counts = self.counts if self.counts is not None else torch.zeros(self.layers, self.experts, device=device,
+                                                                          dtype=torch.float64)
+        aux = self.aux if self.aux is not None else torch.zeros(2, device=device, dtype=torch.float64)
+        packet = all_reduce_mean(torch.cat([counts.flatten(), aux.to(counts.device)]))  # the step's one all-reduce
+        loads, aux = packet[:-2].view_as(counts), packet[-2:]
+        self.counts, self.aux = None, None
+        self.window = loads if self.window is None else self.window + loads
+        self.aux_window = aux if self.aux_window is None else self.aux_window + aux
+        gamma = float(self.b.bias_update_speed)
+        if not (applied and gamma):
+            return
+        for r in self.routers:
+            if r.biased:
+                bias_update(r.bias, loads[r.layer].to(r.bias.device), gamma)
+
+    def metrics(self) -> dict[str, float]:
+        """Per MoE layer, over the global loads since the last call: ``moe/layer_N/max_over_mean``,
+        ``min_over_mean``, ``dead_experts`` (experts that got no token); the worst layer's max/mean as
+        ``moe/max_over_mean``; and the mean balance loss per micro-batch, ``moe/balance_loss``."""
+        out: dict[str, float] = {}
+        if self.window is not None:
+            for layer in _active_rows(self.window):
+                load = self.window[layer]
+                if load.sum() <= 0:
+                    continue
+                mean = load.mean()
+                out[f"moe/layer_{layer}/max_over_mean"] = float(load.max() / mean)
+                out[f"moe/layer_{layer}/min_over_mean"] = float(load.min() / mean)
+                out[f"moe/layer_{layer}/dead_experts"] = float((load == 0).sum())
+            worst = [v for k, v in out.items() if k.endswith("max_over_mean")]
+            if worst:
+                out["moe/max_over_mean"] = max(worst)
+            self.window = None
+        if self.aux_window is not None and self.aux_window[1] > 0:
+            out["moe/balance_loss"] = float(self.aux_window[0] / self.aux_window[1])
+        self.aux_window = None
+        return out
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _active_rows(loads: torch.Tensor) -> list[int]:
+    """Rows with routed tokens: every MoE layer of the whole model, also those another pipeline stage holds."""
+    return [int(i) for i in torch.nonzero(loads.sum(-1) > 0).flatten()]
+
+
+def of(model: Any) -> Balancer | None:
+    """The balancer installed on ``model`` (unwrapping DDP's and DeepSpeed's ``.module`` and a pipeline stage's
+    whole model), or None."""
+    while hasattr(model, "module"):
+        model = model.module
+    model = getattr(model, "_hf", model)
+    return getattr(model, "shardyard_balancer", None)
+
+
+@contextlib.contextmanager
+def paused(model: Any) -> Iterator[None]:
+    """Forwards of ``model`` inside are neither counted nor given a balance loss: a pipeline schedule's first
+    step runs each stage once on placeholder tensors to learn the shapes it sends."""
+    balancer = of(model)
+    if balancer is None:
+        yield
+        return
+    balancer.paused = True
+    try:
+        yield
+    finally:
+        balancer.paused = False
+
+
+def aux_loss(model: Any) -> torch.Tensor | float:
+    """The balance losses of the micro-batch ``model`` just ran forward (0 for a dense model): engines add it
+    to the loss they backpropagate."""
+    balancer = of(model)
+    return balancer.take_loss() if balancer is not None else 0.0
+
+
+class _Attach(torch.autograd.Function):
+    """``attach(h, loss, scale)``: ``h`` unchanged; in backward, ``loss`` gets the gradient ``scale``, as if it
+    had been added (times ``scale``) to the loss whose gradient reaches ``h``."""
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, loss: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale, ctx.shape, ctx.dtype = scale, loss.shape, loss.dtype
+        return h.clone()  # not a view: FSDP's pre-backward hook goes on the stage's output
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return grad, torch.full(ctx.shape, ctx.scale, dtype=ctx.dtype, device=grad.device), None
+
+
+def attach(h: torch.Tensor, model: Any, scale: float) -> torch.Tensor:
+    """A pipeline stage's output with its layers' pending balance losses attached (``scale``: what the loss
+    function multiplies the loss by)."""
+    loss = aux_loss(model)
+    if isinstance(loss, torch.Tensor) and h.requires_grad:
+        return _Attach.apply(h, loss, scale)
+    return h
+
+
+@torch.no_grad()
+def held_out_loads(model: torch.nn.Module, batches: Any) -> dict[int, torch.Tensor]:
+    """Each MoE layer's routed slots per expert when ``model`` (in eval mode) reads ``batches`` of token ids:
+    how the router sends text it was not trained on (``bench/moe.py``, the README's figures)."""
+    found = routers(model)
+    loads = {r.layer: torch.zeros(r.experts, dtype=torch.float64) for r in found}
+
+    def count(layer: int) -> Callable:
+        def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
+            loads[layer] += torch.bincount(output[-1].reshape(-1).cpu(), minlength=len(loads[layer])).double()
+        return hook
+
+    handles = [r.module.register_forward_hook(count(r.layer)) for r in found]
+    was = model.training
+    model.eval()
+    try:
+        for ids in batches:
+            model(ids)
+    finally:
+        model.train(was)
+        for h in handles:
+            h.remove()
+    return loads
+
+
+def imbalance(load: torch.Tensor) -> tuple[float, float, int]:
+    """(max/mean, min/mean, experts without a token) of one layer's load."""
+    mean = load.mean()
+    return float(load.max() / mean), float(load.min() / mean), int((load == 0).sum())
+

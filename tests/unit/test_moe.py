@@ -1,0 +1,166 @@
+"""MoE routing balance (shardyard.moe): the DeepSeek-V3 bias update and the balance losses against values computed
+by hand on fixed batches, the load counting through real transformers routers (activation checkpointing
+included), and validation of the keys."""
+
+import math
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from shardyard import moe
+from shardyard.errors import UserError
+from shardyard.model import build_model
+from shardyard.testing import compose
+from shardyard.validate import validate
+
+SMOKE_MOE = ["model=deepseek_moe_tiny"]
+
+
+def test_bias_moves_against_the_load_by_gamma():
+    bias = torch.tensor([0.5, 0.0, -0.25, 0.0])
+    moe.bias_update(bias, torch.tensor([3.0, 1.0, 2.0, 2.0]), gamma=0.1)  # mean 2: over, under, at, at
+    assert torch.allclose(bias, torch.tensor([0.4, 0.1, -0.25, 0.0]))
+
+
+def test_expert_level_balance_loss_by_hand():
+    # One sequence of T=2 tokens, E=2 experts, K=1. Softmax scores: token 0 [1/4, 3/4], token 1 [1/2, 1/2];
+    # both tokens go to expert 1: f = E/(K T) * [0, 2] = [0, 2]; P = [(1/4 + 1/2)/2, (3/4 + 1/2)/2] = [3/8, 5/8].
+    logits = torch.tensor([[0.0, math.log(3.0)], [0.0, 0.0]])
+    chosen = torch.tensor([[1], [1]])
+    loss = moe.balance_loss(logits, chosen, batch=1, sigmoid=False, alphas=(0.1, 0.0, 0.0))
+    assert loss.item() == pytest.approx(0.1 * (0 * 3 / 8 + 2 * 5 / 8))
+    # Two sequences are averaged; a balanced one (f = [1, 1], P = [1/2, 1/2]) scores exactly alpha.
+    logits2 = torch.cat([logits, torch.zeros(2, 2)])
+    chosen2 = torch.cat([chosen, torch.tensor([[0], [1]])])
+    loss2 = moe.balance_loss(logits2, chosen2, batch=2, sigmoid=False, alphas=(0.1, 0.0, 0.0))
+    assert loss2.item() == pytest.approx((0.1 * 1.25 + 0.1 * 1.0) / 2)
+
+
+def test_sequence_wise_loss_normalises_sigmoid_affinities():
+    # DeepSeek-V3: s = sigmoid(logits), normalised per token. Logits 0 and ln 3 give s = 1/2 and 3/4, so the
+    # normalised affinities are [2/5, 3/5] for that token and [1/2, 1/2] for the zero one.
+    logits = torch.tensor([[0.0, math.log(3.0)], [0.0, 0.0]])
+    chosen = torch.tensor([[1], [0]])  # f = [1, 1]
+    loss = moe.balance_loss(logits, chosen, batch=1, sigmoid=True, alphas=(1.0, 0.0, 0.0))
+    assert loss.item() == pytest.approx((2 / 5 + 1 / 2) / 2 + (3 / 5 + 1 / 2) / 2)
+
+
+def test_device_and_communication_losses_by_hand():
+    # E=4 experts in D=2 groups {0,1} {2,3}, K=2, one sequence of T=2 tokens, uniform softmax scores (P_i = 1/4,
+    # so P'_d = 1/2). Token 0 -> experts 0,1 (group 0 only); token 1 -> experts 1,2 (both groups).
+    logits = torch.zeros(2, 4)
+    chosen = torch.tensor([[0, 1], [1, 2]])
+    f = torch.tensor([1.0, 2.0, 1.0, 0.0]) * 4 / (2 * 2)  # routed slots per expert x E/(K T)
+    f_dev = torch.stack([f[:2].mean(), f[2:].mean()])  # [1.5, 0.5]
+    f_comm = torch.tensor([2.0, 1.0]) * 2 / (2 * 2)  # tokens reaching each group x D/(M T), M = min(K, D) = 2
+    want = 0.5 * (f_dev * 0.5).sum() + 0.25 * (f_comm * 0.5).sum()
+    got = moe.balance_loss(logits, chosen, batch=1, sigmoid=False, groups=2, alphas=(0.0, 0.5, 0.25))
+    assert got.item() == pytest.approx(want.item())
+
+
+@pytest.fixture(scope="module")
+def tiny_moe():
+    cfg = compose(SMOKE_MOE)
+    model = build_model(cfg.model, seed=0)
+    return cfg, model
+
+
+def _balancer(model, **keys):
+    b = OmegaConf.create({"bias_update_speed": 0.01, "seq_aux_alpha": 0.0, "device_aux_alpha": 0.0,
+                          "comm_aux_alpha": 0.0, **keys})
+    return moe.Balancer.install(model, b, experts=8)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_loads_are_counted_once_per_forward_also_when_checkpointing_recomputes(tiny_moe, checkpointing):
+    cfg, model = tiny_moe
+    found = moe.routers(model)
+    assert [r.layer for r in found] == [1, 2] and found[0].biased and found[0].experts == 8 and found[0].top_k == 2
+    chosen = []
+    seen = found[0].module.register_forward_hook(lambda m, a, out: chosen.append(out[-1].clone()))
+    if checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    balancer = _balancer(model, seq_aux_alpha=0.5)
+    try:
+        model.train()
+        ids = torch.randint(0, 100, (2, 16))
+        out = model(ids).logits.float().mean()
+        aux = moe.aux_loss(model)
+        (out + aux).backward()
+        assert isinstance(aux, torch.Tensor) and aux.item() > 0 and moe.aux_loss(model) == 0.0  # taken once
+        # One routing decision of 2 x 16 tokens; the recomputed forward (a second hook call) counts nothing.
+        assert len(chosen) == (2 if checkpointing else 1)
+        want = torch.bincount(chosen[0].flatten(), minlength=8).double()
+        assert torch.equal(balancer.counts[1], want)
+        assert balancer.counts[0].sum() == 0  # layer 0 is dense
+        bias = found[0].bias.clone()
+        balancer.after_step(lambda t: t)  # one rank: the all-reduced loads are its own
+        assert torch.allclose(found[0].bias, bias + 0.01 * torch.sign(want.mean() - want).float())
+        m = balancer.metrics()
+        assert m["moe/layer_1/max_over_mean"] == pytest.approx(float(want.max() / want.mean()))
+        assert m["moe/layer_1/dead_experts"] == float((want == 0).sum())
+        assert m["moe/balance_loss"] == pytest.approx(aux.item())
+        assert "moe/layer_0/max_over_mean" not in m
+    finally:
+        seen.remove()
+        balancer.close()
+        model.activation_checkpointing_disable()
+        model.zero_grad()
+
+
+def test_eval_mode_counts_nothing(tiny_moe):
+    _, model = tiny_moe
+    balancer = _balancer(model)
+    try:
+        model.eval()
+        with torch.no_grad():
+            model(torch.randint(0, 100, (1, 8)))
+        assert balancer.counts is None and balancer.pending == []
+    finally:
+        balancer.close()
+        model.train()
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (["model.balance.bias_update_speed=-0.001"], "model.balance.bias_update_speed"),
+    (["model.balance.seq_aux_alpha=-1"], "model.balance.seq_aux_alpha"),
+    (["model.balance.warn_max_over_mean=0.5"], "model.balance.warn_max_over_mean"),
+])
+def test_bad_balance_values_are_refused_naming_the_key(overrides, key):
+    with pytest.raises(UserError) as e:
+        validate(compose([*SMOKE_MOE, *overrides]), None)
+    assert e.value.key == key
+
+
+def test_balance_keys_that_would_do_nothing_are_refused():
+    with pytest.raises(UserError) as e:  # a dense model has no router
+        validate(compose(["model.balance.seq_aux_alpha=0.01"]), None)
+    assert e.value.key == "model.balance.seq_aux_alpha" and "no router" in e.value.paragraph()
+    with pytest.raises(UserError) as e:  # DeepSeek-V2's softmax router has no selection bias
+        validate(compose(["model=deepseek_v2_lite", "model.balance.bias_update_speed=0.01"]), None)
+    assert e.value.key == "model.balance.bias_update_speed"
+
+
+def test_family_defaults_come_from_the_papers():
+    v3 = compose(["model=deepseek_v3"]).model.balance
+    assert (v3.bias_update_speed, v3.seq_aux_alpha) == (0.001, 0.0001)  # DeepSeek-V3, section 4.2
+    lite = compose(["model=deepseek_v2_lite"]).model
+    assert lite._target_ == "shardyard.model.deepseek_v2" and lite.balance.bias_update_speed == 0
+    assert lite.balance.seq_aux_alpha == 0.001  # V2-Lite's released aux_loss_alpha
+    dense = compose([]).model.balance
+    assert not any(dense[k] for k in ("bias_update_speed", "seq_aux_alpha", "device_aux_alpha", "comm_aux_alpha"))
+
+
+def test_an_export_with_experts_stored_apart_loads_into_the_fused_experts(tiny_moe, tmp_path):
+    """transformers 5 writes a DeepSeek MoE's experts one by one (experts.3.gate_proj.weight ...), as DeepSeek's
+    releases do; model.weights reads them into the fused gate_up_proj / down_proj tensors."""
+    from shardyard.model import load_weights
+
+    cfg, model = tiny_moe
+    model.save_pretrained(str(tmp_path))
+    fresh = build_model(cfg.model, seed=1)
+    assert not torch.equal(fresh.model.layers[1].mlp.experts.gate_up_proj, model.model.layers[1].mlp.experts.gate_up_proj)
+    load_weights(fresh, str(tmp_path))
+    for (name, a), (_, b) in zip(model.state_dict().items(), fresh.state_dict().items()):
+        assert torch.equal(a, b), name
