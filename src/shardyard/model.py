@@ -587,9 +587,16 @@ def model_shape(model: Any) -> dict:
         act[regime] = {"blocks": sum(layer), "max_block": max(layer), "ckpt_per_block": resid * h,
                        "loss": (12 if regime == "fp32" else 10) * vocab + 2 * resid * h}
     module_params = [sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()]
+    # Routed experts (what expert parallelism splits): their parameters in all and in the largest block.
+    block_experts = [sum(p.numel() for m in moe.expert_modules(b) for p in m.parameters()) for b in blocks]
+    found = moe.routers(model)
     return {"hidden": h, "vocab": vocab, "blocks": len(blocks), "block_params": sum(block_params),
             "max_block_params": max(block_params, default=total), "root_params": total - sum(block_params),
             "max_module_params": max(module_params, default=total),
+            "expert_params": sum(block_experts),
+            "max_block_expert_params": max((e for e, b in zip(block_experts, block_params) if b == max(block_params)),
+                                           default=0),
+            "moe_layers": len(found), "experts_per_token": found[0].top_k if found else 0,
             "activation_bytes_per_token": act}
 
 

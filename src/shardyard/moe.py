@@ -84,6 +84,18 @@ def routers(model: torch.nn.Module) -> list[Router]:
     return found
 
 
+EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
+"""The routed experts' stacked weights in transformers 5's MoE blocks (DeepSeek-V2/V3, Qwen-MoE, Mixtral)."""
+
+
+def expert_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The routed-experts modules of ``model``: those holding [E, ...] ``gate_up_proj`` and ``down_proj``
+    (what expert parallelism splits, and what the plan counts as expert parameters)."""
+    return [m for m in model.modules()
+            if all(isinstance(getattr(m, w, None), torch.nn.Parameter) for w in EXPERT_WEIGHTS)
+            and getattr(m, "num_experts", None)]
+
+
 def balance_loss(logits: torch.Tensor, chosen: torch.Tensor, batch: int, sigmoid: bool, groups: int = 1,
                  alphas: tuple[float, float, float] = (0.0, 0.0, 0.0)) -> torch.Tensor:
     """``alpha * sum_i f_i P_i`` per sequence, averaged over the ``batch`` sequences, for the expert-level
@@ -163,17 +175,20 @@ class Balancer:
         layer, sigmoid = router.layer, router.biased
 
         def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
-            if not module.training or self.paused:
+            if not module.training:
                 return
             logits, chosen = output[0], output[-1]
             hidden = args[0]
-            recompute = _recomputing()
+            # A forward that is recomputed in backward (activation checkpointing) or that does not train (paused)
+            # computes what a training forward computes, so that a recomputation saves the same tensors, and
+            # leaves no trace: no load counted, no loss added.
+            quiet = self.paused or _recomputing()
             if any(self.alphas) and torch.is_grad_enabled():
                 batch = hidden.shape[0] if hidden.dim() == 3 else 1
                 loss = balance_loss(logits.float(), chosen, batch, sigmoid, self.groups, self.alphas)
-                if not recompute:
+                if not quiet:
                     self.pending.append(loss)
-            if recompute:
+            if quiet:
                 return
             with torch.no_grad():
                 if self.counts is None:

@@ -19,13 +19,19 @@ Schedule = Callable[[int, int], float]
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Decay matrices only; norms, biases (1-D tensors) are left undecayed, as in GPT/LLaMA training."""
-    decay: list[torch.nn.Parameter] = []
-    no_decay: list[torch.nn.Parameter] = []
+    """Decay matrices only; norms, biases (1-D tensors) are left undecayed, as in GPT/LLaMA training.
+
+    Parameters sharded over different device meshes (expert parallelism: the experts over edp x ep, the rest
+    over all ranks) go to groups of their own: an optimizer runs its fused (``foreach``) kernels per group, and
+    DTensors of two meshes cannot meet in one of them."""
+    groups: dict[tuple, list[torch.nn.Parameter]] = {}
     for p in model.parameters():
         if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+            mesh = getattr(p, "device_mesh", None)
+            groups.setdefault((p.ndim >= 2, id(mesh) if mesh is not None else None), []).append(p)
+    meshes = list(dict.fromkeys(m for _, m in groups)) or [None]
+    return [{"params": groups.get((decays, m), []), "weight_decay": weight_decay if decays else 0.0}
+            for m in meshes for decays in (True, False) if (decays, m) in groups or len(meshes) == 1]
 
 
 def optimizer_kwargs(o: DictConfig) -> dict:

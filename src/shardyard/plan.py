@@ -281,7 +281,8 @@ def estimate(cfg: DictConfig, batch: Plan, hw: Hardware) -> Estimate:
         quantized = adapters.method(cfg.peft).quantized_base
         states = frozen_base(states, P, batch.facts.trainable, shape, quantized=quantized)
     ckpt = bool(cfg.model.activation_checkpointing)
-    acts = _activations(shape, states.regime, mbs * batch.seq_len, ckpt) * states.activation_factor
+    acts = (_activations(shape, states.regime, mbs * batch.seq_len, ckpt)
+            + states.dispatch_bytes_per_token * mbs * batch.seq_len) * states.activation_factor
     device = dict(states.device)
     if accum > 1 and states.accumulation_bytes:
         device["grads"] = device.get("grads", 0.0) + states.accumulation_bytes
@@ -299,6 +300,7 @@ def estimate(cfg: DictConfig, batch: Plan, hw: Hardware) -> Estimate:
     compute = None if hw.peak_flops is None else batch.facts.flops_per_token * tokens * (4 / 3 if ckpt else 1) / (
         hw.peak_flops * cfg.plan.mfu)
     comm_bytes = states.comm_bytes(accum) * (dp - 1) / dp  # the engine's collectives run over its replicas
+    comm_bytes += states.all_to_all_per_micro * accum  # point to point: what leaves the rank, counted already
     bw = hw.intra_bw if hw.nodes == 1 else hw.inter_bw
     e = Estimate(cfg.backend.name, N, mbs, accum, ckpt, device, host, states.nvme, comm_bytes, compute,
                  comm_bytes / bw if N > 1 else 0.0, list(states.notes), overlap)

@@ -188,6 +188,7 @@ def validate(cfg: DictConfig, env: DistEnv | None) -> Plan:
     src = _validate_data(cfg)
     _validate_finetune(cfg, src, facts)
     _validate_balance(m.balance, facts)
+    _validate_ep(cfg.backend, p.dims, facts)
     _validate_precision(cfg.precision, p.device_type)
     if cfg.optim.lr <= 0:
         raise UserError("optim.lr", cfg.optim.lr, "The learning rate must be positive.", "Use e.g. optim.lr=3e-4.")
@@ -527,6 +528,38 @@ def _validate_balance(b: DictConfig, facts: ModelFacts) -> None:
                         "routers are balanced by the auxiliary losses.",
                         "Use model.balance.bias_update_speed=0, and model.balance.seq_aux_alpha (with "
                         "device_aux_alpha and comm_aux_alpha under expert parallelism) to balance them.")
+
+
+def _validate_ep(b: DictConfig, dims: ParallelDims, facts: ModelFacts) -> None:
+    """``backend.ep``: an engine that shards experts, a MoE model, and a degree that divides both the routed
+    experts (whole experts per rank) and the data-parallel shards it borrows its ranks from."""
+    from shardyard.backends import engine
+
+    ep = b.ep
+    if ep == 1:
+        return
+    if "ep" not in getattr(engine(b), "degree_keys", {}):
+        raise UserError("backend.ep", ep, f"backend={b.name} does not shard experts: every rank holds every expert.",
+                        "Use backend=fsdp (or fsdp_offload, or pipeline for stages x ep) for expert parallelism, "
+                        "or backend.ep=1.")
+    if not facts.moe_layers:
+        raise UserError("backend.ep", ep, "Expert parallelism splits a mixture-of-experts layer's experts, and this "
+                        "model has none (no router).", "Use backend.ep=1, or a MoE model (model=deepseek_moe_tiny, "
+                        "deepseek_v2_lite, deepseek_v3).")
+    if facts.routed_experts % ep:
+        raise UserError("backend.ep", ep, f"Each rank of an expert-parallel group holds whole experts, so it must "
+                        f"divide the model's {facts.routed_experts} routed experts.",
+                        f"Use a divisor of {facts.routed_experts} that also divides the {dims.dp_shard} data-parallel "
+                        f"shards: {_common_divisors(facts.routed_experts, dims.dp_shard)}.")
+    if dims.dp_shard % ep:
+        raise UserError("backend.ep", ep, f"The expert-parallel groups are made of data-parallel shards, and there are "
+                        f"{dims.dp_shard} ({dims.describe()}), which it must divide.",
+                        f"Use one of {_common_divisors(facts.routed_experts, dims.dp_shard)}, or a world size that "
+                        f"{ep} divides.")
+
+
+def _common_divisors(a: int, b: int) -> str:
+    return ", ".join(f"backend.ep={d}" for d in range(1, min(a, b) + 1) if a % d == 0 and b % d == 0)
 
 
 def _validate_finetune(cfg: DictConfig, src, facts) -> None:

@@ -164,3 +164,29 @@ def test_an_export_with_experts_stored_apart_loads_into_the_fused_experts(tiny_m
     load_weights(fresh, str(tmp_path))
     for (name, a), (_, b) in zip(model.state_dict().items(), fresh.state_dict().items()):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["backend=fsdp", "backend.ep=3"], "divide the model's 8 routed experts"),  # 3 does not divide 8
+    (["backend=fsdp", "backend.ep=4", "launch.nproc_per_node=2"], "which it must divide"),  # 2 shards, ep 4
+    (["backend=zero3", "backend.ep=2", "launch.nproc_per_node=2"], "does not shard experts"),
+    (["backend=horovod", "backend.ep=2", "launch.nproc_per_node=2"], "does not shard experts"),
+    (["backend=fsdp", "backend.ep=0"], "at least 1"),
+])
+def test_bad_expert_parallel_degrees_exit_2_naming_backend_ep(overrides, needle):
+    with pytest.raises(UserError) as e:
+        validate(compose([*SMOKE_MOE, "backend.device=cpu", *overrides]), None)
+    assert e.value.key == "backend.ep" and needle in e.value.paragraph(), e.value.paragraph()
+
+
+def test_expert_parallelism_on_a_dense_model_is_refused():
+    with pytest.raises(UserError) as e:
+        validate(compose(["backend=fsdp", "backend.ep=2", "launch.nproc_per_node=2", "backend.device=cpu"]), None)
+    assert e.value.key == "backend.ep" and "no router" in e.value.paragraph()
+
+
+def test_the_layout_names_the_expert_degree():
+    plan = validate(compose([*SMOKE_MOE, "backend=fsdp", "backend.ep=2", "launch.nproc_per_node=4",
+                             "backend.device=cpu", "train.micro_batch_size=2"]), None)
+    assert (plan.dims.dp_shard, plan.dims.ep, plan.dims.world_size) == (4, 2, 4)
+    assert "ep 2" in plan.dims.describe()

@@ -55,10 +55,54 @@ class ModelStates:
     activation_factor: float = 1.0
     """This rank's activations as a fraction of one micro-batch's through the whole model: 1/tp for tensor
     parallel, (layers held / layers) x (micro-batches in flight / pipeline micro-batches) for a pipeline."""
+    all_to_all_per_micro: float = 0.0
+    """Bytes this rank sends to other ranks by all-to-all on every micro-batch (expert parallelism's token
+    dispatch and combine, forward and backward); point to point, so no ring factor applies."""
+    dispatch_bytes_per_token: float = 0.0
+    """Activation bytes per token of the micro-batch beside the model's own: expert parallelism's send and
+    receive buffers of the MoE layer being run."""
     notes: list[str] = field(default_factory=list)
 
     def comm_bytes(self, accum: int) -> float:
         return self.comm_per_step + accum * self.comm_per_micro
+
+
+def expert_parallel_states(states: ModelStates, cfg: DictConfig, shape: dict, world: int, c: int) -> ModelStates:
+    """What expert parallelism (``backend.ep``) changes in an FSDP engine's figures (``states``, for ``world``
+    data-parallel shards, compute dtype bytes ``c``):
+
+    1. The shards stay the same: the experts are sharded over edp x ep = the same ranks as the rest, so
+       parameters, gradients and optimizer state per rank do not change (P / N).
+    2. What is all-gathered does: a block's FSDP unit now holds E / ep of its experts, so the gathered block
+       (two at a time: the one computing and the one prefetched) and its unsharded fp32 gradients shrink by the
+       experts' (1 - 1/ep). This is what lets a DeepSeek-V3 block, 11B parameters gathered whole, fit.
+    3. The experts' all-gather and reduce-scatter run over edp only: their bytes shrink by 1/ep.
+    4. All-to-all per micro-batch: every MoE layer sends each token's K rows of H values to their experts and
+       back, in forward and again in backward (twice more with activation checkpointing's recompute), the
+       (ep - 1)/ep of them that leave the rank.
+    5. Activations: the send and receive buffers of the layer being run (2 x K x H values per token).
+    """
+    import dataclasses
+
+    ep = int(cfg.backend.ep)
+    if ep <= 1 or not shape.get("expert_params"):
+        return states
+    E_blk, E_all = shape["max_block_expert_params"], shape["expert_params"]
+    saved = E_blk * (1 - 1 / ep)  # 2
+    blocks = 1 if cfg.backend.reshard_after_forward else 0
+    device = dict(states.device)
+    gathered = (2 * c + 4) * saved if blocks else c * E_all * (1 - 1 / ep) + 4 * saved
+    device["buffers"] = max(device.get("buffers", 0.0) - gathered, 0.0)
+    tokens = cfg.train.micro_batch_size * cfg.data.seq_len
+    passes = 6 if cfg.model.activation_checkpointing else 4  # 4
+    a2a = shape["moe_layers"] * tokens * shape["experts_per_token"] * shape["hidden"] * c * passes * (ep - 1) / ep
+    return dataclasses.replace(
+        states, device=device,
+        comm_per_micro=max(states.comm_per_micro - (2 * c + 4) * E_all * (1 - 1 / ep), 0.0),  # 3
+        all_to_all_per_micro=a2a,
+        dispatch_bytes_per_token=2 * shape["experts_per_token"] * shape["hidden"] * c,  # 5
+        notes=states.notes + [f"expert parallel {ep}: {E_all:,} expert parameters, {1 / ep:.0%} of each MoE "
+                              f"block's gathered at a time, {a2a / 2**20:.1f} MiB all-to-all per micro-batch"])
 
 
 HALF = 2

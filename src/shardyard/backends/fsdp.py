@@ -8,10 +8,13 @@ from typing import ClassVar
 import torch
 from omegaconf import DictConfig
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from shardyard.facts import Plan
-from shardyard.backends import FP32, HALF, ModelStates, process_group
+from shardyard.backends import FP32, HALF, ModelStates, expert_parallel_states, process_group
+from shardyard.backends.expert_parallel import ExpertGradients, shard_experts, sharded_grad_norm
+from shardyard.moe import expert_modules
 from shardyard.backends.forward import forward_to
 from shardyard.backends.process_group import init_process_group, teardown
 from shardyard.backends.torch_step import COMPUTE_DTYPES, TorchStepper, pick_device
@@ -19,16 +22,23 @@ from shardyard.errors import UserError
 from shardyard.model import apply_activation_checkpointing, apply_compile, materialize, transformer_blocks
 
 
-def parallelize_fsdp(model: torch.nn.Module, cfg: DictConfig, device: torch.device) -> torch.nn.Module:
-    """Activation checkpointing -> compile -> shard blocks -> shard root -> materialise. In this order because:
+def parallelize_fsdp(model: torch.nn.Module, cfg: DictConfig, device: torch.device,
+                     mesh: DeviceMesh | None = None) -> torch.nn.Module:
+    """Activation checkpointing -> compile -> experts to their EP ranks -> shard blocks -> shard root ->
+    materialise. In this order because:
 
     1. Activation checkpointing wraps each block's forward first, so that FSDP's pre-forward hook (the
        parameter all-gather) also runs again when the block is recomputed in backward.
     2. Compile each block next: FSDP2's hooks then sit outside the compiled graphs (one graph serves
        every identical block; graph breaks on collectives are avoided).
-    3. Shard every transformer block as its own unit (its all-gather overlaps the previous block's
-       compute), then the root, which takes what is left: embeddings, final norm and LM head.
-    4. A big model was built on the meta device; only now, sharded, does each rank give its own shards
+    3. Expert parallelism (``mesh``: the (edp, ep) mesh, when ``backend.ep`` > 1): each rank keeps its
+       ``E / ep`` routed experts of every MoE layer (``expert_parallel.shard_experts``), and FSDP shards them
+       over ``edp`` as their own unit (``ExpertGradients`` divides their gradients by ep as well: the EP peers'
+       tokens are already summed in them).
+    4. Shard every transformer block as its own unit (its all-gather overlaps the previous block's
+       compute), then the root, which takes what is left: embeddings, final norm and LM head; over every rank
+       (with EP: the flattened edp x ep mesh).
+    5. A big model was built on the meta device; only now, sharded, does each rank give its own shards
        storage and initialise them, so no rank ever holds the full model.
     """
     b, pr = cfg.backend, cfg.precision
@@ -39,11 +49,19 @@ def parallelize_fsdp(model: torch.nn.Module, cfg: DictConfig, device: torch.devi
     mp = MixedPrecisionPolicy(param_dtype=COMPUTE_DTYPES[pr.name], reduce_dtype=torch.float32) \
         if pr.name != "fp32" else MixedPrecisionPolicy()
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if b.cpu_offload else OffloadPolicy()
-    for block in transformer_blocks(model):  # 3
-        fully_shard(block, reshard_after_forward=b.reshard_after_forward, mp_policy=mp, offload_policy=offload)
+    dp = None
+    if mesh is not None:  # 3
+        shard_experts(model, mesh["ep"])
+        dp = mesh["edp", "ep"]._flatten("dp")
+        for experts in expert_modules(model):
+            fully_shard(experts, mesh=mesh["edp"], reshard_after_forward=b.reshard_after_forward, mp_policy=mp,
+                        offload_policy=offload)
+    for block in transformer_blocks(model):  # 4
+        fully_shard(block, mesh=dp, reshard_after_forward=b.reshard_after_forward, mp_policy=mp,
+                    offload_policy=offload)
     # The root is all-gathered again right at the start of backward: keeping it unsharded saves that.
-    fully_shard(model, reshard_after_forward=False, mp_policy=mp, offload_policy=offload)
-    materialize(model, torch.device("cpu") if b.cpu_offload else device, cfg.seed, cfg.model)  # 4
+    fully_shard(model, mesh=dp, reshard_after_forward=False, mp_policy=mp, offload_policy=offload)
+    materialize(model, torch.device("cpu") if b.cpu_offload else device, cfg.seed, cfg.model)  # 5
     if not b.cpu_offload:
         model.to(device)
     return model
@@ -58,11 +76,11 @@ def gather_full_state_dict(model: torch.nn.Module, rank: int) -> dict | None:
 
 class FSDPBackend:
     launcher: ClassVar[str] = "elastic"
-    degree_keys: ClassVar[dict[str, str]] = {}
+    degree_keys: ClassVar[dict[str, str]] = {"ep": "backend.ep"}
 
     @staticmethod
     def degrees(b: DictConfig) -> dict[str, int | None]:
-        return {"dp_shard": None}  # every rank a shard of the one replica
+        return {"dp_shard": None, "ep": int(b.ep)}  # every rank a shard of the one replica; EP borrows from them
 
     def __init__(self, cfg: DictConfig, plan: Plan):
         self.cfg, self.plan, self.bcfg = cfg, plan, cfg.backend
@@ -90,6 +108,7 @@ class FSDPBackend:
            (measured on an H100: counting both overestimated a 1B model's peak by 18%).
         6. reduce_every_micro_batch=false: the unsharded fp32 gradients of the whole model stay between
            micro-batches (FSDP2 accumulates them in the reduce dtype), 4 x P more while accumulating.
+        7. Expert parallelism (``backend.ep``): ``backends.expert_parallel_states``.
         Communication per optimizer step: all-gather in forward and again in backward (the compute dtype)
         on every micro-batch, and an fp32 reduce-scatter on every micro-batch (or only the last):
         (2 x c + 4) x P x accumulation, or 2 x c x P x accumulation + 4 x P.
@@ -101,26 +120,36 @@ class FSDPBackend:
         shards = {"params": FP32 * P / N, "grads": FP32 * P / N, "optimizer": optim_bytes * P / N}
         device, host = ({"buffers": buffers}, shards) if b.cpu_offload else ({**shards, "buffers": buffers}, {})
         every_micro = b.reduce_every_micro_batch
-        return ModelStates("fp32" if c == FP32 else "half", device, host,
-                           comm_per_step=0.0 if every_micro else FP32 * P,
-                           comm_per_micro=(2 * c + FP32) * P if every_micro else 2 * c * P,
-                           grads_freed_each_step=True,  # 5
-                           accumulation_bytes=0.0 if every_micro else FP32 * P)  # 6
+        states = ModelStates("fp32" if c == FP32 else "half", device, host,
+                             comm_per_step=0.0 if every_micro else FP32 * P,
+                             comm_per_micro=(2 * c + FP32) * P if every_micro else 2 * c * P,
+                             grads_freed_each_step=True,  # 5
+                             accumulation_bytes=0.0 if every_micro else FP32 * P)  # 6
+        return expert_parallel_states(states, cfg, shape, N, c)  # 7
 
     def init(self) -> None:
         self.device = pick_device(self.plan, int(os.environ.get("LOCAL_RANK", 0)))
         init_process_group(self.cfg, self.device)
+        ep = self.plan.dims.ep
+        # Expert parallelism: the ranks as (edp, ep), ep innermost, so an EP group is consecutive ranks (one node).
+        self.mesh = init_device_mesh(self.device.type, (self.world_size // ep, ep), mesh_dim_names=("edp", "ep")) \
+            if ep > 1 else None
 
     def prepare(self, build, total_steps: int) -> None:
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-        self.model = parallelize_fsdp(build(allow_meta=True), self.cfg, self.device)
+        self.model = parallelize_fsdp(build(allow_meta=True), self.cfg, self.device, self.mesh)
         pr = self.cfg.precision
         # The sharded scaler all-reduces "found inf" so every rank skips the same fp16 steps.
         scaler = ShardedGradScaler(self.device.type, init_scale=2.0 ** pr.initial_scale_power,
                                    growth_interval=pr.loss_scale_window, enabled=pr.name == "fp16")
+        # With EP the gradients live on two meshes (experts: edp x ep; the rest: all ranks), which torch's norm
+        # does not combine: every element is on one rank, so the squares of the local shards add up instead.
+        experts = ExpertGradients(self.model, self.plan.dims.ep) if self.mesh is not None else None
         self.stepper = TorchStepper(self.model, self.cfg, self.device, self.plan.grad_accum_steps, total_steps,
-                                    scaler=scaler, autocast=False)  # the MixedPrecisionPolicy casts instead
+                                    scaler=scaler, autocast=False,  # the MixedPrecisionPolicy casts instead
+                                    before_unscale=experts.average if experts else None,
+                                    grad_norm=sharded_grad_norm if experts else None)
 
     def forward_backward(self, inputs, targets, is_last_micro: bool) -> torch.Tensor:
         # reduce_every_micro_batch=false: non-final micro-steps keep unsharded gradients and skip the reduce-scatter.

@@ -20,6 +20,8 @@ from torch.distributed.tensor import DTensor
 from shardyard import moe
 from shardyard.facts import Plan
 from shardyard.backends import ModelStates, process_group, smoke_degree
+from shardyard.backends.expert_parallel import ExpertGradients, shard_experts, sharded_grad_norm
+from shardyard.moe import expert_modules
 from shardyard.backends.forward import forward_to
 from shardyard.backends.fsdp import FSDPBackend
 from shardyard.backends.process_group import init_process_group, teardown
@@ -99,14 +101,17 @@ def parallelize_pipeline(model: Any, cfg: DictConfig, mesh: DeviceMesh, device: 
        model ("model.layers.17..."), so checkpoints and the export read the same at any stage count.
     3. FSDP2 over the stage's dp replicas: per block, then each stage's root (embedding or norm + head).
        ``torch.distributed.pipelining`` drives FSDP itself: it defers the reduce-scatter to the last
-       micro-batch of each schedule step.
+       micro-batch of each schedule step. With expert parallelism (``backend.ep``) the stage's dp ranks are
+       (edp, ep) as in ``parallelize_fsdp``: each keeps its experts of the stage's MoE layers, FSDP-sharded over
+       edp, and the rest of each block over all of the stage's dp.
     4. Only now does a meta-built model get storage, for this rank's shards of this rank's layers.
     """
     b = cfg.backend
     apply_activation_checkpointing(model, cfg.model)  # 1
     apply_compile(model, cfg.model)
     model.shardyard_signature = signature(model)  # the whole model's names and shapes, before the cut
-    pp, dp = mesh["pp"], mesh["dp"]
+    pp, expert_parallel = mesh["pp"], "ep" in (mesh.mesh_dim_names or ())
+    dp = mesh["edp", "ep"]._flatten("dp") if expert_parallel else mesh["dp"]
     chunks = b.stages * (b.virtual_stages if b.schedule == "interleaved" else 1)
     spans = layer_split(len(model.model.layers), chunks)
     mine = list(range(pp.get_local_rank(), chunks, b.stages))  # 2
@@ -124,6 +129,9 @@ def parallelize_pipeline(model: Any, cfg: DictConfig, mesh: DeviceMesh, device: 
         if pr.name != "fp32" else MixedPrecisionPolicy()
     for stage in stages:  # 3
         for layer in stage.layers.values():
+            if expert_parallel and shard_experts(layer, mesh["ep"]):
+                for experts in expert_modules(layer):
+                    fully_shard(experts, mesh=mesh["edp"], reshard_after_forward=b.reshard_after_forward, mp_policy=mp)
             fully_shard(layer, mesh=dp, reshard_after_forward=b.reshard_after_forward, mp_policy=mp)
         fully_shard(stage, mesh=dp, reshard_after_forward=False, mp_policy=mp)
     materialize(model, device, cfg.seed, cfg.model)  # 4
@@ -157,11 +165,12 @@ def check_pipeline_model(model: Any, cfg: DictConfig) -> None:
 class PipelineBackend:
     launcher: ClassVar[str] = "elastic"
     checkpoint_format: ClassVar[str] = "dcp"
-    degree_keys: ClassVar[dict[str, str]] = {"pp": "backend.stages"}
+    degree_keys: ClassVar[dict[str, str]] = {"pp": "backend.stages", "ep": "backend.ep"}
 
     @staticmethod
     def degrees(b: DictConfig) -> dict[str, int | None]:
-        return {"pp": int(b.stages), "dp_shard": None}  # each stage FSDP over the world / stages replicas
+        # each stage FSDP over the world / stages replicas; expert parallelism borrows from them
+        return {"pp": int(b.stages), "dp_shard": None, "ep": int(b.ep)}
 
     @staticmethod
     def for_smoke(cfg: DictConfig, world: int) -> None:
@@ -254,7 +263,9 @@ class PipelineBackend:
     def init(self) -> None:
         self.device = pick_device(self.plan, int(os.environ.get("LOCAL_RANK", 0)))
         init_process_group(self.cfg, self.device)
-        self.mesh = init_device_mesh(self.device.type, (self.pp, self.dp_size), mesh_dim_names=("pp", "dp"))
+        ep = self.plan.dims.ep
+        self.mesh = init_device_mesh(self.device.type, (self.pp, self.dp_size // ep, ep), mesh_dim_names=("pp", "edp", "ep")) \
+            if ep > 1 else init_device_mesh(self.device.type, (self.pp, self.dp_size), mesh_dim_names=("pp", "dp"))
         self.pp_group = self.mesh["pp"].get_group()
 
     def prepare(self, build, total_steps: int) -> None:
@@ -278,8 +289,11 @@ class PipelineBackend:
                                  loss_fn=self._scaled_loss, scale_grads=False)
         # norm_group: the norm over every stage's gradients. own_param_groups: a resumed later stage keeps its
         # optimizer's param groups, since DCP stores them from rank 0 (the first stage's parameters) only.
+        experts = ExpertGradients(self.model, self.plan.dims.ep) if self.plan.dims.ep > 1 else None
         self.stepper = TorchStepper(self.model, self.cfg, self.device, self.accum, total_steps, autocast=False,
-                                    norm_group=self.pp_group, own_param_groups=True)
+                                    norm_group=self.pp_group, own_param_groups=True,
+                                    before_unscale=experts.average if experts else None,
+                                    grad_norm=sharded_grad_norm if experts else None)
         self.model.forward = self._forward_whole  # for sampling through hf_model(): the whole model's logits
 
     def _scaled_loss(self, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -78,6 +78,22 @@ def teardown(backend, *attrs: str, destroy=None) -> None:
     if dist.is_initialized():
         dist.barrier()  # queued collectives are finished (and their work objects gone) before teardown
         (destroy or dist.destroy_process_group)()
+    _forget_meshes()
+
+
+def _forget_meshes() -> None:
+    """DTensor caches its redistribution plans by device mesh *equality* and keeps the mesh alive in them
+    (torch 2.13: ``_redistribute._planner_cache``, ``_gen_transform_infos``, the sharding propagator's Python and
+    C++ caches, ``MeshTopoInfo``). A later
+    run in this process (in-process sweeps, the test pools) whose mesh has the same layout got the destroyed
+    run's mesh back, and its collectives named process groups that no longer exist ("Could not resolve the
+    process group registered under the name 4": FSDP with experts on an (edp, ep) mesh, then a pipeline)."""
+    from torch.distributed.tensor import _collective_utils, _redistribute, debug
+
+    _redistribute.clear_redistribute_planner_cache()
+    getattr(_redistribute._gen_transform_infos, "cache_clear", lambda: None)()
+    debug._clear_sharding_prop_cache()  # the Python propagator's and the C++ fast path's
+    _collective_utils.MeshTopoInfo.build_from_mesh.cache_clear()
 
 
 def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ import torch
 from omegaconf import DictConfig
 
 from shardyard.backends import FP32, ModelStates, StepStats
+from shardyard.backends.expert_parallel import clip_by_mesh
 from shardyard import moe
 from shardyard.memory import local
 from shardyard.model import causal_lm_loss
@@ -27,13 +28,15 @@ class TorchStepper:
                  wrap_optimizer: Callable[[torch.optim.Optimizer], torch.optim.Optimizer] | None = None,
                  before_unscale: Callable[[], None] | None = None,
                  step_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                 norm_group: Any = None, own_param_groups: bool = False):
+                 norm_group: Any = None, own_param_groups: bool = False,
+                 grad_norm: Callable[[list[torch.nn.Parameter]], torch.Tensor] | None = None):
         """``before_unscale`` / ``step_context``: an engine that reduces gradients inside its optimizer
         (Horovod) finishes the reduction before unscale and clip, and keeps the step from waiting again.
         ``norm_group``: the process group over which the rest of the model lives (a pipeline's stages): the
         global gradient norm sums the squared norms of every part. ``own_param_groups``: see
-        ``load_checkpoint``."""
-        self.norm_group, self.own_param_groups = norm_group, own_param_groups
+        ``load_checkpoint``. ``grad_norm``: the global gradient norm of the parameters, where torch's does not
+        apply (gradients on several device meshes: expert parallelism)."""
+        self.norm_group, self.own_param_groups, self.grad_norm = norm_group, own_param_groups, grad_norm
         pr = cfg.precision
         self.model, self.accum, self.device_type = model, accum, device.type
         self.max_norm = cfg.train.max_grad_norm
@@ -68,10 +71,10 @@ class TorchStepper:
         self.scaler.unscale_(self.optimizer)
         grads = [p.grad for p in self.params if p.grad is not None]
         # Works for plain and DTensor (FSDP2) gradients alike: the global pre-clip norm.
-        grad_norm = torch.nn.utils.get_total_norm(grads)
+        grad_norm = self.grad_norm(self.params) if self.grad_norm else torch.nn.utils.get_total_norm(grads)
         if isinstance(grad_norm, torch.distributed.tensor.DTensor):
             grad_norm = grad_norm.full_tensor()
-        if self.norm_group is not None:
+        if self.norm_group is not None and self.grad_norm is None:  # a grad_norm function's norm is global already
             squared = grad_norm.float() ** 2
             torch.distributed.all_reduce(squared, group=self.norm_group)
             grad_norm = squared.sqrt()
@@ -87,7 +90,8 @@ class TorchStepper:
             self.optimizer.zero_grad()
             return StepStats(grad_norm.detach(), lr, scale, applied=False, nonfinite_param=bad)
         if self.max_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(self.params, self.max_norm, grad_norm)
+            clip = clip_by_mesh if self.grad_norm else torch.nn.utils.clip_grads_with_norm_
+            clip(self.params, self.max_norm, grad_norm)
         with self.step_context():
             self.scaler.step(self.optimizer)  # skipped by the scaler when fp16 gradients overflowed
         self.scaler.update()

@@ -130,6 +130,14 @@ class BackendConfig:
     """Engine name, shown in logs and stored in checkpoints."""
     device: Device = Device.auto
     """``auto`` (cuda if available, else cpu), ``cpu`` or ``cuda``."""
+    ep: int = 1
+    """Expert-parallel degree: a mixture-of-experts layer's routed experts split over this many ranks
+    (``n_routed_experts / ep`` each), tokens sent to them by all-to-all. It borrows its ranks from the
+    data-parallel shards (it must divide them and the experts). Engines that shard experts: ``fsdp``,
+    ``fsdp_offload`` and ``pipeline`` (per stage); the others refuse ``ep > 1``."""
+
+
+BACKEND_RANGES = {"ep": Range(1, becomes="the expert-parallel degree (ranks per expert group)")}
 
 
 @dataclass
@@ -631,7 +639,8 @@ PRECISION_RANGES = {
 }
 
 RANGES: dict[type, dict[str, Range]] = {DDPBackendConfig: DDP_RANGES, ZeroBackendConfig: ZERO_RANGES,
-                                        PrecisionConfig: PRECISION_RANGES, BalanceConfig: BALANCE_RANGES}
+                                        PrecisionConfig: PRECISION_RANGES, BalanceConfig: BALANCE_RANGES,
+                                        BackendConfig: BACKEND_RANGES}
 """Every numeric key an engine constrains, by the schema that holds it (options inheriting it are checked too)."""
 
 
