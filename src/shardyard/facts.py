@@ -84,8 +84,8 @@ class ParallelDims:
     """Context parallel: ranks that split one sequence and read the same batch (no engine sets it yet)."""
     ep: int = 1
     """Expert parallel: ranks that split a mixture-of-experts layer's experts. As in torchtitan it borrows ranks
-    from ``dp_shard x cp`` rather than multiplying the world, so it is not a factor of ``world_size`` (no engine
-    sets it yet)."""
+    from ``dp_shard x cp`` rather than multiplying the world, so it is not a factor of ``world_size`` (``fsdp``,
+    ``fsdp_offload`` and ``pipeline`` set it from ``backend.ep``)."""
 
     @property
     def dp(self) -> int:

@@ -191,6 +191,7 @@ class Estimate:
     """One rank's plan for one engine on one piece of hardware (bytes, seconds)."""
 
     engine: str
+    """The engine's name, with its expert-parallel degree when it has one (``fsdp ep=8``)."""
     world: int
     micro_batch: int
     grad_accum: int
@@ -302,7 +303,8 @@ def estimate(cfg: DictConfig, batch: Plan, hw: Hardware) -> Estimate:
     comm_bytes = states.comm_bytes(accum) * (dp - 1) / dp  # the engine's collectives run over its replicas
     comm_bytes += states.all_to_all_per_micro * accum  # point to point: what leaves the rank, counted already
     bw = hw.intra_bw if hw.nodes == 1 else hw.inter_bw
-    e = Estimate(cfg.backend.name, N, mbs, accum, ckpt, device, host, states.nvme, comm_bytes, compute,
+    ep = int(cfg.backend.get("ep", 1))
+    e = Estimate(cfg.backend.name + (f" ep={ep}" if ep > 1 else ""), N, mbs, accum, ckpt, device, host, states.nvme, comm_bytes, compute,
                  comm_bytes / bw if N > 1 else 0.0, list(states.notes), overlap)
     _check_fit(e, hw, cfg.plan.headroom)
     return e
@@ -354,22 +356,36 @@ def _check_fit(e: Estimate, hw: Hardware, headroom: float) -> None:
 
 
 def nodes_needed(cfg: DictConfig, batch: Plan, hw: Hardware, limit: int = 4096) -> int | None:
-    """The fewest nodes of this hardware on which the recipe fits (None: not even ``limit``)."""
-    lo = hw.nodes
-    if estimate(cfg, batch, hw).fits:
-        return lo
-    n = lo
-    while n < limit:  # double, then bisect: the per-rank figure only falls as the world grows
+    """The fewest nodes of this hardware on which the recipe fits (None: not even ``limit``), among the node
+    counts its layout allows (stages x tensor parallel dividing the world, ``ep`` dividing the data-parallel
+    shards, the global batch whole micro-batches on every replica): a count the run would refuse is never
+    proposed."""
+    from shardyard.backends import parallel_dims
+
+    def allowed(n: int) -> bool:
+        dims = parallel_dims(cfg, n * hw.ranks_per_node)
+        gbs, mbs = cfg.train.global_batch_size, cfg.train.micro_batch_size
+        batch_ok = gbs is None or gbs % (mbs * dims.dp) == 0  # whole accumulation steps, as validation wants
+        return dims.product == dims.world_size and dims.dp_shard % dims.ep == 0 and batch_ok
+
+    def fits(n: int) -> bool:
+        return allowed(n) and estimate(cfg, batch, dataclasses.replace(hw, nodes=n)).fits
+
+    if fits(hw.nodes):
+        return hw.nodes
+    n = hw.nodes
+    while n < limit:  # double, then bisect over the allowed counts: the per-rank figure only falls as they grow
         n *= 2
-        if estimate(cfg, batch, dataclasses.replace(hw, nodes=n)).fits:
+        if fits(n):
             break
     else:
         return None
-    a, b = n // 2, n
+    counts = [m for m in range(n // 2 + 1, n + 1) if allowed(m)]
+    a, b = -1, len(counts) - 1  # counts[b] fits; counts[a] (a >= 0) does not
     while b - a > 1:
         mid = (a + b) // 2
-        a, b = (a, mid) if estimate(cfg, batch, dataclasses.replace(hw, nodes=mid)).fits else (mid, b)
-    return b
+        a, b = (a, mid) if fits(counts[mid]) else (mid, b)
+    return counts[b]
 
 
 # ------------------------------------------------------------------------------------------- printing
@@ -379,7 +395,7 @@ CATEGORIES = ("params", "grads", "optimizer", "master", "buffers", "activations"
 def table(rows: Iterable[tuple[Estimate, int | None]], hw: Hardware) -> str:
     """One line per engine: per-rank memory by category, fits, bytes sent and step time."""
     where = "host RAM" if hw.device == "cpu" else "GPU"
-    head = (f"{'engine':15} {'params':>7} {'grads':>7} {'optim':>7} {'master':>7} {'buffers':>7} {'activ':>7} "
+    head = (f"{'engine':18} {'params':>7} {'grads':>7} {'optim':>7} {'master':>7} {'buffers':>7} {'activ':>7} "
             f"{'runtime':>7} | {'peak/' + where:>12} {'host':>7} {'nvme':>7} | {'fits':13} | {'sent/step':>9} "
             f"{'comm s':>7} {'compute s':>9}")
     lines = [f"plan for {hw.name}, {hw.nodes} node(s), {hw.world} rank(s); GiB per rank", head, "-" * len(head)]
@@ -387,7 +403,7 @@ def table(rows: Iterable[tuple[Estimate, int | None]], hw: Hardware) -> str:
         cells = " ".join(f"{e.device.get(k, 0.0) / GiB:7.2f}" for k in CATEGORIES)
         fits = "yes" if e.fits else (f"no: {nodes} nodes" if nodes else "no: nvme_path" if "NVMe" in e.shortfall else "no")
         comp = f"{e.compute_s:9.3f}" if e.compute_s is not None else f"{'-':>9}"
-        lines.append(f"{e.engine:15} {cells} | {e.device_peak / GiB:12.2f} {e.host_peak / GiB:7.1f} "
+        lines.append(f"{e.engine:18} {cells} | {e.device_peak / GiB:12.2f} {e.host_peak / GiB:7.1f} "
                      f"{e.nvme / GiB:7.1f} | {fits:13} | {e.comm_bytes / GiB:7.2f}Gi {e.comm_s:7.3f} {comp}")
     return "\n".join(lines)
 
@@ -426,7 +442,7 @@ def before_launch(cfg: DictConfig, batch: Plan, rank0: bool = True) -> tuple[Est
 def plan_report(cfg: DictConfig, batch: Plan, hw: Hardware) -> str:
     """``plan.only``: every engine for this recipe on ``hw``, the rules of thumb, and how to read it."""
     rows = []
-    for name, variant in engine_variants(cfg, hw.world):
+    for name, variant in engine_variants(cfg, hw, batch.facts.routed_experts):
         e = estimate(variant, batch, hw)
         rows.append((e, None if e.fits else nodes_needed(variant, batch, hw)))
     P = batch.facts.params
@@ -448,25 +464,62 @@ def plan_report(cfg: DictConfig, batch: Plan, hw: Hardware) -> str:
     return table(rows, hw) + "\n" + "\n".join(notes)
 
 
-def engine_variants(cfg: DictConfig, world: int) -> list[tuple[str, DictConfig]]:
-    """The recipe under every ``backend`` option whose engine takes ``world`` ranks (its class's ``max_ranks``;
-    ``single``: one), composed with the run's own overrides; the run's engine first."""
+def engine_variants(cfg: DictConfig, hw: Hardware, experts: int = 0) -> list[tuple[str, DictConfig]]:
+    """The recipe under every ``backend`` option whose engine takes ``hw.world`` ranks (its class's ``max_ranks``;
+    ``single``: one), composed with the run's own overrides; the run's engine first. For a mixture-of-experts
+    model (``experts`` routed experts) the engines that shard experts come again with expert-parallel layouts
+    (``_ep_options``), labelled ``fsdp ep=8``."""
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.hydra_config import HydraConfig
+    from hydra.errors import ConfigCompositionException
     # With the primary config's name its hydra.searchpath counts: a project's options and shardyard's packaged ones.
     options = GlobalHydra.instance().config_loader().get_group_options("backend", config_name=HydraConfig.get().job.config_name)
+    from omegaconf import open_dict
+
     from shardyard.backends import engine, parallel_dims
 
-    out = [(cfg.backend.name, cfg)]
-    for name in options:
-        if name == cfg.backend.name:
+    own = f"{cfg.backend.name} ep={cfg.backend.ep}" if cfg.backend.get("ep", 1) > 1 else cfg.backend.name
+    out = [(own, cfg)]
+    for name in [cfg.backend.name] + [o for o in options if o != cfg.backend.name]:
+        try:
+            variant = cfg if name == cfg.backend.name else compose_variant([f"backend={name}"], drop=("backend",))
+        except ConfigCompositionException:  # a recipe that sets its engine's own keys (backend.stages) in its body
             continue
-        variant = compose_variant([f"backend={name}"], drop=("backend",))
         most = getattr(engine(variant.backend), "max_ranks", None)
-        if most is not None and world > most:
+        if most is not None and hw.world > most:
             continue
-        if parallel_dims(variant, world).product == world:  # tensor/pipeline parallel need a multiple of their degree
+        dims = parallel_dims(variant, hw.world)
+        if dims.product != hw.world:  # tensor/pipeline parallel need a multiple of their degree
+            continue
+        if name != cfg.backend.name:
             out.append((name, variant))
+        if "ep" in getattr(engine(variant.backend), "degree_keys", {}):
+            for ep in _ep_options(experts, dims.dp_shard, hw.ranks_per_node):
+                if ep == variant.backend.ep:
+                    continue
+                v = variant.copy()
+                with open_dict(v):
+                    v.backend.ep = ep
+                out.append((f"{name} ep={ep}", v))
+    return out
+
+
+def _ep_options(experts: int, dp_shard: int, ranks_per_node: int) -> list[int]:
+    """The expert-parallel degrees the plan compares: the largest that keeps the all-to-all inside a node (its
+    fast links), and the largest overall up to 64 (the least expert memory per rank; DeepSeek-V3 trained at
+    64), each dividing both the experts and the data-parallel shards."""
+    divides = [d for d in range(2, min(experts, dp_shard, 64) + 1) if experts % d == 0 and dp_shard % d == 0]
+    if not divides:
+        return []
+    in_node = [d for d in divides if d <= ranks_per_node]
+    return sorted({*in_node[-1:], divides[-1]})
+
+
+def _changes_of_engine(cfg: DictConfig, variant: DictConfig) -> list[str]:
+    """The overrides that turn ``cfg``'s engine into ``variant``'s."""
+    out = [f"backend={variant.backend.name}"] if variant.backend.name != cfg.backend.name else []
+    if variant.backend.get("ep", 1) != cfg.backend.get("ep", 1):
+        out.append(f"backend.ep={variant.backend.ep}")
     return out
 
 
@@ -498,7 +551,7 @@ def alternatives(cfg: DictConfig, batch: Plan, hw: Hardware, limit: int = 6) -> 
 
     found = []
     gbs = batch.global_batch_size
-    for name, variant in engine_variants(cfg, hw.world):
+    for name, variant in engine_variants(cfg, hw, batch.facts.routed_experts):
         if _swaps_to_nvme(variant.backend) and not variant.backend.get("nvme_path"):
             continue  # ZeRO-Infinity needs the user's NVMe directory
         for ckpt in sorted({bool(cfg.model.activation_checkpointing), True}):
@@ -511,9 +564,7 @@ def alternatives(cfg: DictConfig, batch: Plan, hw: Hardware, limit: int = 6) -> 
                     v.train.global_batch_size = gbs
                     v.train.grad_accum_steps = None
                 b = dataclasses.replace(batch, micro_batch_size=mbs)
-                changes = []
-                if name != cfg.backend.name:
-                    changes.append(f"backend={name}")
+                changes = _changes_of_engine(cfg, variant)
                 if ckpt != bool(cfg.model.activation_checkpointing):
                     changes.append("model.activation_checkpointing=true")
                 if mbs != batch.micro_batch_size:

@@ -88,12 +88,15 @@ def read(path: Path) -> Recipe:
 
 
 def _defaults(path: Path) -> dict[str, str]:
-    """``group: option`` of a config's defaults list (``override /backend: zero3`` -> backend: zero3)."""
+    """``group: option`` of a config's defaults list (``override /backend: zero3`` -> backend: zero3); a recipe
+    that starts from another (``- deepseek_moe_16b_fsdp``, a file beside it) has that one's choices first."""
     import yaml
 
-    out = {}
+    out: dict[str, str] = {}
     for entry in (yaml.safe_load(path.read_text()) or {}).get("defaults", []):
-        if isinstance(entry, dict):
+        if isinstance(entry, str) and (path.parent / f"{entry}.yaml").is_file():
+            out.update(_defaults(path.parent / f"{entry}.yaml"))
+        elif isinstance(entry, dict):
             for key, value in entry.items():
                 group = key.replace("override", "").strip().lstrip("/")
                 if isinstance(value, str):

@@ -1,5 +1,6 @@
 """The plan's model-state figures against what each engine really holds (``shardyard.memory.held_by``:
-every tensor of parameters, gradients and optimizer state a rank holds, each storage once)."""
+every tensor of parameters, gradients and optimizer state a rank holds, each storage once). Expert parallelism
+at world 4 too: the MoE model's experts on (edp 2 x ep 2) leave each rank P / N, as the plan says."""
 
 import pytest
 
@@ -14,7 +15,7 @@ MODEL = ["model.hidden_size=128", "model.intermediate_size=344", "model.num_laye
 
 
 def planned(overrides, world):
-    cfg = compose(overrides)
+    cfg = compose([*overrides, f"launch.nproc_per_node={world}"])  # the layout validated at its world
     batch = validate(cfg, None)
     hw = memory_plan.named(f"{world}xH100-80GB", 1)
     return memory_plan.estimate(cfg, batch, hw).model_states
@@ -24,10 +25,14 @@ def jobs(precisions):
     return [[*MODEL, f"backend={e}", f"precision={p}"] for p in precisions for e in ENGINES]
 
 
+EP = [*MODEL, "model=deepseek_moe_tiny", "backend=fsdp",
+      "precision=bf16", "backend.ep=2"]
+
+
 @pytest.fixture(scope="module")
 def measured():
     # N=2 in both precisions; N=4 in bf16 (sharding is the same arithmetic in either precision).
-    return {2: run_measurements(2, jobs(["bf16", "fp32"])), 4: run_measurements(4, jobs(["bf16"]))}
+    return {2: run_measurements(2, jobs(["bf16", "fp32"])), 4: run_measurements(4, jobs(["bf16"]) + [EP])}
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -36,6 +41,6 @@ def test_plan_equals_what_engines_hold(measured, world):
     for got in measured[world]:
         plan = planned(got["overrides"], world)
         for k in ("params", "grads", "optimizer"):
-            rows.append((got["overrides"][-2:], k, plan[k], got[k]))
+            rows.append((got["overrides"][-3:], k, plan[k], got[k]))
     bad = [r for r in rows if abs(r[2] - r[3]) > 0.10 * r[3]]
     assert not bad, "plan vs measured bytes (engine, category, plan, measured):\n" + "\n".join(map(str, bad))

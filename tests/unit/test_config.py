@@ -39,7 +39,7 @@ def test_every_option_composes_and_validates(group, option, tmp_path):
             assert "libaio" in e.paragraph(), e.paragraph()
         elif e.key == "model.weights":  # a fine-tuning recipe's pretrained 7B checkpoint is not on this box
             assert not Path(cfg.model.weights).exists(), e.paragraph()
-        elif e.key in ("backend.stages", "backend.tp"):  # a multi-node recipe's split needs its nodes' ranks
+        elif e.key in ("backend.stages", "backend.tp", "backend.ep"):  # a multi-node recipe's split needs its nodes' ranks
             from shardyard import recipes
 
             nodes = {r.name: r.nodes for r in recipes.catalogue()}

@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from shardyard.facts import Plan
-from shardyard.backends import FP32, HALF, ModelStates, expert_parallel_states, process_group
+from shardyard.backends import FP32, HALF, ModelStates, expert_parallel_states, process_group, smoke_degree
 from shardyard.backends.expert_parallel import ExpertGradients, shard_experts, sharded_grad_norm
 from shardyard.moe import expert_modules
 from shardyard.backends.forward import forward_to
@@ -81,6 +81,12 @@ class FSDPBackend:
     @staticmethod
     def degrees(b: DictConfig) -> dict[str, int | None]:
         return {"dp_shard": None, "ep": int(b.ep)}  # every rank a shard of the one replica; EP borrows from them
+
+    @staticmethod
+    def for_smoke(cfg: DictConfig, world: int) -> None:
+        """``+scale=smoke``: expert parallel over as much of the smoke world as it fits (the smoke MoE's 4
+        experts divide any smoke world)."""
+        cfg.backend.ep = smoke_degree(cfg.backend.ep, world)
 
     def __init__(self, cfg: DictConfig, plan: Plan):
         self.cfg, self.plan, self.bcfg = cfg, plan, cfg.backend

@@ -183,6 +183,7 @@ class PipelineBackend:
             cfg.model.num_layers = max(int(cfg.model.num_layers), chunks)
         b.microbatches = b.stages
         cfg.train.micro_batch_size = max(cfg.train.micro_batch_size, b.stages)
+        b.ep = smoke_degree(b.ep, world // b.stages)  # over a stage's data-parallel ranks
 
     def __init__(self, cfg: DictConfig, plan: Plan):
         self.cfg, self.plan, self.bcfg = cfg, plan, cfg.backend
@@ -252,7 +253,9 @@ class PipelineBackend:
         layers = max(int(shape["blocks"]), 1)
         held = min(math.ceil(layers / (pp * virtual)) * virtual, layers)  # the first chunks take the remainder
         blocks = min(held * shape["max_block_params"], shape["block_params"])  # its largest blocks, at most all
-        sliced = {**shape, "block_params": blocks, "root_params": shape["root_params"] / 2}
+        moe = math.ceil(shape.get("moe_layers", 0) * held / layers)  # the MoE layers among them, at most
+        sliced = {**shape, "block_params": blocks, "root_params": shape["root_params"] / 2, "moe_layers": moe,
+                  "expert_params": min(moe * shape.get("max_block_expert_params", 0), shape.get("expert_params", 0))}
         states = FSDPBackend.model_states(cfg, int(blocks + shape["root_params"] / 2), max(world // pp, 1), sliced,
                                           optim_bytes)
         in_flight = m if b.schedule == "gpipe" else min(pp, m)
