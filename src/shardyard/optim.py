@@ -28,7 +28,8 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     for p in model.parameters():
         if p.requires_grad:
             mesh = getattr(p, "device_mesh", None)
-            groups.setdefault((p.ndim >= 2, id(mesh) if mesh is not None else None), []).append(p)
+            # by mesh equality, not identity: FSDP2 gives every parameter its own (equal) mesh object
+            groups.setdefault((p.ndim >= 2, mesh), []).append(p)
     meshes = list(dict.fromkeys(m for _, m in groups)) or [None]
     return [{"params": groups.get((decays, m), []), "weight_decay": weight_decay if decays else 0.0}
             for m in meshes for decays in (True, False) if (decays, m) in groups or len(meshes) == 1]

@@ -358,15 +358,13 @@ def _check_fit(e: Estimate, hw: Hardware, headroom: float) -> None:
 def nodes_needed(cfg: DictConfig, batch: Plan, hw: Hardware, limit: int = 4096) -> int | None:
     """The fewest nodes of this hardware on which the recipe fits (None: not even ``limit``), among the node
     counts its layout allows (stages x tensor parallel dividing the world, ``ep`` dividing the data-parallel
-    shards, the global batch whole micro-batches on every replica): a count the run would refuse is never
-    proposed."""
+    shards). The global batch is not a constraint here: the alternatives keep the run's, which a much larger
+    world may not divide, and the refusal names the nodes for the user to size the batch to."""
     from shardyard.backends import parallel_dims
 
     def allowed(n: int) -> bool:
         dims = parallel_dims(cfg, n * hw.ranks_per_node)
-        gbs, mbs = cfg.train.global_batch_size, cfg.train.micro_batch_size
-        batch_ok = gbs is None or gbs % (mbs * dims.dp) == 0  # whole accumulation steps, as validation wants
-        return dims.product == dims.world_size and dims.dp_shard % dims.ep == 0 and batch_ok
+        return dims.product == dims.world_size and dims.dp_shard % dims.ep == 0
 
     def fits(n: int) -> bool:
         return allowed(n) and estimate(cfg, batch, dataclasses.replace(hw, nodes=n)).fits
