@@ -87,7 +87,7 @@ def read(path: Path) -> Recipe:
                   header["for"], chosen["backend"], chosen["model"])
 
 
-def _defaults(path: Path) -> dict[str, str]:
+def _defaults(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, str]:
     """``group: option`` of a config's defaults list (``override /backend: zero3`` -> backend: zero3); a recipe
     that starts from another (``- deepseek_moe_16b_fsdp``, a file beside it) has that one's choices first."""
     import yaml
@@ -95,7 +95,10 @@ def _defaults(path: Path) -> dict[str, str]:
     out: dict[str, str] = {}
     for entry in (yaml.safe_load(path.read_text()) or {}).get("defaults", []):
         if isinstance(entry, str) and (path.parent / f"{entry}.yaml").is_file():
-            out.update(_defaults(path.parent / f"{entry}.yaml"))
+            base = path.parent / f"{entry}.yaml"
+            if base in seen or base == path:
+                raise ValueError(f"{path}: its defaults start from {entry}, which starts from it again")
+            out.update(_defaults(base, (*seen, path)))
         elif isinstance(entry, dict):
             for key, value in entry.items():
                 group = key.replace("override", "").strip().lstrip("/")

@@ -140,6 +140,15 @@ class ExpertGradients:
             torch._foreach_mul_(grads, 1.0 / self.ep)  # one mesh: the experts'
 
 
+def stepper_options(model: torch.nn.Module, ep: int) -> dict[str, Any]:
+    """``TorchStepper``'s options under expert parallelism (none at ep 1): the experts' gradients divided by ep
+    before unscaling (``ExpertGradients``), and the global norm of gradients on two meshes (experts: edp x ep;
+    the rest: all ranks), which torch's norm does not combine (``sharded_grad_norm``)."""
+    if ep <= 1:
+        return {}
+    return {"before_unscale": ExpertGradients(model, ep).average, "grad_norm": sharded_grad_norm}
+
+
 def sharded_grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
     """The global L2 norm of gradients that are all sharded (FSDP2 over dp_shard, experts over edp x ep): every
     element lives on exactly one rank, so the squares of the local shards add up over the world."""

@@ -13,7 +13,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 from shardyard.facts import Plan
 from shardyard.backends import FP32, HALF, ModelStates, expert_parallel_states, process_group, smoke_degree
-from shardyard.backends.expert_parallel import ExpertGradients, shard_experts, sharded_grad_norm
+from shardyard.backends.expert_parallel import shard_experts, stepper_options
 from shardyard.moe import expert_modules
 from shardyard.backends.forward import forward_to
 from shardyard.backends.process_group import init_process_group, teardown
@@ -149,13 +149,9 @@ class FSDPBackend:
         # The sharded scaler all-reduces "found inf" so every rank skips the same fp16 steps.
         scaler = ShardedGradScaler(self.device.type, init_scale=2.0 ** pr.initial_scale_power,
                                    growth_interval=pr.loss_scale_window, enabled=pr.name == "fp16")
-        # With EP the gradients live on two meshes (experts: edp x ep; the rest: all ranks), which torch's norm
-        # does not combine: every element is on one rank, so the squares of the local shards add up instead.
-        experts = ExpertGradients(self.model, self.plan.dims.ep) if self.mesh is not None else None
         self.stepper = TorchStepper(self.model, self.cfg, self.device, self.plan.grad_accum_steps, total_steps,
                                     scaler=scaler, autocast=False,  # the MixedPrecisionPolicy casts instead
-                                    before_unscale=experts.average if experts else None,
-                                    grad_norm=sharded_grad_norm if experts else None)
+                                    **stepper_options(self.model, self.plan.dims.ep))
 
     def forward_backward(self, inputs, targets, is_last_micro: bool) -> torch.Tensor:
         # reduce_every_micro_batch=false: non-final micro-steps keep unsharded gradients and skip the reduce-scatter.

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from shardyard import moe
 from shardyard.facts import Plan
 from shardyard.backends import ModelStates, process_group, smoke_degree
-from shardyard.backends.expert_parallel import ExpertGradients, shard_experts, sharded_grad_norm
+from shardyard.backends.expert_parallel import shard_experts, stepper_options
 from shardyard.moe import expert_modules
 from shardyard.backends.forward import forward_to
 from shardyard.backends.fsdp import FSDPBackend
@@ -292,11 +292,9 @@ class PipelineBackend:
                                  loss_fn=self._scaled_loss, scale_grads=False)
         # norm_group: the norm over every stage's gradients. own_param_groups: a resumed later stage keeps its
         # optimizer's param groups, since DCP stores them from rank 0 (the first stage's parameters) only.
-        experts = ExpertGradients(self.model, self.plan.dims.ep) if self.plan.dims.ep > 1 else None
         self.stepper = TorchStepper(self.model, self.cfg, self.device, self.accum, total_steps, autocast=False,
                                     norm_group=self.pp_group, own_param_groups=True,
-                                    before_unscale=experts.average if experts else None,
-                                    grad_norm=sharded_grad_norm if experts else None)
+                                    **stepper_options(self.model, self.plan.dims.ep))
         self.model.forward = self._forward_whole  # for sampling through hf_model(): the whole model's logits
 
     def _scaled_loss(self, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
