@@ -35,7 +35,7 @@ def plain_ddp_loop(cfg, steps: int) -> list[float]:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     prep = data.prepare(cfg)
-    seqs = data.PackedSequences(os.path.join(prep.token_dir, "train.npy"), cfg.data.seq_len)
+    seqs = data.open_split(prep, "train", cfg.data.seq_len)
     mb = cfg.train.micro_batch_size
     model = DDP(build_model(cfg.model, cfg.seed), gradient_as_bucket_view=True)
     opt = torch.optim.AdamW(param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas))

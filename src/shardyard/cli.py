@@ -1,4 +1,4 @@
-"""The ``shardyard`` command (also ``python -m shardyard``): ``train``, ``plan``, ``sbatch``, ``recipes [show NAME]``,
+"""The ``shardyard`` command (also ``python -m shardyard``): ``train``, ``plan``, ``data``, ``sbatch``, ``recipes [show NAME]``,
 ``new DIR --recipe NAME``, ``lock``, ``report RUN_DIR``.
 
 ``python train.py ...`` (a checkout, or a project made by ``shardyard new``) and ``shardyard train ...`` are
@@ -21,6 +21,12 @@ def main(argv: list[str] | None = None) -> None:
 
         extra = ["plan.only=true"] if argv[0] == "plan" else []
         app.train([*extra, *argv[1:]], prog=f"shardyard {argv[0]}")
+    if argv[:1] == ["data"] and not {"-h", "--help"} & set(argv):  # train.py's overrides
+        try:
+            _data(argv[1:])
+        except UserError as err:
+            report_and_exit(err)
+        sys.exit(0)
     if argv[:1] == ["sbatch"] and not {"-h", "--help"} & set(argv):  # KEY=VALUE arguments, as train.py's
         try:
             from shardyard import sbatch
@@ -37,6 +43,9 @@ def main(argv: list[str] | None = None) -> None:
                    "recipe=deepseek_tiny_ddp2), with shardyard's packaged configs, from any directory")
     sub.add_parser("plan", help="the memory and launch plan of every engine for a recipe: the same "
                    "overrides as python train.py (e.g. model=deepseek7b plan.hardware=8xH100-80GB)")
+    sub.add_parser("data", help="build (or find and verify) the tokenizer and token caches of a run's data, and say "
+                   "what they hold: the same overrides as python train.py (e.g. shardyard data data=text_files "
+                   "'data.paths=[/corpus/*.jsonl.zst]' data.num_proc=32), on a CPU node before the GPU job")
     sb = sub.add_parser("sbatch", help="a Slurm batch script for a recipe: shardyard sbatch recipe=NAME nodes=N "
                         "gpus_per_node=G [KEY=VALUE ...] [train.py overrides] [--submit]; requeued, it resumes "
                         "(checkpoint.resume=auto)", description=_sbatch_keys(),
@@ -70,6 +79,27 @@ def main(argv: list[str] | None = None) -> None:
     except UserError as err:
         report_and_exit(err)
     sys.exit(0)
+
+
+def _data(overrides: list[str]) -> None:
+    import json
+    from pathlib import Path
+
+    from shardyard import config, data
+    from shardyard.validate import validate_data
+
+    cfg = config.compose(overrides, run_dir="unused")
+    validate_data(cfg)  # the data options' own checks, as a training run makes them
+    prepared = data.prepare(cfg)
+    print(f"shardyard | tokenizer {prepared.tokenizer_dir} ({prepared.vocab_size:,} tokens)")
+    for part in prepared.parts:
+        meta = json.loads(Path(part.token_dir, "meta.json").read_text())
+        counts = meta.get("tokens") or meta.get("rows")
+        what = "tokens" if "tokens" in meta else "rows"
+        shards = {s: len(v) for s, v in meta.get("shards", {}).items()}
+        print(f"shardyard | {part.name}: {part.token_dir}: train {counts['train']:,} / val {counts['val']:,} {what}"
+              + (f", {meta['documents']['train']:,} / {meta['documents']['val']:,} documents, {shards['train']} / "
+                 f"{shards['val']} shards" if shards else ""))
 
 
 def _sbatch_keys() -> str:

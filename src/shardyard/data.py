@@ -1,11 +1,17 @@
-"""Corpora -> cached tokenizer + token arrays -> packed, sharded, resumable batches.
+"""Corpora -> cached tokenizer + token shards -> packed, mixed, sharded, resumable batches.
 
-Documents come in a fixed order; each is assigned to train or val by a stable hash of its name, then
-tokenized and concatenated with an end-of-text token after each. Training sequences are the
-non-overlapping ``seq_len + 1`` windows of the train stream; every epoch visits them in a seeded
-permutation. Optimizer step ``s`` consumes permutation slots ``[s*G, (s+1)*G)`` (G = global batch), and
-rank ``r`` reads its contiguous share of them, split into micro-batches. So the data position is a pure
-function of the step count and the global batch: resuming is exact.
+Sources: ``data._target_`` builds one document source (the standard library's code, local files of any format
+``shardyard.corpus`` reads, your own), or ``data=mixture`` lists several with weights. Each document goes to
+train or val by a stable hash of its name, is tokenized (``shardyard.shards``: worker processes, bounded memory,
+resumable) and followed by an end-of-text token. Every source has its own cache, keyed by its fingerprint and
+the tokenizer, so adding a source to a mixture tokenizes only that one.
+
+Training sequences are the non-overlapping ``seq_len + 1`` windows of a source's train stream. Sample ``k`` of
+a run (``k = step x global batch + ...``) is a pure function of the seed and ``k``: a seeded block schedule picks
+its source (the weights' shares, exact within each block of ``BLOCK`` samples), and a seeded permutation of that
+source's windows (a new one each pass over them) picks its window, computed per index with no table. Rank ``r``
+reads its contiguous share of a step's samples, split into micro-batches. So the data position is the step
+count: a resume at any world size consumes exactly the samples an uninterrupted run would.
 """
 
 from __future__ import annotations
@@ -22,11 +28,13 @@ import sysconfig
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Protocol
+from typing import Any, Iterable, Iterator, NamedTuple, Protocol
 
 import numpy as np
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
+from shardyard import shards
+from shardyard.corpus import JSON_TYPES, KNOWN, Piece, Records, file_format, read_records  # noqa: F401 (sft's)
 from shardyard.errors import UserError
 
 EOT = "<|endoftext|>"
@@ -34,7 +42,9 @@ EOT = "<|endoftext|>"
 
 # ------------------------------------------------------------------------------------------- documents
 class DocumentSource(Protocol):
-    """What ``data._target_`` builds: documents in a fixed order, and a fingerprint of their content."""
+    """What ``data._target_`` builds: documents in a fixed order, and a fingerprint of their content. A source
+    may also have ``pieces()`` (``shardyard.corpus.Piece``: documents handed out in parts) and ``bytes_read()``
+    / ``total_bytes()`` (the progress bar)."""
 
     def documents(self) -> Iterable[tuple[str, str]]:
         """``(stable name, text)`` for every document, always in the same order. The name decides the
@@ -72,181 +82,107 @@ class StdlibCode:
         return self._fingerprint
 
 
-SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
-
-
 class TextFiles:
-    """Local ``.txt`` files (one document each), ``.jsonl``/``.json`` and ``.parquet`` files (one document per
-    row, from ``text_field``), given as files, directories or glob patterns."""
+    """Local files of the formats ``shardyard.corpus`` reads (text, JSONL, JSON, Parquet, Arrow, CSV; text-like
+    ones optionally ``.gz``/``.zst``), given as files, directories or glob patterns. A ``.txt`` file is one
+    document; every record or row of the others is one, its ``text_field`` or its ``template`` filled in."""
 
-    def __init__(self, paths: list[str], text_field: str = "text"):
+    def __init__(self, paths: list[str], text_field: str = "text", template: str | None = None, key: str = "data"):
+        """``key``: where the options live in the config (``data``, ``data.sources[1]``), for error messages."""
         if not paths:
-            raise UserError("data.paths", list(paths), "No input files are given.", "Use data.paths=[/path/to/corpus].")
-        self.paths, self.text_field = list(paths), text_field
+            raise UserError(f"{key}.paths", list(paths), "No input files are given.",
+                            f"Use {key}.paths=[/path/to/corpus].")
+        self.paths, self.text_field, self.template, self.key = list(paths), text_field, template, key
         # The file list is taken once: caches written under a listed directory later are not documents.
-        self._files = input_files(self.paths, SUFFIXES)
+        self._files = input_files(self.paths, key=f"{key}.paths")
         self._fingerprint: str | None = None
+        self._done = 0  # bytes of the files read to their end
+        self._current: Records | None = None  # the file being read
 
     def files(self) -> list[Path]:
         return self._files
 
-    def documents(self) -> Iterator[tuple[str, str]]:
+    def _records(self) -> Iterator[Records]:
         # Names (which decide the train/val split) are relative to the files' common directory: a corpus
         # copied or moved elsewhere keeps its split (absolute paths gave every temp copy another split).
         root = os.path.commonpath([str(p.parent) for p in self.files()])
+        self._done = 0
         for p in self.files():
-            name = os.path.relpath(p, root)
-            if p.suffix == ".txt":
-                yield name, p.read_text(encoding="utf-8", errors="replace")
-                continue
-            if p.suffix == ".parquet":
-                yield from self._parquet(p, name)
-                continue
-            for i, (_, line, record) in enumerate(read_records(p)):
-                text = record.get(self.text_field)
-                if not isinstance(text, str):
-                    problem = "has no" if self.text_field not in record else f"has {JSON_TYPES.get(type(text))} in its"
-                    raise UserError("data.text_field", self.text_field, f"The record at {p}:{line} {problem} "
-                                    f"`{self.text_field}` field (its keys: {sorted(record)}); every record needs its "
-                                    "text there as a string.", "Correct or remove that record, or name the field that holds "
-                                    "the text: data.text_field=<key>.")
-                yield f"{name}:{i}", text
+            self._current = records = Records(p, os.path.relpath(p, root), self.text_field, self.template, key=self.key)
+            yield records
+            self._done += p.stat().st_size
+        self._current = None
 
-    def _parquet(self, p: Path, name: str) -> Iterator[tuple[str, str]]:
-        import datasets  # lazy: heavy
+    def pieces(self) -> Iterator[Piece]:
+        for r in self._records():
+            yield from r.pieces()
 
-        datasets.disable_progress_bars()
-        ds = datasets.load_dataset("parquet", data_files=str(p), split="train")
-        if self.text_field not in ds.column_names:
-            raise UserError("data.text_field", self.text_field, f"{p} has no such column (it has {ds.column_names}).",
-                            f"Use data.text_field=<one of {ds.column_names}>.")
-        for i, text in enumerate(ds[self.text_field]):
-            if not isinstance(text, str):  # a null, or a column of another type
-                raise UserError("data.text_field", self.text_field, f"Row {i} of {p} has a {type(text).__name__} in "
-                                "that column, not a text.", "Correct or remove that row, or name the column that holds "
-                                "the text: data.text_field=<column>.")
-            yield f"{name}:{i}", text
+    def documents(self) -> Iterator[tuple[str, str]]:
+        """Whole documents (a ``.txt`` file's pieces joined): the tokenizer's training text, user code."""
+        parts: list[str] = []
+        for piece in self.pieces():
+            parts.append(piece.text)
+            if piece.last:
+                yield piece.name, "".join(parts)
+                parts = []
+
+    def total_bytes(self) -> int:
+        return sum(p.stat().st_size for p in self.files())
+
+    def bytes_read(self) -> int:
+        return self._done + (self._current.bytes_read() if self._current is not None else 0)
 
     def fingerprint(self) -> str:
         if self._fingerprint is None:
-            self._fingerprint = _files_fingerprint(self.files(), f"text|{self.text_field}")
+            self._fingerprint = _files_fingerprint(self.files(), f"text|{self.text_field}|{self.template}")
         return self._fingerprint
 
 
-def input_files(paths: list[str], suffixes: tuple[str, ...]) -> list[Path]:
-    """The files ``data.paths`` names (files, directories searched recursively, glob patterns), in a fixed
-    order. A pattern that matches nothing, a named file of another format, an unreadable file, or no file at
-    all is refused (exit 2): a corpus is never silently smaller than the user listed, nor replaced."""
-    known = "/".join(suffixes)
+def input_files(paths: list[str], suffixes: tuple[str, ...] | None = None, key: str = "data.paths") -> list[Path]:
+    """The files ``paths`` names (files, directories searched recursively, glob patterns), in a fixed order:
+    those ``shardyard.corpus`` reads, or those ending in ``suffixes``. A pattern that matches nothing, a named
+    file of another format, an unreadable file, or no file at all is refused (exit 2): a corpus is never
+    silently smaller than the user listed, nor replaced."""
+    known = "/".join(suffixes) if suffixes else KNOWN
+
+    def readable(p: Path) -> bool:
+        return p.suffix in suffixes if suffixes else file_format(p) is not None
+
     files: list[Path] = []
     for pattern in paths:
         hits = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
         if not hits:
-            raise UserError("data.paths", pattern, "Nothing exists at that path or pattern.",
+            raise UserError(key, pattern, "Nothing exists at that path or pattern.",
                             f"Give existing {known} files, directories or glob patterns.")
         for hit in hits:
             p = Path(hit)
             if p.is_dir():
-                found = _files_under(p, suffixes)
+                found = _files_under(p, readable)
                 if not found:
-                    raise UserError("data.paths", hit, f"The directory holds no {known} file (searched recursively).",
+                    raise UserError(key, hit, f"The directory holds no {known} file (searched recursively).",
                                     f"Put the data there as {known} files, or name the files themselves.")
                 files += found
-            elif p.suffix not in suffixes:
-                raise UserError("data.paths", hit, f"Only {known} files can be read, and this one is not of those "
-                                "formats.", "Convert the file, or leave it out of data.paths.")
+            elif not readable(p):
+                raise UserError(key, hit, f"Only {known} files can be read, and this one is not of those "
+                                "formats.", "Convert the file, or leave it out of the paths.")
             else:
                 files.append(p)
     for p in files:
         if not os.access(p, os.R_OK):
-            raise UserError("data.paths", str(p), "The file cannot be read (no read permission).",
-                            "Fix its permissions (chmod u+r), or leave it out of data.paths.")
+            raise UserError(key, str(p), "The file cannot be read (no read permission).",
+                            "Fix its permissions (chmod u+r), or leave it out of the paths.")
     return files
 
 
-def _files_under(root: Path, suffixes: tuple[str, ...]) -> list[Path]:
-    """Files of these formats under ``root``, less hidden ones and shardyard's own caches (a ``data.cache_dir``
-    inside the corpus holds .json files that are not documents)."""
+def _files_under(root: Path, readable) -> list[Path]:
+    """Readable files under ``root``, less hidden ones and shardyard's own caches (a ``data.cache_dir`` inside
+    the corpus holds .json and .bin files that are not documents)."""
     found = []
     for here, dirs, names in os.walk(root):
-        dirs[:] = [d for d in dirs if not d.startswith(".") and not os.path.isfile(os.path.join(here, d, MANIFEST))]
-        found += [Path(here, n) for n in names if not n.startswith(".") and Path(n).suffix in suffixes]
+        dirs[:] = [d for d in dirs if not d.startswith(".") and not os.path.isfile(os.path.join(here, d, MANIFEST))
+                   and not d.endswith(".partial")]
+        found += [Path(here, n) for n in names if not n.startswith(".") and readable(Path(n))]
     return sorted(found)
-
-
-def read_records(path: Path) -> Iterator[tuple[int, int, dict]]:
-    """``(ordinal, line, record)`` for every JSON object of a ``.jsonl`` file (one object per line) or a ``.json``
-    file (a JSON array of objects, or one object per line). The ordinal is the 0-based line of a line-per-record
-    file and the element index of an array. Anything else (a line that is not JSON, a value that is not an
-    object, text that is not UTF-8) exits 2 naming the file and line: a file is read whole or refused."""
-    try:
-        if path.suffix == ".json":
-            text = path.read_text(encoding="utf-8")
-            if text.lstrip().startswith("["):
-                yield from _array_records(path, text)
-                return
-            lines: Iterable[str] = text.splitlines()
-        else:
-            with open(path, encoding="utf-8") as f:
-                lines = f.read().splitlines()
-    except UnicodeDecodeError as e:
-        raise UserError("data.paths", str(path), f"The file is not UTF-8 text ({e.reason} at byte {e.start}).",
-                        "Convert it to UTF-8 (iconv -t utf-8), or leave it out of data.paths.") from None
-    for i, line in enumerate(lines):
-        if line.strip():
-            try:
-                value = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError("data.paths", f"{path}:{i + 1}", f"The line is not JSON ({e.msg}, column {e.colno}).",
-                                "Correct or remove that line: each line holds one JSON object.") from None
-            yield i, i + 1, _record(value, path, i + 1)
-
-
-def _array_records(path: Path, text: str) -> Iterator[tuple[int, int, dict]]:
-    """The elements of a ``.json`` file holding one array, each with the line it starts on."""
-    decoder = json.JSONDecoder()
-    pos, line, seen = 0, 1, 0  # line = the line of text[seen]
-
-    def line_at(i: int) -> int:
-        nonlocal line, seen
-        line, seen = line + text.count("\n", seen, i), i
-        return line
-
-    def skip(i: int) -> int:  # past JSON whitespace
-        while i < len(text) and text[i] in " \t\r\n":
-            i += 1
-        return i
-
-    def refuse(i: int, problem: str):
-        return UserError("data.paths", f"{path}:{line_at(i)}", problem, "Correct the file: a .json file holds one array "
-                         "of JSON objects, [{...}, {...}], or one object per line.")
-
-    pos = skip(text.index("[") + 1)
-    index = 0
-    while pos < len(text) and text[pos] != "]":
-        try:
-            value, end = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError as e:
-            raise refuse(e.pos, f"The array's element {index} is not JSON ({e.msg}).") from None
-        yield index, line_at(pos), _record(value, path, line_at(pos))
-        pos = skip(end)
-        if pos < len(text) and text[pos] == ",":
-            pos, index = skip(pos + 1), index + 1
-        elif pos >= len(text) or text[pos] != "]":
-            raise refuse(pos, f"A `,` or the closing `]` is missing after the array's element {index}.")
-    if pos >= len(text) or text[pos + 1:].strip():
-        raise refuse(min(pos, len(text)), "The array is not closed by `]`, or text follows it.")
-
-
-JSON_TYPES = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
-              type(None): "null"}
-
-
-def _record(value, path: Path, line: int) -> dict:
-    if not isinstance(value, dict):
-        raise UserError("data.paths", f"{path}:{line}", f"The record is {JSON_TYPES.get(type(value), 'no object')}, "
-                        "not a JSON object ({...}).", "Correct or remove it: every record is a JSON object with named fields.")
-    return value
 
 
 class _Iterable:
@@ -274,15 +210,90 @@ def _files_fingerprint(files: list[Path], extra: str) -> str:
     return h.hexdigest()[:16]
 
 
-def open_source(d: DictConfig) -> DocumentSource:
-    """``data._target_`` called with the option's keys, less shardyard's own (``DataConfig``)."""
+def pieces_of(src: DocumentSource) -> Iterator[Piece]:
+    if hasattr(src, "pieces"):
+        yield from src.pieces()
+        return
+    for name, text in src.documents():
+        yield Piece(name, text, True)
+
+
+class Source(NamedTuple):
+    """One source of a run's data: ``data`` itself, or one entry of ``data.sources`` (``data=mixture``)."""
+
+    name: str
+    weight: float
+    epochs: float | None
+    target: str
+    docs: Any  # DocumentSource
+    key: str
+    """Where its options are in the config (``data``, ``data.sources[0]``)."""
+
+
+SOURCE_KEYS = ("name", "weight", "epochs")
+"""A ``data.sources`` entry's own keys; every other is an argument of its ``_target_``."""
+
+
+def open_sources(d: DictConfig) -> list[Source]:
+    """The run's sources: what ``data._target_`` returns, called with the option's keys less shardyard's own
+    (``DataConfig``): one document source, or the list ``mixture`` makes of ``data.sources``."""
     import dataclasses
 
     from shardyard.config.plugins import build
     from shardyard.config.schema import DataConfig
 
-    built = build(d, own=[f.name for f in dataclasses.fields(DataConfig)])
-    return built if hasattr(built, "documents") and hasattr(built, "fingerprint") else _Iterable(built)
+    made = build(d, own=[f.name for f in dataclasses.fields(DataConfig)])
+    if isinstance(made, list) and made and all(isinstance(s, Source) for s in made):
+        return made
+    return [Source(d._target_.rsplit(".", 1)[-1].lower(), 1.0, None, d._target_, _as_source(made), "data")]
+
+
+def _as_source(made: Any) -> Any:
+    return made if hasattr(made, "documents") and hasattr(made, "fingerprint") else _Iterable(made)
+
+
+def mixture(sources: list) -> list[Source]:
+    """``data=mixture``'s ``_target_``: the sources of ``data.sources``, each built from its own keys (local files
+    unless it names a ``_target_``), its name, weight and epochs cap checked."""
+    from shardyard.config.plugins import build
+
+    if not sources:
+        raise UserError("data.sources", [], "The mixture lists no source.",
+                        "Give data.sources=[{name: web, paths: [...], weight: 1.0}, ...].")
+    out: list[Source] = []
+    for i, e in enumerate(sources):
+        key = f"data.sources[{i}]"
+        if not isinstance(e, dict):
+            raise UserError(key, e, "A source is a mapping of its options.", f"Write {key}={{name: web, paths: [...], "
+                            "weight: 1.0}.")
+        name = e.get("name")
+        if not isinstance(name, str) or not name or name in {s.name for s in out} or "/" in name:
+            raise UserError(f"{key}.name", name, "Every source needs a name of its own (it names its eval loss, "
+                            "eval/loss/<name>), without `/`.", f"Give {key}.name=<a new name>.")
+        weight = e.get("weight", 1.0)
+        if not isinstance(weight, (int, float)) or isinstance(weight, bool) or not 0 <= weight < float("inf"):
+            raise UserError(f"{key}.weight", weight, "A weight is a finite number, 0 or more (its share is weight / "
+                            "the sum of weights).", f"Use e.g. {key}.weight=0.3.")
+        epochs = e.get("epochs")
+        if epochs is not None and (not isinstance(epochs, (int, float)) or not epochs > 0):
+            raise UserError(f"{key}.epochs", epochs, "It caps the passes over the source in the run, so it must be "
+                            "above 0.", f"Use e.g. {key}.epochs=2, or null for no cap.")
+        node = OmegaConf.create({"_target_": "shardyard.data.TextFiles", **e})
+        extra = {"key": key} if node._target_ == "shardyard.data.TextFiles" else {}
+        docs = _as_source(build(node, own=SOURCE_KEYS, **extra))
+        if hasattr(docs, "tokenize_rows"):
+            raise UserError(f"{key}._target_", node._target_, "A source that makes its own rows (data=sft) cannot be "
+                            "mixed with others.", "Use data=sft on its own.")
+        out.append(Source(name, float(weight), None if epochs is None else float(epochs), node._target_, docs, key))
+    if sum(s.weight for s in out) <= 0:
+        raise UserError("data.sources", [s.weight for s in out], "The weights sum to 0: no source would be read.",
+                        "Give at least one source a weight above 0.")
+    return out
+
+
+def open_source(d: DictConfig) -> DocumentSource:
+    """The single source of ``data`` (validation's view of a data option that is not a mixture)."""
+    return open_sources(d)[0].docs
 
 
 def is_val(name: str, val_fraction: float) -> bool:
@@ -302,11 +313,12 @@ def _locked(path: str):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _publish(tmp: str, final: str) -> None:
+def _publish(tmp: str, final: str, hashes: dict[str, str] | None = None) -> None:
     """Record every file's size and sha256 in the directory's manifest, then make it visible under its final
-    name in one rename."""
-    files = {name: {"size": os.path.getsize(os.path.join(tmp, name)), "sha256": _sha256(os.path.join(tmp, name))}
-             for name in sorted(os.listdir(tmp))}
+    name in one rename. ``hashes``: sha256 digests already taken as the files were written (token shards)."""
+    hashes = hashes or {}
+    files = {name: {"size": os.path.getsize(os.path.join(tmp, name)),
+                    "sha256": hashes.get(name) or _sha256(os.path.join(tmp, name))} for name in sorted(os.listdir(tmp))}
     with open(os.path.join(tmp, MANIFEST), "w") as f:
         json.dump({"key": os.path.basename(final), "files": files}, f, indent=1)
     if os.path.exists(final):
@@ -319,9 +331,20 @@ MANIFEST = "shardyard_cache.json"
 """A cache directory's manifest: its key and every other file's size and sha256, written last before the
 directory is published."""
 
-_verified: dict[str, list] = {}
-"""Cache directories this process verified, with their files' (name, size, mtime) then: hashed once per process
-unless a file changes."""
+_verified: dict[str, str] = {}
+"""Cache directories this process verified, with a digest of their files' (name, size, mtime) then: hashed once
+unless a file changes. ``prepare`` hands them to the processes it starts (``VERIFIED_ENV``), so N ranks do not
+hash a 100 GB cache N times again."""
+VERIFIED_ENV = "SHARDYARD_VERIFIED_CACHES"
+
+
+def _share_verified() -> None:
+    os.environ[VERIFIED_ENV] = json.dumps(_verified)
+
+
+def _listing(out: str) -> str:
+    entries = sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(out))
+    return hashlib.sha256(repr(entries).encode()).hexdigest()
 
 
 def _sha256(path: str) -> str:
@@ -333,9 +356,12 @@ def cache_problem(out: str) -> str | None:
     """Why the cache directory ``out`` cannot be used (missing, no or a broken manifest, a file missing,
     of another size or another sha256), or None when it verifies."""
     try:
-        listing = sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(out))
+        listing = _listing(out)
     except FileNotFoundError:
         return "missing"
+    if not _verified and os.environ.get(VERIFIED_ENV):
+        with contextlib.suppress(ValueError, TypeError):
+            _verified.update({str(k): str(v) for k, v in json.loads(os.environ[VERIFIED_ENV]).items()})
     if _verified.get(out) == listing:
         return None
     try:
@@ -375,30 +401,37 @@ def _cached(out: str, what: str, build) -> str:
     return out
 
 
-def _cache_key(d: DictConfig, src: DocumentSource, extra: str) -> str:
-    h = hashlib.sha256(f"{d._target_}|{d.val_fraction}|{src.fingerprint()}|{extra}".encode())
-    return f"{d._target_.rsplit('.', 1)[-1].lower()}-{h.hexdigest()[:16]}"
+def _cache_key(target: str, val_fraction: float, fingerprint: str, extra: str) -> str:
+    h = hashlib.sha256(f"{target}|{val_fraction}|{fingerprint}|{extra}".encode())
+    return f"{target.rsplit('.', 1)[-1].lower()}-{h.hexdigest()[:16]}"
 
 
-def tokenizer_dir(d: DictConfig, src: DocumentSource) -> str:
-    key = _cache_key(d, src, f"bpe|{d.tokenizer.vocab_size}|{d.tokenizer.train_bytes}")
+def tokenizer_dir(d: DictConfig, sources: list[Source]) -> str:
+    """A byte-level BPE tokenizer trained on the first ``data.tokenizer.train_bytes`` of the train text (of a
+    mixture: each source's share by its weight)."""
+    fingerprint = "|".join(f"{s.target}:{s.docs.fingerprint()}:{s.weight}" for s in sources)
+    target = sources[0].target if len(sources) == 1 else "mixture"
+    key = _cache_key(target, d.val_fraction, fingerprint, f"bpe|{d.tokenizer.vocab_size}|{d.tokenizer.train_bytes}")
     out = os.path.join(d.cache_dir, "tokenizers", f"{key}-bpe{d.tokenizer.vocab_size}")
-    return _cached(out, "tokenizer", lambda out: _train_tokenizer(d, src, out))
+    return _cached(out, "tokenizer", lambda out: _train_tokenizer(d, sources, out))
 
 
-def _train_tokenizer(d: DictConfig, src: DocumentSource, out: str) -> None:
+def _train_tokenizer(d: DictConfig, sources: list[Source], out: str) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     print(f"shardyard | training a byte-level BPE tokenizer (vocab {d.tokenizer.vocab_size}) -> {out}", flush=True)
+    total = sum(s.weight for s in sources)
 
     def texts():
-        budget = d.tokenizer.train_bytes
-        for name, text in src.documents():
-            if budget <= 0 or is_val(name, d.val_fraction):
-                continue
-            budget -= len(text)
-            yield text
+        for s in sources:
+            budget = d.tokenizer.train_bytes * s.weight / total
+            for name, text in s.docs.documents():
+                if budget <= 0:
+                    break  # the rest of the corpus is not read
+                if not is_val(name, d.val_fraction):
+                    budget -= len(text)
+                    yield text
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -418,15 +451,52 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
-def token_dir(d: DictConfig, src: DocumentSource, tok_dir: str) -> str:
+SHARDS_FORMAT = "shards-v1"
+"""``meta.json``'s ``format`` of a token cache written as shards (``shardyard.shards``)."""
+
+
+def token_dir(d: DictConfig, s: Source, tok_dir: str) -> str:
     tok_hash = hashlib.sha256(Path(tok_dir, "tokenizer.json").read_bytes()).hexdigest()[:12]
-    rows = hasattr(src, "tokenize_rows")
+    rows = hasattr(s.docs, "tokenize_rows")
     if rows:  # SFT rows depend on the row length and on the tokenizer's chat template and special tokens
         extra = b"".join(Path(tok_dir, f).read_bytes() for f in ("tokenizer_config.json", "chat_template.jinja",
                                                                 "special_tokens_map.json") if Path(tok_dir, f).is_file())
         tok_hash += f"|rows-v2|{d.seq_len}|" + hashlib.sha256(extra).hexdigest()[:8]  # v2: one .npy per array
-    out = os.path.join(d.cache_dir, "tokens", _cache_key(d, src, f"tok|{tok_hash}"))
-    return _cached(out, "token arrays", lambda out: (_tokenize_rows if rows else _tokenize)(d, src, tok_dir, out))
+    else:
+        tok_hash += f"|{SHARDS_FORMAT}"
+    out = os.path.join(d.cache_dir, "tokens", _cache_key(s.target, d.val_fraction, s.docs.fingerprint(), f"tok|{tok_hash}"))
+    if rows:
+        return _cached(out, "token arrays", lambda out: _tokenize_rows(d, s.docs, tok_dir, out))
+    return _cached(out, "token shards", lambda out: _tokenize(d, s, tok_dir, out))
+
+
+def num_proc(d: DictConfig) -> int:
+    """``data.num_proc``, or the cores this process may use."""
+    n = d.num_proc if d.num_proc is not None else len(os.sched_getaffinity(0))
+    if not isinstance(n, int) or n < 1:
+        raise UserError("data.num_proc", n, "Tokenization needs at least one process.",
+                        "Use data.num_proc=1 or more, or null for one per core.")
+    return n
+
+
+def _tokenize(d: DictConfig, s: Source, tok_dir: str, out: str) -> None:
+    """Token shards of ``s`` (``shardyard.shards.build``), built in ``<out>.partial`` (kept when the build is
+    killed, and resumed), then published under ``out`` with every file's size and sha256."""
+    tok = load_tokenizer(tok_dir)
+    dtype = "uint16" if len(tok) <= 1 << 16 else "uint32"
+    itemsize = np.dtype(dtype).itemsize
+    opt = shards.BuildOptions(
+        tokenizer_file=os.path.join(tok_dir, "tokenizer.json"), eot=tok.eos_token_id, dtype=dtype,
+        is_val=lambda name: is_val(name, d.val_fraction), num_proc=num_proc(d), buffer_bytes=d.buffer_mb << 20,
+        shard_tokens=max(1, (d.shard_mb << 20) // itemsize), label=s.name)
+    partial = out + ".partial"
+    built = shards.build(pieces_of(s.docs), partial, opt, total_bytes=getattr(s.docs, "total_bytes", lambda: None)(),
+                         bytes_read=getattr(s.docs, "bytes_read", None))
+    os.remove(os.path.join(partial, shards.PROGRESS))
+    with open(os.path.join(partial, "meta.json"), "w") as f:
+        json.dump({"format": SHARDS_FORMAT, "dtype": dtype, **built, "tokenizer": tok_dir, "vocab_size": len(tok),
+                   "eot": tok.eos_token_id}, f, indent=1)
+    _publish(partial, out, hashes={sh["file"]: sh["sha256"] for split in built["shards"].values() for sh in split})
 
 
 def _tokenize_rows(d: DictConfig, src, tok_dir: str, out: str) -> None:
@@ -444,43 +514,25 @@ def _tokenize_rows(d: DictConfig, src, tok_dir: str, out: str) -> None:
     _publish(tmp, out)
 
 
-def _tokenize(d: DictConfig, src: DocumentSource, tok_dir: str, out: str) -> None:
-    tok = load_tokenizer(tok_dir)
-    eot = tok.eos_token_id
-    dtype = np.uint16 if len(tok) <= 1 << 16 else np.uint32
-    streams: dict[str, list[np.ndarray]] = {"train": [], "val": []}
-    counts = {"train": 0, "val": 0}
-    batch: list[tuple[str, str]] = []
+class Part(NamedTuple):
+    """One source's token cache in a prepared run."""
 
-    def flush():
-        enc = tok([t for _, t in batch], add_special_tokens=False)["input_ids"]
-        for (name, _), ids in zip(batch, enc):
-            split = "val" if is_val(name, d.val_fraction) else "train"
-            streams[split].append(np.asarray(ids + [eot], dtype=dtype))
-            counts[split] += 1
-        batch.clear()
-
-    for doc in src.documents():
-        batch.append(doc)
-        if len(batch) == 256:
-            flush()
-    flush()
-    tmp = tempfile.mkdtemp(dir=os.path.dirname(out), prefix=".tmp-tokens-")
-    for split, parts in streams.items():
-        np.save(os.path.join(tmp, f"{split}.npy"), np.concatenate(parts) if parts else np.zeros(0, dtype))
-    with open(os.path.join(tmp, "meta.json"), "w") as f:
-        json.dump({"documents": counts, "tokens": {k: int(sum(map(len, v))) for k, v in streams.items()},
-                   "tokenizer": tok_dir, "vocab_size": len(tok)}, f, indent=1)
-    _publish(tmp, out)
+    name: str
+    token_dir: str
+    weight: float
+    epochs: float | None
 
 
 @dataclass(frozen=True)
 class Prepared:
     tokenizer_dir: str
     token_dir: str
+    """The first source's token cache (the only one unless ``data=mixture``)."""
     vocab_size: int
     stats: dict | None = None
     """What a source that makes its own rows reports (``data=sft``: conversations, truncated, dropped)."""
+    parts: tuple[Part, ...] = ()
+    """Every source's token cache, weight and epochs cap, in ``data.sources`` order."""
 
 
 def has_tokenizer(path: str) -> bool:
@@ -530,10 +582,11 @@ def prepare(cfg: DictConfig, embedding_rows: int | None = None) -> Prepared:
     """Build (or find) the tokenizer and token caches; safe to call from many processes at once.
     ``embedding_rows``: the model's input embedding size, checked against the tokenizer."""
     d = cfg.data
-    src = open_source(d)
-    tok_dir = tokenizer_path(cfg) or tokenizer_dir(d, src)
-    tdir = token_dir(d, src, tok_dir)
-    meta = json.loads(Path(tdir, "meta.json").read_text())
+    sources = open_sources(d)
+    tok_dir = tokenizer_path(cfg) or tokenizer_dir(d, sources)
+    parts = tuple(Part(s.name, token_dir(d, s, tok_dir), s.weight, s.epochs) for s in sources)
+    metas = [json.loads(Path(p.token_dir, "meta.json").read_text()) for p in parts]
+    meta = metas[0]
     if embedding_rows is not None and meta["vocab_size"] > embedding_rows:
         key = "model.vocab_size" if "vocab_size" in cfg.model else "data.tokenizer.path"
         raise UserError(key, cfg.model.get("vocab_size", tok_dir),
@@ -541,43 +594,85 @@ def prepare(cfg: DictConfig, embedding_rows: int | None = None) -> Prepared:
                         f"{embedding_rows} embedding rows.",
                         f"Use model.vocab_size>={meta['vocab_size']}, a smaller data.tokenizer.vocab_size, or the "
                         "model's own tokenizer.")
-    for split in ("train", "val"):
-        if "rows" in meta and meta["rows"][split] < 1:
-            raise UserError("data.val_fraction" if split == "val" else "data.paths", d.get(
-                "val_fraction" if split == "val" else "paths"), f"The {split} split has no conversation.",
-                "Give more conversations, or another data.val_fraction.")
-        if "tokens" in meta and meta["tokens"][split] < d.seq_len + 1:
-            raise UserError("data.seq_len", d.seq_len, f"The {split} split has only {meta['tokens'][split]} tokens, "
-                            "less than one sequence.", "Use more data, a shorter data.seq_len or another data.val_fraction.")
-    return Prepared(tok_dir, tdir, meta["vocab_size"], meta.get("stats"))
-
-
-def open_split(prepared: Prepared, split: str, seq_len: int):
-    """The rows of ``split``: packed text windows (``PackedSequences``) or a source's own rows (``SFTRows``)."""
-    if os.path.exists(os.path.join(prepared.token_dir, f"{split}.input_ids.npy")):
-        return SFTRows(os.path.join(prepared.token_dir, split))
-    return PackedSequences(os.path.join(prepared.token_dir, f"{split}.npy"), seq_len)
+    for s, m in zip(sources, metas):
+        for split in ("train", "val"):
+            if "rows" in m and m["rows"][split] < 1:
+                raise UserError("data.val_fraction" if split == "val" else "data.paths", d.get(
+                    "val_fraction" if split == "val" else "paths"), f"The {split} split has no conversation.",
+                    "Give more conversations, or another data.val_fraction.")
+            if "tokens" in m and m["tokens"][split] < d.seq_len + 1:
+                where = f"The {split} split{' of source ' + s.name if len(sources) > 1 else ''}"
+                raise UserError("data.seq_len", d.seq_len, f"{where} has only {m['tokens'][split]} tokens, "
+                                "less than one sequence.", "Use more data, a shorter data.seq_len or another "
+                                "data.val_fraction.")
+    _share_verified()
+    return Prepared(tok_dir, parts[0].token_dir, meta["vocab_size"], meta.get("stats"), parts)
 
 
 # --------------------------------------------------------------------------------------------- batches
-class PackedSequences:
-    """Non-overlapping ``seq_len + 1`` windows over one memory-mapped token stream."""
+def open_split(prepared: Prepared, split: str, seq_len: int, document_mask: bool = False, part: int = 0):
+    """The rows of one source's ``split``: packed text windows (``PackedSequences``) or a source's own rows
+    (``SFTRows``)."""
+    tdir = prepared.parts[part].token_dir if prepared.parts else prepared.token_dir
+    if os.path.exists(os.path.join(tdir, f"{split}.input_ids.npy")):
+        return SFTRows(os.path.join(tdir, split))
+    meta = json.loads(Path(tdir, "meta.json").read_text())
+    tokens = shards.TokenShards(tdir, meta["shards"][split], meta["dtype"])
+    return PackedSequences(tokens, seq_len, eot=meta["eot"] if document_mask else None)
 
-    def __init__(self, path: str, seq_len: int):
-        self.tokens = np.load(path, mmap_mode="r")
-        self.seq_len = seq_len
-        self.n = (len(self.tokens) - 1) // seq_len
+
+def open_train(prepared: Prepared, d: DictConfig, seed: int, total_samples: int):
+    """The training samples: one source's rows, or the weighted ``Mixture`` of several."""
+    rows = [open_split(prepared, "train", d.seq_len, d.document_mask, i) for i in range(len(prepared.parts))]
+    if len(rows) == 1:
+        return rows[0]
+    return Mixture([p.name for p in prepared.parts], rows, [p.weight for p in prepared.parts],
+                   [p.epochs for p in prepared.parts], seed, total_samples)
+
+
+def open_val(prepared: Prepared, d: DictConfig) -> dict:
+    """Every source's held-out rows, by source name (evaluated apart, ``eval/loss/<name>``)."""
+    return {p.name: open_split(prepared, "val", d.seq_len, d.document_mask, i) for i, p in enumerate(prepared.parts)}
+
+
+class PackedSequences:
+    """Non-overlapping ``seq_len + 1`` windows over one token stream (memory-mapped shards, or an array).
+    ``eot``: document masking: positions restart after every end-of-text token, so attention stops at
+    document boundaries (``model.packed_kwargs`` turns the restarts into a block-diagonal mask, or varlen
+    boundaries for FlashAttention-2), and the inputs are ``{"input_ids", "position_ids"}``."""
+
+    def __init__(self, tokens, seq_len: int, eot: int | None = None):
+        self.tokens = tokens
+        self.seq_len, self.eot = seq_len, eot
+        self.n = max(0, (len(self.tokens) - 1) // seq_len)
 
     def __len__(self) -> int:
         return self.n
 
+    def _window(self, i: int) -> np.ndarray:
+        L = self.seq_len
+        if isinstance(self.tokens, shards.TokenShards):
+            return self.tokens.read(i * L, i * L + L + 1)
+        return self.tokens[i * L: i * L + L + 1]
+
     def get(self, indices):
         import torch
 
-        L = self.seq_len
-        rows = torch.from_numpy(np.stack([np.asarray(self.tokens[i * L: i * L + L + 1], dtype=np.int64)
-                                          for i in indices]))
-        return rows[:, :-1], rows[:, 1:]
+        rows = np.stack([np.asarray(self._window(int(i)), dtype=np.int64) for i in indices])
+        x, y = torch.from_numpy(rows[:, :-1]), torch.from_numpy(rows[:, 1:])
+        if self.eot is None:
+            return x, y
+        return {"input_ids": x, "position_ids": torch.from_numpy(document_positions(rows[:, :-1], self.eot))}, y
+
+
+def document_positions(ids: np.ndarray, eot: int) -> np.ndarray:
+    """Positions that restart at 0 on the token after every end-of-text token (and at each row's start)."""
+    B, L = ids.shape
+    t = np.broadcast_to(np.arange(L), (B, L))
+    starts = np.zeros((B, L), dtype=bool)
+    starts[:, 0] = True
+    starts[:, 1:] = ids[:, :-1] == eot
+    return t - np.maximum.accumulate(np.where(starts, t, 0), axis=1)
 
 
 @dataclass
@@ -607,36 +702,207 @@ class SFTRows:
         return inputs, torch.from_numpy(self.targets[idx].astype(np.int64))
 
 
-class TrainStream:
-    """Batches for (step, micro-step) on this rank; data state is the step count (exactly resumable)."""
+def permute(i: np.ndarray, n: int, key: list[int]) -> np.ndarray:
+    """A seeded bijection of ``[0, n)`` evaluated per index, with no table (a 100 GB corpus has 10^7-10^8
+    windows: a permutation array of them on every rank would be GBs): a 4-round Feistel network on the
+    smallest even-bit domain holding ``n``, cycle-walked back into ``[0, n)``."""
+    i = np.asarray(i, dtype=np.uint64)
+    if n <= 1:
+        return np.zeros_like(i)
+    half = max(1, ((n - 1).bit_length() + 1) // 2)
+    mask = np.uint64((1 << half) - 1)
+    keys = np.random.default_rng(key).integers(0, 1 << 62, size=4, dtype=np.uint64)
 
-    def __init__(self, seqs: PackedSequences, seed: int, global_batch: int, micro_batch: int, rank: int, world: int):
-        if len(seqs) < global_batch:
+    def feistel(x: np.ndarray) -> np.ndarray:
+        left, right = x >> np.uint64(half), x & mask
+        for k in keys:
+            left, right = right, left ^ (_mix(right ^ k) & mask)
+        return (left << np.uint64(half)) | right
+
+    out = feistel(i)
+    while True:  # cycle-walking: at most a few rounds, the domain is under 4n
+        outside = out >= np.uint64(n)
+        if not outside.any():
+            return out.astype(np.int64)
+        out[outside] = feistel(out[outside])
+
+
+def _mix(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer: every output bit depends on every input bit."""
+    with np.errstate(over="ignore"):
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+BLOCK = 4096
+"""A mixture's samples come in blocks of this many; in each, every source has its weight's share (rounded by
+largest remainder), in a seeded order."""
+
+
+class Mixture:
+    """Several sources' rows drawn by weight. Sample ``k`` -> (source, window) depends on the seed and ``k``
+    only: block ``k // BLOCK`` holds each source's share in a seeded order, and the ``j``-th sample of a source
+    is window ``permute(j % n, n, [seed, source, j // n])`` (a new order every pass over it).
+
+    ``epochs``: a source may be passed over at most that many times in the run (``total_samples``); its weight
+    is lowered to that and the others' raised in proportion (printed at start)."""
+
+    def __init__(self, names: list[str], parts: list, weights: list[float], epochs: list[float | None], seed: int,
+                 total_samples: int):
+        self.names, self.parts, self.seed = names, parts, seed
+        self.sizes = [len(p) for p in parts]
+        self.offsets = np.cumsum([0] + self.sizes)  # global sample ids: source offset + window
+        self.weights = effective_weights(names, weights, epochs, self.sizes, total_samples)
+        self.quota = _largest_remainder(self.weights, BLOCK)
+        self._blocks: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def _block(self, b: int) -> tuple[np.ndarray, np.ndarray]:
+        if b not in self._blocks:
+            labels = np.repeat(np.arange(len(self.parts)), self.quota)
+            labels = labels[np.random.default_rng([self.seed, 7919, b]).permutation(BLOCK)]
+            rank = np.zeros(BLOCK, dtype=np.int64)  # how many of the same source precede, in this block
+            for s in range(len(self.parts)):
+                where = labels == s
+                rank[where] = np.arange(where.sum())
+            if len(self._blocks) > 4:
+                self._blocks.clear()
+            self._blocks[b] = (labels, rank)
+        return self._blocks[b]
+
+    def locate(self, ks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(source, window)`` of every sample index in ``ks``."""
+        src = np.empty(len(ks), dtype=np.int64)
+        nth = np.empty(len(ks), dtype=np.int64)  # the sample's ordinal among its source's samples
+        for i, k in enumerate(ks):
+            labels, rank = self._block(int(k) // BLOCK)
+            p = int(k) % BLOCK
+            src[i], nth[i] = labels[p], (int(k) // BLOCK) * self.quota[labels[p]] + rank[p]
+        window = np.empty_like(nth)
+        for s in np.unique(src):
+            at = src == s
+            window[at] = _source_windows(nth[at], self.sizes[s], self.seed, int(s))
+        return src, window
+
+    def sample_ids(self, ks: np.ndarray) -> np.ndarray:
+        src, window = self.locate(ks)
+        return self.offsets[src] + window
+
+    def get(self, ks):
+        import torch
+
+        src, window = self.locate(np.asarray(ks))
+        parts = [self.parts[s].get(window[src == s]) for s in range(len(self.parts)) if (src == s).any()]
+        order = np.concatenate([np.flatnonzero(src == s) for s in range(len(self.parts)) if (src == s).any()])
+        back = torch.from_numpy(np.argsort(order))  # rows in sample order again
+
+        def cat(i):
+            first = parts[0][i]
+            if isinstance(first, dict):
+                return {k: torch.cat([p[i][k] for p in parts])[back] for k in first}
+            return torch.cat([p[i] for p in parts])[back]
+        return cat(0), cat(1)
+
+
+def _source_windows(nth: np.ndarray, n: int, seed: int, source: int) -> np.ndarray:
+    """The window of a source's ``nth`` sample: pass ``nth // n`` over its ``n`` windows, in that pass's order."""
+    out = np.empty_like(nth)
+    for epoch in np.unique(nth // n):
+        at = nth // n == epoch
+        out[at] = permute(nth[at] % n, n, [seed, source, int(epoch)])
+    return out
+
+
+def _largest_remainder(weights: list[float], total: int) -> np.ndarray:
+    exact = np.asarray(weights) * total
+    quota = np.floor(exact).astype(np.int64)
+    for i in np.argsort(-(exact - quota), kind="stable")[: total - quota.sum()]:
+        quota[i] += 1
+    return quota
+
+
+def effective_weights(names: list[str], weights: list[float], epochs: list[float | None], sizes: list[int],
+                      total_samples: int) -> list[float]:
+    """The weights normalised to sum 1, with each epochs cap applied: a source drawn more than ``epochs x its
+    windows`` times in ``total_samples`` gets exactly that share, and the uncapped ones share the rest by
+    their weights. No source can fill the run: exit 2."""
+    w = np.asarray(weights, dtype=np.float64) / sum(weights)
+    cap = np.asarray([np.inf if e is None else e * n / total_samples for e, n in zip(epochs, sizes)])
+    capped = np.zeros(len(w), dtype=bool)
+    while True:
+        over = (w > cap + 1e-12) & ~capped
+        if not over.any():
+            return [float(x) for x in w]
+        capped |= over
+        w[capped] = cap[capped]
+        free = ~capped & (w > 0)
+        if not free.any():
+            can = int(sum(cap[capped] * total_samples))
+            raise UserError("data.sources", [f"{n}: epochs={e}" for n, e in zip(names, epochs)],
+                            f"The epochs caps let the sources give only {can:,} samples, and the run draws "
+                            f"{total_samples:,} (train.steps x train.global_batch_size).",
+                            "Raise a source's epochs (or remove its cap), add a source, or train fewer steps.")
+        w[free] *= (1 - w[capped].sum()) / w[free].sum()
+
+
+class _One:
+    """A single source's rows in a run: sample ``k`` is window ``permute(k % n, n, [seed, 0, k // n])``."""
+
+    def __init__(self, rows, seed: int):
+        self.parts, self.seed, self.names = [rows], seed, ["data"]
+        self.weights = [1.0]
+
+    def __len__(self) -> int:
+        return len(self.parts[0])
+
+    def sample_ids(self, ks: np.ndarray) -> np.ndarray:
+        return _source_windows(np.asarray(ks, dtype=np.int64), len(self.parts[0]), self.seed, 0)
+
+    def get(self, ks):
+        return self.parts[0].get(self.sample_ids(ks))
+
+
+class TrainStream:
+    """Batches for (step, micro-step) on this rank. Step ``s`` holds samples ``[s x G, (s + 1) x G)`` (G: the
+    global batch) and rank ``r`` its contiguous share of them, so the data position is the step count: exactly
+    resumable at any world size. ``log``: a file to which every micro-batch's sample ids are appended (one JSON
+    line each: ``data.log_sample_ids``)."""
+
+    def __init__(self, seqs, seed: int, global_batch: int, micro_batch: int, rank: int, world: int,
+                 log: str | None = None):
+        self.samples = seqs if isinstance(seqs, Mixture) else _One(seqs, seed)
+        if len(self.samples) < global_batch:
             raise UserError("train.global_batch_size", global_batch,
-                            f"The training split has only {len(seqs)} sequences, fewer than one global batch.",
+                            f"The training split has only {len(self.samples)} sequences, fewer than one global batch.",
                             "Use a smaller batch or data.seq_len, or more data.")
-        self.seqs, self.seed, self.gb, self.mb, self.rank, self.world = seqs, seed, global_batch, micro_batch, rank, world
-        self.steps_per_epoch = len(seqs) // global_batch
-        self._perm_epoch, self._perm = -1, np.arange(0)
+        self.gb, self.mb, self.rank, self.world = global_batch, micro_batch, rank, world
+        self.steps_per_epoch = len(self.samples) // global_batch
+        self.log = open(log, "a", buffering=1) if log else None
+
+    def weights(self) -> dict[str, float]:
+        """Each source's share of the samples (epochs caps applied), by name."""
+        return dict(zip(self.samples.names, self.samples.weights))
 
     def position(self, step: int) -> dict:
         return {"epoch": step // self.steps_per_epoch, "step_in_epoch": step % self.steps_per_epoch,
                 "samples_seen": step * self.gb}
 
-    def _permutation(self, epoch: int) -> np.ndarray:
-        if epoch != self._perm_epoch:
-            self._perm = np.random.default_rng([self.seed, epoch]).permutation(len(self.seqs))
-            self._perm_epoch = epoch
-        return self._perm
+    def indices(self, step: int, micro: int) -> np.ndarray:
+        """The run's sample indices of this rank's micro-batch."""
+        start = step * self.gb + self.rank * (self.gb // self.world) + micro * self.mb
+        return np.arange(start, start + self.mb, dtype=np.int64)
 
     def micro_batch(self, step: int, micro: int):
-        pos = self.position(step)
-        perm = self._permutation(pos["epoch"])
-        start = pos["step_in_epoch"] * self.gb + self.rank * (self.gb // self.world) + micro * self.mb
-        return self.seqs.get(perm[start: start + self.mb])
+        ks = self.indices(step, micro)
+        if self.log is not None:
+            self.log.write(json.dumps({"step": step + 1, "micro": micro, "ids": self.samples.sample_ids(ks).tolist()}) + "\n")
+        return self.samples.get(ks)
 
 
-def eval_batches(seqs: PackedSequences, n_batches: int, micro_batch: int, rank: int, world: int):
+def eval_batches(seqs, n_batches: int, micro_batch: int, rank: int, world: int):
     """A fixed evaluation set: the first ``n_batches x micro x world`` val sequences, sharded by rank."""
     for b in range(n_batches):
         first = (b * world + rank) * micro_batch

@@ -12,7 +12,7 @@ from omegaconf import DictConfig
 
 from shardyard.backends import Backend
 from shardyard.facts import Plan
-from shardyard.data import PackedSequences, TrainStream, eval_batches
+from shardyard.data import TrainStream, eval_batches
 from shardyard.debug import NonFiniteGuard, anomaly_detection
 from shardyard.metrics import memory_metrics, peak_tflops
 from shardyard.moe import Balancer
@@ -117,19 +117,29 @@ class Health:
         return False
 
 
-def evaluate(backend: Backend, val: PackedSequences, batches: int, plan: Plan) -> float:
-    """The mean loss over ``batches`` (``train.eval_batches``) held-out micro-batches, on every rank."""
+def evaluate(backend: Backend, val: dict, batches: int, plan: Plan, weights: dict | None = None) -> dict:
+    """The held-out loss of each source (``val``: name -> rows) over ``batches`` (``train.eval_batches``)
+    micro-batches, on every rank: ``{"eval/loss": overall}``, plus ``eval/loss/<name>`` per source when there
+    are several, whose weighted mean (``weights``: the mixture's) is the overall loss."""
     model = backend.hf_model()
     was_training = model.training
     model.eval()
-    total = torch.zeros((), device=backend.device)
-    for x, y in eval_batches(val, batches, plan.micro_batch_size, backend.dp_rank, backend.dp_size):
-        total += backend.eval_loss(to_device(x, backend.device), y.to(backend.device)).float()
+    losses = {}
+    for name, rows in val.items():
+        total = torch.zeros((), device=backend.device)
+        for x, y in eval_batches(rows, batches, plan.micro_batch_size, backend.dp_rank, backend.dp_size):
+            total += backend.eval_loss(to_device(x, backend.device), y.to(backend.device)).float()
+        losses[name] = total / batches
     model.train(was_training)
-    return backend.all_reduce_mean(total / batches).item()
+    names = list(losses)
+    means = backend.all_reduce_mean(torch.stack([losses[n] for n in names])).tolist()  # one all-reduce
+    if len(names) == 1:
+        return {"eval/loss": means[0]}
+    w = weights or {n: 1 / len(names) for n in names}
+    return {"eval/loss": sum(w[n] * m for n, m in zip(names, means)), **{f"eval/loss/{n}": m for n, m in zip(names, means)}}
 
 
-def train(cfg: DictConfig, plan: Plan, backend: Backend, stream: TrainStream, val: PackedSequences,
+def train(cfg: DictConfig, plan: Plan, backend: Backend, stream: TrainStream, val: dict,
           monitors: Monitors, start_step: int = 0, after_step: Callable[[int], None] | None = None,
           after_eval: Callable[[int, dict], bool] | None = None, history: dict | None = None,
           balancer: Balancer | None = None) -> LoopResult:
@@ -149,9 +159,10 @@ def train(cfg: DictConfig, plan: Plan, backend: Backend, stream: TrainStream, va
     res.warnings = health.warnings
 
     def run_eval(step: int) -> bool:
-        loss = evaluate(backend, val, tr.eval_batches, plan)
+        metrics = evaluate(backend, val, tr.eval_batches, plan, weights=stream.weights())
+        loss = metrics["eval/loss"]
         res.eval_losses.append((step, loss))
-        metrics = {"eval/loss": loss, "eval/ppl": math.exp(min(loss, 50.0))}
+        metrics["eval/ppl"] = math.exp(min(loss, 50.0))
         monitors.log(step, metrics)
         if health.on_eval(step, loss) and step < total:
             res.stopped_early_at = step
@@ -168,21 +179,35 @@ def train(cfg: DictConfig, plan: Plan, backend: Backend, stream: TrainStream, va
         done = step + 1  # steps are counted from 1 in logs, checkpoints and profile.steps
         profiler.before_step(done)
         t0 = time.perf_counter()
-        step_loss = torch.zeros((), device=dev)
         with anomaly_detection(cfg.debug), torch.profiler.record_function("forward_backward"):
-            for micro in range(accum):
-                td = time.perf_counter()
-                x, y = stream.micro_batch(step, micro)
-                x, y = to_device(x, dev), y.to(dev, non_blocking=True)
-                data_time += time.perf_counter() - td
-                step_loss += backend.forward_backward(x, y, is_last_micro=micro == accum - 1).float()
+            td = time.perf_counter()
+            batches = [stream.micro_batch(step, micro) for micro in range(accum)]
+            batches = [(to_device(x, dev), y.to(dev, non_blocking=True)) for x, y in batches]
+            data_time += time.perf_counter() - td
+            # Token-weighted loss (docs/architecture.md): a step's loss is the cross-entropy summed over the label
+            # tokens of every micro-batch and rank, divided by their number N.
+            # 1. N is needed before the first backward: one small all-reduce per step of this rank's count
+            #    (float64, exact once rounded); the ranks of one replica read the same batches, so the world's
+            #    mean times dp_size is the sum over the replicas.
+            # 2. Engines average the micro-batch losses they backpropagate over accumulation and data-parallel
+            #    ranks; weighting each summed cross-entropy by accum x dp_size / N makes that average sum / N.
+            # 3. A step without any label (N = 0) counts N as 1: its summed cross-entropy is 0, so are its
+            #    gradient (MoE balance losses aside) and its logged loss, where a mean would be NaN.
+            labels = torch.stack([(y != -100).sum() for _, y in batches]).sum().double()
+            n = (backend.all_reduce_mean(labels) * backend.dp_size).round().clamp(min=1)
+            weight = (accum * backend.dp_size / n).float()
+            step_ce = torch.zeros((), device=dev)
+            for micro, (x, y) in enumerate(batches):
+                step_ce += backend.forward_backward(x, y, is_last_micro=micro == accum - 1, weight=weight).float()
+        # This rank's share of the step's token-weighted mean: the mean over ranks (at log steps) is sum / N.
+        step_loss = step_ce * (backend.dp_size / n).float()
         with torch.profiler.record_function("optimizer_step"):
             stats = backend.step(guard=guard.active)
             if balancer is not None:  # one all-reduce of every MoE layer's loads, then the routers' biases
                 balancer.after_step(backend.all_reduce_mean, applied=stats.applied)
         if guard.active:  # stop (raise) or count a skipped update; one host sync per step
             guard.check(done, step_loss, stats)
-        loss_acc += step_loss / accum
+        loss_acc += step_loss
         n_acc += 1
         step_time += time.perf_counter() - t0
         profiler.after_step(done)

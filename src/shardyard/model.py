@@ -529,9 +529,22 @@ def logits(output: Any) -> torch.Tensor:
 def causal_lm_loss(model: torch.nn.Module, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy over the tokens with a target (-100 marks the others: prompts, padding);
     logits upcast to fp32 for a stable softmax under autocast. ``inputs``: token ids, or the model's keyword
-    arguments (``input_ids`` and ``position_ids`` of packed rows, ``data=sft``)."""
+    arguments (``input_ids`` and ``position_ids`` of packed rows, ``data=sft``). Evaluation's form; training
+    backpropagates ``causal_lm_loss_sum``."""
+    return _cross_entropy(model, inputs, targets, "mean")
+
+
+def causal_lm_loss_sum(model: torch.nn.Module, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
+    """The same cross-entropy summed over the labelled tokens (fp32; 0 when none is labelled, where the mean
+    is NaN): the engines weight it so that an optimizer step's loss is the token-weighted mean over every
+    micro-batch and rank (docs/architecture.md, "Token-weighted loss")."""
+    return _cross_entropy(model, inputs, targets, "sum")
+
+
+def _cross_entropy(model: torch.nn.Module, inputs: Any, targets: torch.Tensor, reduction: str) -> torch.Tensor:
     out = logits(model(**packed_kwargs(model, inputs)) if isinstance(inputs, dict) else model(inputs))
-    return F.cross_entropy(out.float().reshape(-1, out.size(-1)), targets.reshape(-1), ignore_index=-100)
+    return F.cross_entropy(out.float().reshape(-1, out.size(-1)), targets.reshape(-1), ignore_index=-100,
+                           reduction=reduction)
 
 
 def attn_implementation(model: Any) -> str | None:

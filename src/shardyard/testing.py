@@ -485,11 +485,12 @@ def measure_engines(rank: int, world: int, ports: list[int], jobs: list[list[str
         prep = data.prepare(cfg)
         stream = data.TrainStream(data.open_split(prep, "train", cfg.data.seq_len), 0,
                                   plan.global_batch_size, plan.micro_batch_size, backend.dp_rank, backend.dp_size)
+        weight = torch.ones((), device=backend.device)  # the loss's scale: nothing held depends on it
         x, y = stream.micro_batch(0, 0)
-        backend.forward_backward(x, y, True)
+        backend.forward_backward(x, y, True, weight)
         backend.step()
         x, y = stream.micro_batch(1, 0)
-        backend.forward_backward(x, y, True)  # gradients of step 2 alive, optimizer state from step 1
+        backend.forward_backward(x, y, True, weight)  # gradients of step 2 alive, optimizer state from step 1
         engine = getattr(backend, "engine", None)  # DeepSpeed's ZeRO optimizer, or the torch one of the stepper
         optimizer = engine.optimizer if engine is not None else getattr(backend, "stepper").optimizer
         results.append({"overrides": overrides, "P": built["P"], "trainable": param_count(backend.hf_model(), trainable=True),
@@ -511,3 +512,58 @@ def run_measurements(world: int, jobs: list[list[str]]) -> list[dict]:
     on_ranks(world, measure_engines, [free_port() for _ in jobs], jobs, out)
     with open(out) as f:
         return json.load(f)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Data at corpus scale: generated corpora and the memory of a whole process tree
+
+def synthetic_corpus(path: str, mb: float, seed: int = 0, words: int = 4000) -> int:
+    """A JSONL corpus of about ``mb`` MB: documents of 50-3000 words drawn from ``words`` made-up words (a
+    Zipf-like law, so a BPE tokenizer finds structure). Returns the number of records."""
+    import json
+
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+    vocab = np.array(["".join(rng.choice(letters, size=rng.integers(2, 9))) for _ in range(words)])
+    p = 1 / np.arange(1, words + 1)
+    p /= p.sum()
+    n, size = 0, 0
+    with open(path, "w") as f:
+        while size < mb * 1e6:
+            text = " ".join(vocab[rng.choice(words, size=int(rng.integers(50, 3000)), p=p)])
+            line = json.dumps({"text": text, "id": n}) + "\n"
+            f.write(line)
+            size += len(line)
+            n += 1
+    return n
+
+
+def peak_tree_rss(cmd: list[str], env: dict | None = None, timeout: float = 600,
+                  stop_when: Callable[[], bool] | None = None) -> tuple[int, float, subprocess.Popen]:
+    """Run ``cmd`` and sample the memory of it and all its children every 20 ms: ``(peak bytes, wall s,
+    process)``. The memory is the summed PSS (resident pages, a shared page counted once in all): summed RSS
+    counts a child between fork and exec as a second copy of its parent. ``stop_when``: checked at every
+    sample; True kills the whole tree with SIGKILL (kill -9)."""
+    import psutil
+
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    root, peak = psutil.Process(proc.pid), 0
+    while proc.poll() is None:
+        try:
+            tree = [root, *root.children(recursive=True)]
+            peak = max(peak, sum(p.memory_full_info().pss for p in tree))
+        except psutil.Error:
+            pass
+        if stop_when is not None and stop_when():
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            break
+        if time.perf_counter() - t0 > timeout:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise TimeoutError(f"{cmd} ran over {timeout} s")
+        time.sleep(0.02)
+    return peak, time.perf_counter() - t0, proc

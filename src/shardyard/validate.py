@@ -185,7 +185,7 @@ def validate(cfg: DictConfig, env: DistEnv | None) -> Plan:
         key = "model.max_position_embeddings" if "max_position_embeddings" in m else "model.path"
         raise UserError("data.seq_len", d.seq_len, f"It exceeds the model's longest position ({key}={facts.max_positions}).",
                         f"Use data.seq_len<={facts.max_positions}" + (f" or raise {key}." if key != "model.path" else "."))
-    src = _validate_data(cfg)
+    src = validate_data(cfg)
     _validate_finetune(cfg, src, facts)
     _validate_balance(m.balance, facts)
     _validate_ep(cfg.backend, p.dims, facts)
@@ -400,8 +400,8 @@ def _validate_profile_debug(cfg: DictConfig) -> None:
                         "Use e.g. metrics.peak_tflops=989 (H100 SXM, bf16 dense), or null for the built-in table.")
 
 
-def _validate_data(cfg: DictConfig):
-    from shardyard.data import check_tokenizer, open_source, tokenizer_source
+def validate_data(cfg: DictConfig):
+    from shardyard.data import check_tokenizer, num_proc, open_sources, tokenizer_source
 
     d = cfg.data
     tokenizer = tokenizer_source(cfg)
@@ -414,7 +414,10 @@ def _validate_data(cfg: DictConfig):
         raise UserError("data.val_fraction", d.val_fraction, "It must lie strictly between 0 and 1.", "Use e.g. 0.05.")
     if d.seq_len < 2:
         raise UserError("data.seq_len", d.seq_len, "Sequences need at least 2 tokens.", "Use e.g. data.seq_len=256.")
-    return open_source(d)  # sources check their own arguments (paths exist, ...) when built
+    num_proc(d)
+    for key in ("buffer_mb", "shard_mb"):
+        _at_least(f"data.{key}", d[key], 1)
+    return open_sources(d)[0].docs  # sources check their own arguments (paths exist, weights, ...) when built
 
 
 def _validate_weights_and_peft(cfg: DictConfig, device_type: str) -> None:
@@ -565,6 +568,11 @@ def _common_divisors(a: int, b: int) -> str:
 def _validate_finetune(cfg: DictConfig, src, facts) -> None:
     """SFT rows and early stopping (after the model is inspected)."""
     m, tr = cfg.model, cfg.train
+    if cfg.data.document_mask and facts.attn is None:
+        raise UserError("data.document_mask", True, "Document masking passes per-document positions and a "
+                        "block-diagonal attention mask as keyword arguments that only an HF model (PreTrainedModel) "
+                        f"takes; model {m.name} is a plain module.", "Use an HF model (model=hf, deepseek_tiny, "
+                        "deepseek7b, ...), or data.document_mask=false.")
     if hasattr(src, "tokenize_rows") and facts.attn is None:
         raise UserError("data", cfg.data._target_, "Its rows carry per-conversation positions and a block-diagonal "
                         "attention mask, passed as keyword arguments that only an HF model (PreTrainedModel) takes; "

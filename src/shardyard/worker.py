@@ -106,15 +106,24 @@ def train(cfg: DictConfig, plan: Plan, backend: Backend) -> dict:
 
     # 1. Data: the parent (or the first rank) built the caches; every rank reads its own share.
     prepared = data.prepare(cfg)
-    seqs = data.open_split(prepared, "train", cfg.data.seq_len)
-    val = data.open_split(prepared, "val", cfg.data.seq_len)
+    total_samples = cfg.train.steps * plan.global_batch_size
+    seqs = data.open_train(prepared, cfg.data, cfg.seed, total_samples)
+    val = data.open_val(prepared, cfg.data)
     if rank0 and prepared.stats:
         st = prepared.stats
         print(f"shardyard | data: {st['conversations']:,} conversations, {st['truncated']:,} longer than data.seq_len="
               f"{cfg.data.seq_len} ({st['dropped']:,} dropped), {st['label_tokens']:,} of {st['tokens']:,} tokens "
               "carry a label (assistant tokens)", flush=True)
+    log = None
+    if cfg.data.log_sample_ids:
+        os.makedirs(os.path.join(cfg.run_dir, "samples"), exist_ok=True)
+        log = os.path.join(cfg.run_dir, "samples", f"rank{backend.rank}.jsonl")
     stream = data.TrainStream(seqs, cfg.seed, plan.global_batch_size, plan.micro_batch_size, backend.dp_rank,
-                              backend.dp_size)
+                              backend.dp_size, log=log)
+    if rank0 and len(prepared.parts) > 1:
+        shares = ", ".join(f"{p.name} {w:.1%} ({len(r):,} sequences)"
+                           for p, w, r in zip(prepared.parts, stream.weights().values(), seqs.parts))
+        print(f"shardyard | data: mixture of {len(prepared.parts)} sources, shares of the samples: {shares}", flush=True)
 
     # 2. Model, engine, optimizer, schedule. The engine calls `build` where and how it needs the model
     # (meta device, deepspeed.zero.Init); the model is seeded identically on every rank.
@@ -141,7 +150,7 @@ def train(cfg: DictConfig, plan: Plan, backend: Backend) -> dict:
                  if trainable is not None else "")
         print(f"shardyard | model {cfg.model.name}: {plan.facts.params:,} parameters{tuned}, "
               f"{plan.facts.flops_per_token / 1e9:.4g} GFLOPs per training token | engine {cfg.backend.name} | "
-              f"precision {cfg.precision.name} | {len(seqs):,} train / {len(val):,} val sequences "
+              f"precision {cfg.precision.name} | {len(seqs):,} train / {sum(map(len, val.values())):,} val sequences "
               f"({stream.steps_per_epoch} steps per epoch)", flush=True)
 
     # 3. Resume: model, optimizer, schedule, RNG and data position, or a fresh start.

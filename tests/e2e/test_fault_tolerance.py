@@ -44,9 +44,36 @@ def workers(proc):
             if "shardyard.worker" in " ".join(c.cmdline()) or c.cmdline() == parent.cmdline()]
 
 
-def test_kill_9_a_worker_then_resume_auto(tmp_path):
-    proc = start(tmp_path, "train.steps=400")
-    wait_for(tmp_path / "checkpoints/step-00000002/meta.json", proc)
+def _consumed(run_dir, last: int, steps: int) -> list[int]:
+    """The sample ids a killed-and-resumed run trained on (``data.log_sample_ids``): steps up to ``last`` from
+    the first attempt (its two ranks), the later ones from the resumed attempt (one rank), whose lines follow."""
+    ids = []
+    for rank in (0, 1):
+        attempt, previous = 0, 0
+        for line in open(run_dir / "samples" / f"rank{rank}.jsonl"):
+            rec = json.loads(line)
+            attempt += rec["step"] < previous  # the resumed attempt starts again after the checkpoint
+            previous = rec["step"]
+            if (attempt == 0 and rec["step"] <= last) or (attempt == 1 and rec["step"] <= steps):
+                ids += rec["ids"]
+    return sorted(ids)
+
+
+def test_kill_9_a_worker_then_resume_auto_at_another_world_size(tmp_path):
+    """kill -9 of one of two workers, then ``resume=auto`` with one: the samples trained on (by their ids, a
+    two-source mixture with document masking) are exactly an uninterrupted run's, no repeat, no skip."""
+    from shardyard import data
+    from shardyard.testing import compose, synthetic_corpus
+
+    for i in (0, 1):
+        (tmp_path / f"corpus{i}").mkdir()
+        synthetic_corpus(str(tmp_path / f"corpus{i}/c.jsonl"), 0.3, seed=i)
+    mix = ["data=mixture", "data.tokenizer.vocab_size=1000", "data.document_mask=true", "data.log_sample_ids=true",
+           f"data.sources=[{{name: one, paths: [{tmp_path}/corpus0], weight: 3}}, "
+           f"{{name: two, paths: [{tmp_path}/corpus1], weight: 1}}]"]
+    run = tmp_path / "run"
+    proc = start(run, "train.steps=400", *mix)
+    wait_for(run / "checkpoints/step-00000002/meta.json", proc)
     workers(proc)[-1].send_signal(signal.SIGKILL)
     try:  # the survivor does not hang: it ends the job (how soon: python bench/failure_detection.py)
         out, err = proc.communicate(timeout=120)
@@ -54,12 +81,20 @@ def test_kill_9_a_worker_then_resume_auto(tmp_path):
         os.killpg(proc.pid, signal.SIGKILL)
         raise AssertionError("the job still ran 120 s after one of its workers was killed") from None
     assert proc.returncode != 0 and "failed" in err and "rank" in err, err[-3000:]
-    done = sorted(p for p in os.listdir(tmp_path / "checkpoints") if p.startswith("step-"))
-    assert done and all(verify(str(tmp_path / "checkpoints" / d)) is None for d in done)
+    done = sorted(p for p in os.listdir(run / "checkpoints") if p.startswith("step-"))
+    assert done and all(verify(str(run / "checkpoints" / d)) is None for d in done)
     last = int(done[-1].split("-")[1])
-    proc2 = train_py(*RUN, "train.steps=%d" % (last + 2), "checkpoint.resume=auto", run_dir=tmp_path)
+    proc2 = train_py(*RUN, *mix, "train.steps=%d" % (last + 2), "checkpoint.resume=auto", "launch.nproc_per_node=1",
+                     run_dir=run)
     assert proc2.returncode == 0, proc2.stderr[-3000:]
-    assert f"resumed from {tmp_path}/checkpoints/{done[-1]}" in proc2.stdout
+    assert f"resumed from {run}/checkpoints/{done[-1]}" in proc2.stdout
+    cfg = compose([*RUN, *mix, "train.steps=%d" % (last + 2)])
+    samples = data.open_train(data.prepare(cfg), cfg.data, cfg.seed, (last + 2) * 8)
+    expected = sorted(samples.sample_ids(range((last + 2) * 8)).tolist())
+    assert _consumed(run, last, last + 2) == expected
+    final = [json.loads(line) for line in open(run / "metrics.jsonl") if "eval/loss" in line][-1]
+    assert {"eval/loss/one", "eval/loss/two"} <= set(final)  # each source evaluated on its own held-out documents
+    assert final["eval/loss"] == pytest.approx(0.75 * final["eval/loss/one"] + 0.25 * final["eval/loss/two"])
 
 
 def test_kill_9_during_a_save_leaves_the_previous_checkpoint(tmp_path):

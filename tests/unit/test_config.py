@@ -21,6 +21,10 @@ def test_every_option_composes_and_validates(group, option, tmp_path):
     if group == "data" and option == "text_files":
         (tmp_path / "a.txt").write_text("hello world\n" * 100)
         extra = [f"data.paths=[{tmp_path}/a.txt]"]
+    if group == "data" and option == "mixture":
+        (tmp_path / "a.txt").write_text("hello world\n" * 100)
+        extra = [f"data.sources=[{{name: a, paths: [{tmp_path}/a.txt], weight: 2}}, "
+                 "{name: b, _target_: shardyard.data.StdlibCode, exclude_dirs: [test], weight: 1}]"]
     if option == "zero_infinity":  # needs the user's NVMe directory
         extra = [f"backend.nvme_path={tmp_path}"]
     if option in ("fsdp_tp", "pipeline"):  # a model split 2 ways needs 2 ranks (4 layers: 2 per pipeline stage)

@@ -12,10 +12,7 @@ from shardyard.testing import compose
 
 @pytest.fixture(scope="module")
 def seqs(tmp_path_factory):
-    tokens = np.arange(10_000, dtype=np.uint16) % 1000
-    path = tmp_path_factory.mktemp("tok") / "train.npy"
-    np.save(path, tokens)
-    return data.PackedSequences(str(path), 16)
+    return data.PackedSequences(np.arange(10_000, dtype=np.uint16) % 1000, 16)
 
 
 def test_ranks_partition_the_global_batch(seqs):
@@ -81,15 +78,15 @@ def test_text_files_corpus_and_its_caches_are_verified(tmp_path, capsys):
     assert len(docs) == 1 + 300 + 40 and docs["c.json:39"] == "array item 39" and docs["b.jsonl:7"].startswith("record 7:")
     p = data.prepare(cfg)
     assert p.vocab_size == 300
-    n = len(data.PackedSequences(f"{p.token_dir}/train.npy", 16))
+    n = len(data.open_split(p, "train", 16))
     assert n > 10
-    for victim in (f"{p.token_dir}/train.npy", f"{p.tokenizer_dir}/tokenizer.json"):
+    for victim in (f"{p.token_dir}/train-00000.bin", f"{p.tokenizer_dir}/tokenizer.json"):
         os.truncate(victim, os.path.getsize(victim) // 2)
         capsys.readouterr()
         again = data.prepare(cfg)
         out = capsys.readouterr().out
         assert f"{os.path.dirname(victim)} does not verify ({os.path.basename(victim)} has" in out and "rebuilding" in out, out
-        assert again == p and len(data.PackedSequences(f"{p.token_dir}/train.npy", 16)) == n
+        assert again == p and len(data.open_split(p, "train", 16)) == n
     data.prepare(cfg)
     assert "does not verify" not in capsys.readouterr().out  # verified, used as is
 
@@ -117,18 +114,20 @@ def test_every_malformed_record_exits_2_naming_file_and_line(tmp_path, name, con
 def test_paths_that_match_no_readable_file_exit_2(tmp_path):
     from shardyard.errors import UserError
 
-    (tmp_path / "notes.csv").write_text("a,b\n")
+    (tmp_path / "notes.xlsx").write_text("a,b\n")
+    (tmp_path / "rows.parquet.gz").write_text("")  # Parquet compresses inside: no outer codec
     (tmp_path / "bad.jsonl").write_bytes(b'{"text": "\xff"}\n')
-    for paths, value in (([str(tmp_path / "notes.csv")], "notes.csv"), ([str(tmp_path / "none*")], "none*")):
+    for paths, value in (([str(tmp_path / "notes.xlsx")], "notes.xlsx"), ([str(tmp_path / "none*")], "none*"),
+                         ([str(tmp_path / "rows.parquet.gz")], "rows.parquet.gz")):
         with pytest.raises(UserError) as e:
             data.TextFiles(paths)
         assert e.value.key == "data.paths" and str(e.value.value).endswith(value)
     empty = tmp_path / "empty"
     empty.mkdir()
-    (empty / "x.csv").write_text("")
+    (empty / "x.xlsx").write_text("")
     with pytest.raises(UserError) as e:
         data.TextFiles([str(empty)])
-    assert e.value.value == str(empty) and "no .txt/.jsonl/.json/.parquet file" in e.value.problem
+    assert e.value.value == str(empty) and "no .txt/.jsonl/.json/.parquet/.arrow/.csv" in e.value.problem
     with pytest.raises(UserError) as e:
         list(data.TextFiles([str(tmp_path / "bad.jsonl")]).documents())
     assert "not UTF-8" in e.value.problem

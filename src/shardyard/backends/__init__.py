@@ -179,8 +179,15 @@ class Backend(Protocol):
         ``deepspeed.zero.Init``), apply activation checkpointing and compile, wrap/shard it, and build the
         optimizer, scheduler and loss scaler from the recipe."""
 
-    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, is_last_micro: bool) -> torch.Tensor:
-        """Loss of one micro-batch (detached); gradients are synchronised only when ``is_last_micro``."""
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, is_last_micro: bool,
+                         weight: torch.Tensor) -> torch.Tensor:
+        """Backward of one micro-batch's summed cross-entropy times ``weight`` (a 0-d fp32 tensor on the
+        device: accumulation steps x ``dp_size`` / the step's label tokens over every data-parallel rank), as
+        one of the micro-batch losses whose mean over micro-batches and data-parallel ranks the engine's
+        gradient is: the step's gradient is then that of the token-weighted mean (docs/architecture.md,
+        "Token-weighted loss"). MoE balance losses keep the plain mean. Returns the micro-batch's summed
+        cross-entropy, unweighted and detached, on every rank; gradients are synchronised only when
+        ``is_last_micro``."""
 
     def step(self, guard: bool = False) -> StepStats:
         """Unscale, clip, optimizer + scheduler step, zero grads. With ``guard``, an update whose global
@@ -190,7 +197,10 @@ class Backend(Protocol):
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor: ...
 
-    def all_reduce_mean(self, t: torch.Tensor) -> torch.Tensor: ...
+    def all_reduce_mean(self, t: torch.Tensor) -> torch.Tensor:
+        """The mean of ``t`` over every rank of the world (a new tensor). Ranks of one replica (tensor-parallel
+        peers, a pipeline's stages) hold the same value, so it is also the mean over the ``dp_size`` replicas:
+        times ``dp_size``, their sum (the loop's label count per step)."""
 
     def barrier(self) -> None: ...
 

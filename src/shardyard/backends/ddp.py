@@ -76,10 +76,10 @@ class DDPBackend:
             **_buffer_sync_kwargs(b.forward_sync_buffers))
         self.stepper = TorchStepper(self.ddp, self.cfg, self.device, self.plan.grad_accum_steps, total_steps)
 
-    def forward_backward(self, inputs, targets, is_last_micro: bool) -> torch.Tensor:
+    def forward_backward(self, inputs, targets, is_last_micro: bool, weight: torch.Tensor) -> torch.Tensor:
         # no_sync() skips the gradient all-reduce on non-final micro-steps; gradients accumulate locally.
         sync = contextlib.nullcontext() if is_last_micro else self.ddp.no_sync()
-        return self.stepper.forward_backward(inputs, targets, sync)
+        return self.stepper.forward_backward(inputs, targets, weight, sync)
 
     step = forward_to("stepper", TorchStepper.step)  # gradients are already averaged: the norm is the global one
     eval_loss = forward_to("stepper", TorchStepper.eval_loss)

@@ -26,7 +26,7 @@ from shardyard.backends.process_group import init_process_group, teardown
 from shardyard.backends.torch_step import pick_device
 from shardyard.errors import UserError
 from shardyard import moe
-from shardyard.model import apply_activation_checkpointing, causal_lm_loss, wants_meta
+from shardyard.model import apply_activation_checkpointing, causal_lm_loss, causal_lm_loss_sum, wants_meta
 from shardyard.optim import build_optimizer, build_scheduler, optimizer_kwargs, param_groups
 from shardyard.safe_load import weights_only_loads
 
@@ -302,13 +302,15 @@ class DeepSpeedBackend:
             print(f"shardyard | generated DeepSpeed config (lr schedule: shardyard's {self.cfg.sched._target_}, "
                   f"passed as a callable):\n{text}", flush=True)
 
-    def forward_backward(self, inputs, targets, is_last_micro: bool) -> torch.Tensor:
-        loss = causal_lm_loss(self.engine, inputs, targets)
-        # DeepSpeed divides by the accumulation steps itself; MoE balance losses train, the cross-entropy is reported.
-        self.engine.backward(loss + moe.aux_loss(self.engine))
+    def forward_backward(self, inputs, targets, is_last_micro: bool, weight: torch.Tensor) -> torch.Tensor:
+        ce_sum = causal_lm_loss_sum(self.engine, inputs, targets)
+        # engine.backward divides by gradient_accumulation_steps and ZeRO averages over the data-parallel ranks:
+        # the mean of the weighted micro-batch losses, i.e. the token-weighted mean (the weight counts both).
+        # MoE balance losses keep the plain mean. Under fp16 DeepSpeed's own loss scale multiplies this loss.
+        self.engine.backward(ce_sum * weight + moe.aux_loss(self.engine))
         if not is_last_micro:
             self.engine.step()  # bookkeeping only: not an accumulation boundary
-        return loss.detach()
+        return ce_sum.detach()
 
     def step(self, guard: bool = False) -> StepStats:
         assert self.engine.is_gradient_accumulation_boundary()

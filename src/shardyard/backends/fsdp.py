@@ -153,11 +153,11 @@ class FSDPBackend:
                                     scaler=scaler, autocast=False,  # the MixedPrecisionPolicy casts instead
                                     **stepper_options(self.model, self.plan.dims.ep))
 
-    def forward_backward(self, inputs, targets, is_last_micro: bool) -> torch.Tensor:
+    def forward_backward(self, inputs, targets, is_last_micro: bool, weight: torch.Tensor) -> torch.Tensor:
         # reduce_every_micro_batch=false: non-final micro-steps keep unsharded gradients and skip the reduce-scatter.
         sync = is_last_micro or self.bcfg.reduce_every_micro_batch
         self.model.set_requires_gradient_sync(sync)  # type: ignore[operator]  # FSDPModule method, added at runtime
-        return self.stepper.forward_backward(inputs, targets)
+        return self.stepper.forward_backward(inputs, targets, weight)
 
     step = forward_to("stepper", TorchStepper.step)  # the norm of DTensor gradients: global, over all shards
     eval_loss = forward_to("stepper", TorchStepper.eval_loss)

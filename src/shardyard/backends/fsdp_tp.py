@@ -189,9 +189,9 @@ class FSDPTPBackend:
         self.stepper = TorchStepper(self.model, self.cfg, self.device, self.plan.grad_accum_steps, total_steps,
                                     autocast=False)  # the MixedPrecisionPolicy casts instead
 
-    def forward_backward(self, inputs, targets, is_last_micro: bool) -> torch.Tensor:
+    def forward_backward(self, inputs, targets, is_last_micro: bool, weight: torch.Tensor) -> torch.Tensor:
         self.model.set_requires_gradient_sync(is_last_micro or self.bcfg.reduce_every_micro_batch)  # type: ignore[operator]
-        return self.stepper.forward_backward(inputs, targets)
+        return self.stepper.forward_backward(inputs, targets, weight)
 
     step = forward_to("stepper", TorchStepper.step)  # every gradient is a (dp, tp) DTensor: one global norm
     eval_loss = forward_to("stepper", TorchStepper.eval_loss)

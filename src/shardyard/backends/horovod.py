@@ -134,8 +134,10 @@ class HorovodBackend:
                                     wrap_optimizer=distributed, before_unscale=lambda: hvd_optimizer().synchronize(),
                                     step_context=lambda: hvd_optimizer().skip_synchronize())
 
-    def forward_backward(self, inputs, targets, is_last_micro: bool) -> torch.Tensor:
-        return self.stepper.forward_backward(inputs, targets)
+    def forward_backward(self, inputs, targets, is_last_micro: bool, weight: torch.Tensor) -> torch.Tensor:
+        # The stepper's 1/accum and DistributedOptimizer's hvd.Average (it accumulates backward_passes_per_step
+        # passes without dividing) average the weighted micro-batch losses, as DDP does.
+        return self.stepper.forward_backward(inputs, targets, weight)
 
     step = forward_to("stepper", TorchStepper.step)  # synchronize() -> unscale -> clip -> skip_synchronize(): step
     eval_loss = forward_to("stepper", TorchStepper.eval_loss)

@@ -225,7 +225,9 @@ class PipelineBackend:
         unsupported = [("backend.cpu_offload", True, b.cpu_offload, "CPU offload"),
                        ("peft", str(cfg.peft.name), cfg.peft.name != "none", "Adapters (peft)"),
                        ("data", "sft", cfg.data._target_ == "shardyard.sft.SFTData", "Packed SFT rows (positions "
-                        "restarting per conversation travel beside the hidden states)")]
+                        "restarting per conversation travel beside the hidden states)"),
+                       ("data.document_mask", True, cfg.data.document_mask, "Document masking (positions restarting "
+                        "per document travel beside the hidden states)")]
         for key, value, on, what in unsupported:
             if on:
                 raise UserError(key, value, f"{what} with pipeline stages is not implemented: stages pass one tensor, "
@@ -278,16 +280,16 @@ class PipelineBackend:
         self.model = build(allow_meta=True)
         self.stages = parallelize_pipeline(self.model, self.cfg, self.mesh, self.device)
         self.mine = list(range(self.pp_rank, self.chunks, self.pp))
-        for stage in self.stages:
-            stage.loss_scale = 1 / (b.microbatches * self.plan.grad_accum_steps)  # as _scaled_loss
+        for stage in self.stages:  # MoE balance losses: the plain mean over pipeline micro-batches and accumulation
+            stage.loss_scale = 1 / (b.microbatches * self.plan.grad_accum_steps)
         pipe = [PipelineStage(s, c, self.chunks, self.device, group=self.pp_group) for s, c in zip(self.stages, self.mine)]
         for stage, driver in zip(self.stages, pipe):
             object.__setattr__(stage, "pipe", driver)  # not a submodule
         self.accum = self.plan.grad_accum_steps
         schedule: Any = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}[b.schedule]
-        # scale_grads=False: the loss function divides by micro-batches x accumulation itself, so gradients add
-        # up across the several schedule steps of one optimizer step (the schedule's own scaling would divide
-        # what earlier micro-batches accumulated again).
+        # scale_grads=False: the loss function scales each pipeline micro-batch's loss itself (_scaled_loss), so
+        # gradients add up across the several schedule steps of one optimizer step (the schedule's own scaling
+        # would divide what earlier micro-batches accumulated again).
         self.schedule = schedule(pipe if b.schedule == "interleaved" else pipe[0], n_microbatches=b.microbatches,
                                  loss_fn=self._scaled_loss, scale_grads=False)
         # norm_group: the norm over every stage's gradients. own_param_groups: a resumed later stage keeps its
@@ -298,17 +300,25 @@ class PipelineBackend:
         self.model.forward = self._forward_whole  # for sampling through hf_model(): the whole model's logits
 
     def _scaled_loss(self, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss = F.cross_entropy(out.float().reshape(-1, out.size(-1)), targets.reshape(-1), ignore_index=-100)
-        return loss / (self.bcfg.microbatches * self.accum)
+        """One pipeline micro-batch's (a chunk of the micro batch) summed cross-entropy x ``weight`` / accumulation:
+        over the chunks it adds up to the micro batch's ``ce_sum x weight / accum``, as ``TorchStepper``
+        backpropagates, and FSDP's mean over dp makes the step's gradient the token-weighted mean's."""
+        ce_sum = F.cross_entropy(out.float().reshape(-1, out.size(-1)), targets.reshape(-1), ignore_index=-100,
+                                 reduction="sum")
+        return ce_sum * self._weight / self.accum
 
-    def forward_backward(self, inputs, targets, is_last_micro: bool) -> torch.Tensor:
+    def forward_backward(self, inputs, targets, is_last_micro: bool, weight: torch.Tensor) -> torch.Tensor:
+        self._weight = weight  # read by _scaled_loss
         losses: list[torch.Tensor] = []
         args = (inputs,) if 0 in self.mine else ()
         self.schedule.step(*args, target=targets, losses=losses)
-        # Only the last stage computed the loss: it sends the micro batch's mean to the others of its pipeline.
-        loss = (torch.stack(losses).sum() * self.accum).detach() if losses else torch.zeros((), device=self.device)
-        dist.broadcast(loss, group=self.pp_group, group_src=self.pp - 1)
-        return loss
+        # Only the last stage computed the loss: it sends the micro batch's summed cross-entropy to the others of
+        # its pipeline. Read off the schedule's losses (the weight undone), not counted inside _scaled_loss: the
+        # schedule's first step also calls the loss function once to infer the backward's shapes.
+        ce_sum = (torch.stack(losses).sum() * self.accum / weight).detach() if losses \
+            else torch.zeros((), device=self.device)
+        dist.broadcast(ce_sum, group=self.pp_group, group_src=self.pp - 1)
+        return ce_sum
 
     step = forward_to("stepper", TorchStepper.step)
 

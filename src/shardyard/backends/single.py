@@ -48,8 +48,8 @@ class SingleBackend:
         self.model = prepare_replica(build(allow_meta=True), self.cfg.model, self.device, self.cfg.seed)
         self.stepper = TorchStepper(self.model, self.cfg, self.device, self.plan.grad_accum_steps, total_steps)
 
-    def forward_backward(self, inputs, targets, is_last_micro: bool) -> torch.Tensor:
-        return self.stepper.forward_backward(inputs, targets)
+    def forward_backward(self, inputs, targets, is_last_micro: bool, weight: torch.Tensor) -> torch.Tensor:
+        return self.stepper.forward_backward(inputs, targets, weight)
 
     step = forward_to("stepper", TorchStepper.step)
     eval_loss = forward_to("stepper", TorchStepper.eval_loss)

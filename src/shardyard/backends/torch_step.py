@@ -13,7 +13,7 @@ from shardyard.backends import FP32, ModelStates, StepStats
 from shardyard.backends.expert_parallel import clip_by_mesh
 from shardyard import moe
 from shardyard.memory import local
-from shardyard.model import causal_lm_loss
+from shardyard.model import causal_lm_loss, causal_lm_loss_sum
 from shardyard.optim import build_optimizer, build_scheduler
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -56,14 +56,18 @@ class TorchStepper:
     def autocast(self):
         return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.autocast_on)
 
-    def forward_backward(self, inputs, targets, sync_context=contextlib.nullcontext()) -> torch.Tensor:
+    def forward_backward(self, inputs, targets, weight: torch.Tensor,
+                         sync_context=contextlib.nullcontext()) -> torch.Tensor:
+        """``Backend.forward_backward``: the micro-batch's summed cross-entropy (detached, unweighted)."""
         with sync_context:
             with self.autocast():
-                loss = causal_lm_loss(self.model, inputs, targets)
-            # Each micro-batch holds the same number of tokens, so scaling by 1/accum makes the summed
-            # gradient the mean over the global batch. MoE balance losses train too; the cross-entropy is reported.
-            self.scaler.scale((loss + moe.aux_loss(self.model)) / self.accum).backward()
-        return loss.detach()
+                ce_sum = causal_lm_loss_sum(self.model, inputs, targets)
+            # 1/accum here and the engine's mean over data-parallel ranks average the micro-batch losses; with
+            # weight = accum x dp / (the step's label tokens) that average is the token-weighted mean of the
+            # cross-entropy. MoE balance losses keep the plain mean of micro-batches. The weight is a plain
+            # factor before the fp16 loss scale, which the scaler applies (and removes) as before.
+            self.scaler.scale((ce_sum * weight + moe.aux_loss(self.model)) / self.accum).backward()
+        return ce_sum.detach()
 
     def step(self, guard: bool = False) -> StepStats:
         if self.before_unscale is not None:

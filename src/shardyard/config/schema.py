@@ -482,6 +482,23 @@ class DataConfig:
     """How text becomes tokens."""
     cache_dir: str = "${oc.env:SHARDYARD_CACHE,${oc.env:HOME}/.cache/shardyard}"
     """Where tokenizers and token arrays are cached (one build per machine, under a file lock)."""
+    num_proc: Optional[int] = None
+    """Tokenizer processes that build the token cache; ``null`` = one per core this process may use. The shards
+    are the same whatever it is."""
+    buffer_mb: int = 256
+    """What the token-cache build holds at once besides its processes' interpreters: text and token arrays of
+    the chunks in flight (2 x ``num_proc`` chunks of ``buffer_mb / (4 x num_proc)`` MB of text each). Peak memory
+    does not grow with the corpus."""
+    shard_mb: int = 256
+    """Size of a token shard file (train tokens; the val shard written beside it is smaller). A killed build
+    keeps its finished shards and resumes after them."""
+    document_mask: bool = False
+    """Packed pre-training sequences keep their documents apart: positions restart after every end-of-text
+    token and attention stops there (a block-diagonal mask for sdpa/eager, varlen for FlashAttention-2), as SFT
+    packing does. ``false``: a token attends across the end-of-text into the previous document."""
+    log_sample_ids: bool = False
+    """Append every micro-batch's sample ids to ``<run dir>/samples/rank<r>.jsonl`` (``{step, micro, ids}``), to
+    check what a run (or a resumed one) consumed."""
 
 
 class Truncation(Choice):
@@ -520,11 +537,27 @@ class StdlibCodeDataConfig(DataConfig):
 @dataclass
 class TextFilesDataConfig(DataConfig):
     paths: List[str] = MISSING
-    """Local ``.txt`` / ``.jsonl`` / ``.json`` (an array of records, or one per line) / ``.parquet`` files,
-    directories (searched recursively, less hidden entries and shardyard caches) or glob patterns."""
+    """Local files, directories (searched recursively, less hidden entries and shardyard caches) or glob
+    patterns: ``.txt`` (one document per file), ``.jsonl``, ``.json`` (an array of records, or one per line),
+    ``.csv`` (one document per record or row), each optionally ``.gz`` / ``.zst`` compressed, and ``.parquet``,
+    ``.arrow`` (rows, read by HF ``datasets`` in streaming mode). Files are streamed: larger than RAM is fine."""
     text_field: str = "text"
-    """Field holding the text in ``.jsonl`` / ``.json`` records and ``.parquet`` rows: a string in every one (a
-    record without it, or with another type, exits 2 naming the file and line)."""
+    """Field (column) holding the text in JSONL / JSON records and Parquet / Arrow / CSV rows: a string in every
+    one (a record without it, or with another type, exits 2 naming the file and line)."""
+    template: Optional[str] = None
+    """Instead of ``text_field``: a Python format string over each record's fields, e.g.
+    ``"{title}\\n\\n{body}"``; a record missing one exits 2 naming the file and line."""
+
+
+@dataclass
+class MixtureDataConfig(DataConfig):
+    sources: List[Any] = MISSING
+    """The sources, each ``{name, weight, epochs, ...}`` plus its own options: by default local files
+    (``paths``, ``text_field``, ``template``, as ``data=text_files``), or any source with ``_target_`` (e.g.
+    ``shardyard.data.StdlibCode`` with ``exclude_dirs``). ``weight`` (default 1): its share of the training
+    samples is weight / sum of weights. ``epochs`` (default null): at most this many passes over it in the run;
+    its share is lowered to that and the others' raised. Each source is tokenized and cached on its own and
+    evaluated on its own held-out documents (``eval/loss/<name>``)."""
 
 
 # ------------------------------------------------------------------------------------------------ peft
@@ -938,6 +971,7 @@ SCHEMAS = {
     "schema_model_deepseek_v2": DeepseekV2ModelConfig,
     "schema_data_stdlib_code": StdlibCodeDataConfig,
     "schema_data_text_files": TextFilesDataConfig,
+    "schema_data_mixture": MixtureDataConfig,
     "schema_data_sft": SFTDataConfig,
     "schema_peft": PeftConfig,
     "schema_optim_adamw": AdamWConfig,

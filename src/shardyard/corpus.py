@@ -1,0 +1,305 @@
+"""Documents streamed out of the files people keep their data in: text, JSONL, JSON, Parquet, Arrow and CSV, the
+text-like ones optionally gzip- or zstd-compressed. Nothing is read whole except a ``.json`` array (JSON has no
+streaming form of an array), so a file may be larger than RAM.
+
+Every record becomes one document: its ``text_field``, or the ``template`` (a Python format string over the
+record's fields, e.g. ``"{title}\\n\\n{body}"``). A record without that field, or with a non-string in it, exits 2
+naming the file and line (row for Parquet/Arrow/CSV). A ``.txt`` file is one document, handed out in pieces of at
+most ``PIECE_CHARS`` characters cut at line ends, so one huge file never sits in memory whole either.
+
+Parquet and Arrow go through HF ``datasets`` in streaming mode (local files, record batches, no Arrow copy in
+``~/.cache/huggingface``); JSONL, JSON, CSV and text are read line by line here, because the error messages need
+the line and ``datasets`` reports none."""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import io
+import json
+import os
+import zlib
+from pathlib import Path
+from typing import IO, Any, Iterable, Iterator, NamedTuple
+
+from shardyard.errors import UserError
+
+FORMATS = {".txt": "text", ".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".arrow": "arrow",
+           ".csv": "csv"}
+"""File suffix -> format."""
+COMPRESSIONS = {".gz": "gzip", ".zst": "zstd"}
+"""Compression suffix (after the format's: ``a.jsonl.zst``) -> codec, for the text-like formats."""
+STREAMED = ("text", "jsonl", "json", "csv")
+"""The formats that may be compressed (Parquet and Arrow compress inside the file)."""
+PIECE_CHARS = 1 << 20
+"""A ``.txt`` document is handed out in pieces of at most this many characters, cut at line ends."""
+KNOWN = "/".join(FORMATS) + " (text-like ones also .gz/.zst)"
+
+JSON_TYPES = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
+              type(None): "null"}
+
+
+class Piece(NamedTuple):
+    """Part of a document: ``name`` (stable: it decides the train/val split), ``text``, and whether the document
+    ends with it (an end-of-text token follows)."""
+
+    name: str
+    text: str
+    last: bool
+
+
+def file_format(path: Path) -> tuple[str, str | None] | None:
+    """``(format, compression)`` of a file by its suffixes (``a.jsonl.gz`` -> ``("jsonl", "gzip")``), or None."""
+    name, codec = path.name, None
+    for suffix, c in COMPRESSIONS.items():
+        if name.endswith(suffix):
+            name, codec = name[: -len(suffix)], c
+    fmt = FORMATS.get(os.path.splitext(name)[1])
+    if fmt is None or (codec is not None and fmt not in STREAMED):
+        return None
+    return fmt, codec
+
+
+def _refuse_unreadable(path: Path, e: Exception) -> UserError:
+    return UserError("data.paths", str(path), f"The file cannot be decompressed ({type(e).__name__}: {e}).",
+                     "Check it (gzip -t FILE, zstd -t FILE) and copy it again, or leave it out of data.paths.")
+
+
+class _Counting(io.RawIOBase):
+    """A binary file that counts the compressed bytes read from it (the progress bar's position)."""
+
+    def __init__(self, f: IO[bytes]):
+        self.f, self.done = f, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        n = self.f.readinto(b)  # type: ignore[attr-defined]
+        self.done += n or 0
+        return n or 0
+
+    def close(self) -> None:
+        self.f.close()
+        super().close()
+
+
+def open_text(path: Path, codec: str | None) -> tuple[IO[str], _Counting]:
+    """The file as UTF-8 text, decompressed as it is read, and the counter of the bytes read from disk."""
+    raw = _Counting(open(path, "rb"))
+    buffered = io.BufferedReader(raw, 1 << 20)
+    if codec == "gzip":
+        stream: Any = gzip.GzipFile(fileobj=buffered)
+    elif codec == "zstd":
+        import zstandard  # lazy: only for .zst files
+
+        stream = zstandard.ZstdDecompressor().stream_reader(buffered, read_across_frames=True)
+    else:
+        stream = buffered
+    return io.TextIOWrapper(stream, encoding="utf-8", newline=None), raw
+
+
+def _decode_errors(path: Path) -> tuple:
+    """The exceptions a damaged or foreign compressed file raises while it is read (exit 2, naming it)."""
+    try:
+        import zstandard
+        zstd_error: tuple = (zstandard.ZstdError,)
+    except ImportError:
+        zstd_error = ()
+    return (gzip.BadGzipFile, EOFError, zlib.error, *zstd_error)
+
+
+class Records:
+    """The documents of one file, streamed. ``text_field`` or ``template`` picks each record's text."""
+
+    def __init__(self, path: Path, name: str, text_field: str = "text", template: str | None = None, key: str = "data"):
+        """``key``: where these options live in the config (``data``, ``data.sources[1]``), for error messages."""
+        found = file_format(path)
+        if found is None:
+            raise UserError("data.paths", str(path), f"Its format is not one shardyard reads ({KNOWN}).",
+                            "Convert the file, or leave it out of data.paths.")
+        self.path, self.name, self.text_field, self.template, self.key = path, name, text_field, template, key
+        self.format, self.codec = found
+        self.done = 0  # bytes of the file read from disk (compressed ones when compressed): the progress bar's
+        self._raw: _Counting | None = None
+
+    def bytes_read(self) -> int:
+        return self._raw.done if self._raw is not None else self.done
+
+    def _open(self) -> IO[str]:
+        f, self._raw = open_text(self.path, self.codec)
+        return f
+
+    def pieces(self) -> Iterator[Piece]:
+        try:
+            if self.format == "text":
+                yield from self._text()
+            elif self.format in ("jsonl", "json"):
+                for ordinal, line, record in self._json():
+                    yield Piece(f"{self.name}:{ordinal}", self.text_of(record, f"{self.path}:{line}"), True)
+            elif self.format == "csv":
+                yield from self._csv()
+            else:
+                yield from self._datasets()
+        except UnicodeDecodeError as e:
+            raise UserError("data.paths", str(self.path), f"The file is not UTF-8 text ({e.reason} at byte {e.start} "
+                            "of its text).", "Convert it to UTF-8 (iconv -t utf-8), or leave it out of data.paths.") from None
+        except _decode_errors(self.path) as e:
+            raise _refuse_unreadable(self.path, e) from None
+
+    # -------------------------------------------------------------------------------------------- the text
+    def text_of(self, record: dict, where: str) -> str:
+        """The record's text: its ``text_field``, or the ``template`` filled from its fields."""
+        if self.template is not None:
+            try:
+                return self.template.format_map(record)
+            except KeyError as e:
+                raise UserError(f"{self.key}.template", self.template, f"The record at {where} has no `{e.args[0]}` field "
+                                f"(its keys: {sorted(record)}).", "Correct or remove that record, or use fields every "
+                                f"record has in {self.key}.template.") from None
+            except (ValueError, IndexError, AttributeError) as e:
+                raise UserError(f"{self.key}.template", self.template, f"It is not a Python format string over a record's "
+                                f"fields ({e}).", 'Write it like "{title}\\n\\n{body}".') from None
+        text = record.get(self.text_field)
+        if not isinstance(text, str):
+            problem = "has no" if self.text_field not in record else f"has {JSON_TYPES.get(type(text), 'a non-string')} in its"
+            raise UserError(f"{self.key}.text_field", self.text_field, f"The record at {where} {problem} `{self.text_field}` "
+                            f"field (its keys: {sorted(record)}); every record needs its text there as a string.",
+                            "Correct or remove that record, or name the field that holds the text: "
+                            f"{self.key}.text_field=<key> (or {self.key}.template).")
+        return text
+
+    def _text(self) -> Iterator[Piece]:
+        with self._open() as f:
+            buf: list[str] = []
+            size = 0
+            for line in f:
+                if size + len(line) > PIECE_CHARS and buf:
+                    yield Piece(self.name, "".join(buf), False)
+                    buf, size = [], 0
+                buf.append(line)
+                size += len(line)
+            yield Piece(self.name, "".join(buf), True)
+
+    def _json(self) -> Iterator[tuple[int, int, dict]]:
+        with self._open() as f:
+            first, blank = "", 0
+            while True:  # the first non-space character says array or one object per line
+                c = f.read(1)
+                if not c or not c.isspace():
+                    first = c
+                    break
+                blank += c == "\n"
+            if self.format == "json" and first == "[":
+                text = "\n" * blank + "[" + f.read()  # JSON has no streaming array: read whole
+                yield from _array_records(self.path, text)
+                return
+            for i, line in enumerate(_prepend(first, f), start=blank):
+                if line.strip():
+                    try:
+                        value = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise UserError("data.paths", f"{self.path}:{i + 1}", f"The line is not JSON ({e.msg}, column "
+                                        f"{e.colno}).", "Correct or remove that line: each line holds one JSON object.") from None
+                    yield i, i + 1, _record(value, self.path, i + 1)
+
+    def _csv(self) -> Iterator[Piece]:
+        with self._open() as f:
+            reader = csv.DictReader(f)
+            fields = reader.fieldnames or []
+            if self.template is None and self.text_field not in fields:
+                raise UserError(f"{self.key}.text_field", self.text_field, f"{self.path} has no such column (its header: "
+                                f"{fields}).", f"Use {self.key}.text_field=<one of {fields}>, or {self.key}.template.")
+            for i, row in enumerate(reader):
+                record = {k: v for k, v in row.items() if k is not None}
+                yield Piece(f"{self.name}:{i}", self.text_of(record, f"{self.path}:{reader.line_num}"), True)
+
+    def _datasets(self) -> Iterator[Piece]:
+        import datasets  # lazy: heavy, and only for Parquet / Arrow
+
+        datasets.disable_progress_bars()
+        size = os.path.getsize(self.path)
+        try:
+            ds = datasets.load_dataset(self.format, data_files=str(self.path), split="train", streaming=True)
+            columns = ds.column_names or []
+        except Exception as e:  # pyarrow's own error for a file that is not Parquet / Arrow
+            raise UserError("data.paths", str(self.path), f"The file cannot be read as {self.format} "
+                            f"({type(e).__name__}: {str(e).splitlines()[0][:200]}).",
+                            "Copy it again or convert it, or leave it out of data.paths.") from None
+        if self.template is None and self.text_field not in columns:
+            raise UserError(f"{self.key}.text_field", self.text_field, f"{self.path} has no such column (it has {columns}).",
+                            f"Use {self.key}.text_field=<one of {columns}>, or {self.key}.template.")
+        row = 0
+        for batch in ds.iter(batch_size=1024):
+            keys = list(batch)
+            n = len(batch[keys[0]]) if keys else 0
+            for i in range(n):
+                record = {k: batch[k][i] for k in keys}
+                yield Piece(f"{self.name}:{row}", self.text_of(record, f"{self.path} row {row}"), True)
+                row += 1
+            self.done = min(size, self.done + size // 64)  # rows are not known up front: an estimate
+        self.done = size
+
+
+def _prepend(first: str, f: IO[str]) -> Iterable[str]:
+    """The lines of ``f``, the first of which began with the already-read character ``first``."""
+    rest = f.readline()
+    yield first + rest
+    yield from f
+
+
+def _record(value, path: Path, line: int) -> dict:
+    if not isinstance(value, dict):
+        raise UserError("data.paths", f"{path}:{line}", f"The record is {JSON_TYPES.get(type(value), 'no object')}, "
+                        "not a JSON object ({...}).", "Correct or remove it: every record is a JSON object with named fields.")
+    return value
+
+
+def _array_records(path: Path, text: str) -> Iterator[tuple[int, int, dict]]:
+    """The elements of a ``.json`` file holding one array, each with the line it starts on."""
+    decoder = json.JSONDecoder()
+    line, seen = 1, 0  # line = the line of text[seen]
+
+    def line_at(i: int) -> int:
+        nonlocal line, seen
+        line, seen = line + text.count("\n", seen, i), i
+        return line
+
+    def skip(i: int) -> int:  # past JSON whitespace
+        while i < len(text) and text[i] in " \t\r\n":
+            i += 1
+        return i
+
+    def refuse(i: int, problem: str):
+        return UserError("data.paths", f"{path}:{line_at(i)}", problem, "Correct the file: a .json file holds one array "
+                         "of JSON objects, [{...}, {...}], or one object per line.")
+
+    pos = skip(text.index("[") + 1)
+    index = 0
+    while pos < len(text) and text[pos] != "]":
+        try:
+            value, end = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError as e:
+            raise refuse(e.pos, f"The array's element {index} is not JSON ({e.msg}).") from None
+        yield index, line_at(pos), _record(value, path, line_at(pos))
+        pos = skip(end)
+        if pos < len(text) and text[pos] == ",":
+            pos, index = skip(pos + 1), index + 1
+        elif pos >= len(text) or text[pos] != "]":
+            raise refuse(pos, f"A `,` or the closing `]` is missing after the array's element {index}.")
+    if pos >= len(text) or text[pos + 1:].strip():
+        raise refuse(min(pos, len(text)), "The array is not closed by `]`, or text follows it.")
+
+
+def read_records(path: Path) -> Iterator[tuple[int, int, dict]]:
+    """``(ordinal, line, record)`` for every JSON object of a ``.jsonl`` / ``.json`` file (optionally compressed):
+    one object per line, or a ``.json`` array (ordinal: the element's index). Anything else exits 2 naming the
+    file and line."""
+    r = Records(path, path.name)
+    try:
+        yield from r._json()
+    except UnicodeDecodeError as e:
+        raise UserError("data.paths", str(path), f"The file is not UTF-8 text ({e.reason} at byte {e.start}).",
+                        "Convert it to UTF-8 (iconv -t utf-8), or leave it out of data.paths.") from None
+    except _decode_errors(path) as e:
+        raise _refuse_unreadable(path, e) from None
