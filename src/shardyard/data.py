@@ -655,6 +655,12 @@ class PackedSequences:
             return self.tokens.read(i * L, i * L + L + 1)
         return self.tokens[i * L: i * L + L + 1]
 
+    def prefetch(self, indices) -> None:
+        """Start reading these windows from disk in the background (memory-mapped shards only)."""
+        if isinstance(self.tokens, shards.TokenShards):
+            for i in indices:
+                self.tokens.prefetch(int(i) * self.seq_len, int(i) * self.seq_len + self.seq_len + 1)
+
     def get(self, indices):
         import torch
 
@@ -791,6 +797,12 @@ class Mixture:
         src, window = self.locate(ks)
         return self.offsets[src] + window
 
+    def prefetch(self, ks) -> None:
+        src, window = self.locate(np.asarray(ks))
+        for s in np.unique(src):
+            if hasattr(self.parts[s], "prefetch"):
+                self.parts[s].prefetch(window[src == s])
+
     def get(self, ks):
         import torch
 
@@ -861,6 +873,10 @@ class _One:
     def sample_ids(self, ks: np.ndarray) -> np.ndarray:
         return _source_windows(np.asarray(ks, dtype=np.int64), len(self.parts[0]), self.seed, 0)
 
+    def prefetch(self, ks) -> None:
+        if hasattr(self.parts[0], "prefetch"):
+            self.parts[0].prefetch(self.sample_ids(ks))
+
     def get(self, ks):
         return self.parts[0].get(self.sample_ids(ks))
 
@@ -897,6 +913,9 @@ class TrainStream:
 
     def micro_batch(self, step: int, micro: int):
         ks = self.indices(step, micro)
+        if micro == 0:  # the disk reads of the next step's windows overlap this step's compute
+            first = (step + 1) * self.gb + self.rank * (self.gb // self.world)
+            self.samples.prefetch(np.arange(first, first + self.gb // self.world, dtype=np.int64))
         if self.log is not None:
             self.log.write(json.dumps({"step": step + 1, "micro": micro, "ids": self.samples.sample_ids(ks).tolist()}) + "\n")
         return self.samples.get(ks)
