@@ -33,10 +33,14 @@ sys.path.insert(0, os.path.join(ROOT, "src"))
 from shardyard.testing import peak_tree_rss, synthetic_corpus  # noqa: E402
 
 
-def build(corpus: str, cache: str, num_proc: int, buffer_mb: int) -> tuple[int, float]:
+def build(corpus: str, cache: str, num_proc: int, buffer_mb: int, tokenizer: str | None = None) -> tuple[int, float]:
+    """``shardyard data`` in its own process: (peak memory, wall s). ``tokenizer``: a trained one (so the
+    measured build only tokenizes)."""
     cmd = [sys.executable, "-m", "shardyard", "data", "data=text_files", f"data.paths=[{corpus}]",
            "data.tokenizer.vocab_size=4096", "data.tokenizer.train_bytes=4000000", f"data.num_proc={num_proc}",
            f"data.buffer_mb={buffer_mb}", f"data.cache_dir={cache}"]
+    if tokenizer:
+        cmd.append(f"data.tokenizer.path={tokenizer}")
     peak, wall, proc = peak_tree_rss(cmd, env={**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")})
     out, err = proc.communicate()
     assert proc.returncode == 0, err[-2000:]
@@ -145,9 +149,9 @@ def main() -> None:
                   f"ceiling for {'Rayon on all cores' if n == 1 else 'one core per process'})")
         for n in sorted({1, cores}):
             drop_tokens(cache)
-            peak_small, _ = build(small, cache, n, args.buffer_mb)
+            peak_small, _ = build(small, cache, n, args.buffer_mb, os.path.dirname(tok_file))
             drop_tokens(cache)
-            peak_big, _ = build(big, cache, n, args.buffer_mb)
+            peak_big, _ = build(big, cache, n, args.buffer_mb, os.path.dirname(tok_file))
             print(f"peak memory (PSS), data.num_proc={n}: corpus 1x the buffer {peak_small / 2**20:.0f} MiB, "
                   f"{args.mb / args.buffer_mb:.0f}x {peak_big / 2**20:.0f} MiB (ratio {peak_big / peak_small:.2f})")
         data_share(tmp, args.corpus_gb)

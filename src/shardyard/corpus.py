@@ -18,6 +18,7 @@ import gzip
 import io
 import json
 import os
+import sys
 import zlib
 from pathlib import Path
 from typing import IO, Any, Iterable, Iterator, NamedTuple
@@ -60,9 +61,9 @@ def file_format(path: Path) -> tuple[str, str | None] | None:
     return fmt, codec
 
 
-def _refuse_unreadable(path: Path, e: Exception) -> UserError:
-    return UserError("data.paths", str(path), f"The file cannot be decompressed ({type(e).__name__}: {e}).",
-                     "Check it (gzip -t FILE, zstd -t FILE) and copy it again, or leave it out of data.paths.")
+def _refuse_unreadable(path: Path, e: Exception, key: str = "data") -> UserError:
+    return UserError(f"{key}.paths", str(path), f"The file cannot be decompressed ({type(e).__name__}: {e}).",
+                     "Check it (gzip -t FILE, zstd -t FILE) and copy it again, or leave it out of the paths.")
 
 
 class _Counting(io.RawIOBase):
@@ -84,19 +85,49 @@ class _Counting(io.RawIOBase):
         super().close()
 
 
-def open_text(path: Path, codec: str | None) -> tuple[IO[str], _Counting]:
-    """The file as UTF-8 text, decompressed as it is read, and the counter of the bytes read from disk."""
+class _Zstd(io.RawIOBase):
+    """A zstd stream decompressed frame after frame, refusing one that ends before its frame does (zstandard's
+    ``stream_reader`` returns EOF there, and a cut file would be read as a shorter corpus)."""
+
+    def __init__(self, raw: IO[bytes]):
+        import zstandard  # lazy: only for .zst files
+
+        self.raw, self.new = raw, zstandard.ZstdDecompressor().decompressobj
+        self.d, self.started, self.out = self.new(), False, b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        while not self.out:
+            data = self.raw.read(1 << 16)
+            if not data:
+                if self.started and not self.d.eof:
+                    raise EOFError("the file ends inside a zstd frame (cut short)")
+                return 0
+            while data:
+                self.started = True
+                self.out += self.d.decompress(data)
+                data = self.d.unused_data if self.d.eof else b""
+                if self.d.eof:  # the next frame, if any, starts in what this one left
+                    self.d, self.started = self.new(), bool(data)
+        n = min(len(b), len(self.out))
+        b[:n], self.out = self.out[:n], self.out[n:]
+        return n
+
+
+def open_text(path: Path, codec: str | None, newline: str | None = None) -> tuple[IO[str], _Counting]:
+    """The file as UTF-8 text (a byte-order mark dropped), decompressed as it is read, and the counter of the
+    bytes read from disk."""
     raw = _Counting(open(path, "rb"))
     buffered = io.BufferedReader(raw, 1 << 20)
     if codec == "gzip":
         stream: Any = gzip.GzipFile(fileobj=buffered)
     elif codec == "zstd":
-        import zstandard  # lazy: only for .zst files
-
-        stream = zstandard.ZstdDecompressor().stream_reader(buffered, read_across_frames=True)
+        stream = io.BufferedReader(_Zstd(buffered), 1 << 20)
     else:
         stream = buffered
-    return io.TextIOWrapper(stream, encoding="utf-8", newline=None), raw
+    return io.TextIOWrapper(stream, encoding="utf-8-sig", newline=newline), raw
 
 
 def _decode_errors(path: Path) -> tuple:
@@ -116,7 +147,7 @@ class Records:
         """``key``: where these options live in the config (``data``, ``data.sources[1]``), for error messages."""
         found = file_format(path)
         if found is None:
-            raise UserError("data.paths", str(path), f"Its format is not one shardyard reads ({KNOWN}).",
+            raise UserError(f"{key}.paths", str(path), f"Its format is not one shardyard reads ({KNOWN}).",
                             "Convert the file, or leave it out of data.paths.")
         self.path, self.name, self.text_field, self.template, self.key = path, name, text_field, template, key
         self.format, self.codec = found
@@ -142,10 +173,11 @@ class Records:
             else:
                 yield from self._datasets()
         except UnicodeDecodeError as e:
-            raise UserError("data.paths", str(self.path), f"The file is not UTF-8 text ({e.reason} at byte {e.start} "
-                            "of its text).", "Convert it to UTF-8 (iconv -t utf-8), or leave it out of data.paths.") from None
+            raise UserError(f"{self.key}.paths", str(self.path), f"The file is not UTF-8 text ({e.reason} at byte "
+                            f"{e.start} of its text).", "Convert it to UTF-8 (iconv -t utf-8), or leave it out of the "
+                            "paths.") from None
         except _decode_errors(self.path) as e:
-            raise _refuse_unreadable(self.path, e) from None
+            raise _refuse_unreadable(self.path, e, self.key) from None
 
     # -------------------------------------------------------------------------------------------- the text
     def text_of(self, record: dict, where: str) -> str:
@@ -173,7 +205,7 @@ class Records:
         with self._open() as f:
             buf: list[str] = []
             size = 0
-            for line in f:
+            for line in iter(lambda: f.readline(PIECE_CHARS), ""):  # a line longer than a piece comes in parts
                 if size + len(line) > PIECE_CHARS and buf:
                     yield Piece(self.name, "".join(buf), False)
                     buf, size = [], 0
@@ -192,27 +224,35 @@ class Records:
                 blank += c == "\n"
             if self.format == "json" and first == "[":
                 text = "\n" * blank + "[" + f.read()  # JSON has no streaming array: read whole
-                yield from _array_records(self.path, text)
+                yield from _array_records(self.path, text, self.key)
                 return
             for i, line in enumerate(_prepend(first, f), start=blank):
                 if line.strip():
                     try:
                         value = json.loads(line)
                     except json.JSONDecodeError as e:
-                        raise UserError("data.paths", f"{self.path}:{i + 1}", f"The line is not JSON ({e.msg}, column "
+                        raise UserError(f"{self.key}.paths", f"{self.path}:{i + 1}", f"The line is not JSON ({e.msg}, column "
                                         f"{e.colno}).", "Correct or remove that line: each line holds one JSON object.") from None
-                    yield i, i + 1, _record(value, self.path, i + 1)
+                    yield i, i + 1, _record(value, self.path, i + 1, self.key)
 
     def _csv(self) -> Iterator[Piece]:
-        with self._open() as f:
-            reader = csv.DictReader(f)
-            fields = reader.fieldnames or []
-            if self.template is None and self.text_field not in fields:
-                raise UserError(f"{self.key}.text_field", self.text_field, f"{self.path} has no such column (its header: "
-                                f"{fields}).", f"Use {self.key}.text_field=<one of {fields}>, or {self.key}.template.")
-            for i, row in enumerate(reader):
-                record = {k: v for k, v in row.items() if k is not None}
-                yield Piece(f"{self.name}:{i}", self.text_of(record, f"{self.path}:{reader.line_num}"), True)
+        csv.field_size_limit(sys.maxsize)  # a document is a field: no 128 kB limit
+        f, self._raw = open_text(self.path, self.codec, newline="")  # the csv module handles quoted newlines
+        with f:
+            reader = csv.DictReader(f, strict=True)  # a stray quote is an error, not a silently merged field
+            try:
+                fields = reader.fieldnames or []
+                if self.template is None and self.text_field not in fields:
+                    raise UserError(f"{self.key}.text_field", self.text_field, f"{self.path} has no such column (its "
+                                    f"header: {fields}).", f"Use {self.key}.text_field=<one of {fields}>, or "
+                                    f"{self.key}.template.")
+                for i, row in enumerate(reader):
+                    record = {k: v for k, v in row.items() if k is not None}
+                    yield Piece(f"{self.name}:{i}", self.text_of(record, f"{self.path}:{reader.line_num}"), True)
+            except csv.Error as e:
+                # line_num counts the lines read before the one that failed
+                raise UserError(f"{self.key}.paths", f"{self.path}:{reader.line_num + 1}", f"The CSV cannot be parsed "
+                                f"there ({e}).", "Correct that line, or leave the file out of the paths.") from None
 
     def _datasets(self) -> Iterator[Piece]:
         import datasets  # lazy: heavy, and only for Parquet / Arrow
@@ -223,14 +263,23 @@ class Records:
             ds = datasets.load_dataset(self.format, data_files=str(self.path), split="train", streaming=True)
             columns = ds.column_names or []
         except Exception as e:  # pyarrow's own error for a file that is not Parquet / Arrow
-            raise UserError("data.paths", str(self.path), f"The file cannot be read as {self.format} "
+            raise UserError(f"{self.key}.paths", str(self.path), f"The file cannot be read as {self.format} "
                             f"({type(e).__name__}: {str(e).splitlines()[0][:200]}).",
                             "Copy it again or convert it, or leave it out of data.paths.") from None
         if self.template is None and self.text_field not in columns:
             raise UserError(f"{self.key}.text_field", self.text_field, f"{self.path} has no such column (it has {columns}).",
                             f"Use {self.key}.text_field=<one of {columns}>, or {self.key}.template.")
         row = 0
-        for batch in ds.iter(batch_size=1024):
+        batches = iter(ds.iter(batch_size=1024))
+        while True:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                break
+            except Exception as e:  # pyarrow's error for a damaged row group, met while reading
+                raise UserError(f"{self.key}.paths", f"{self.path} row {row}", f"The file cannot be read from there "
+                                f"({type(e).__name__}: {str(e).splitlines()[0][:200]}).", "Copy it again or "
+                                "convert it, or leave it out of the paths.") from None
             keys = list(batch)
             n = len(batch[keys[0]]) if keys else 0
             for i in range(n):
@@ -248,14 +297,14 @@ def _prepend(first: str, f: IO[str]) -> Iterable[str]:
     yield from f
 
 
-def _record(value, path: Path, line: int) -> dict:
+def _record(value, path: Path, line: int, key: str = "data") -> dict:
     if not isinstance(value, dict):
-        raise UserError("data.paths", f"{path}:{line}", f"The record is {JSON_TYPES.get(type(value), 'no object')}, "
+        raise UserError(f"{key}.paths", f"{path}:{line}", f"The record is {JSON_TYPES.get(type(value), 'no object')}, "
                         "not a JSON object ({...}).", "Correct or remove it: every record is a JSON object with named fields.")
     return value
 
 
-def _array_records(path: Path, text: str) -> Iterator[tuple[int, int, dict]]:
+def _array_records(path: Path, text: str, key: str = "data") -> Iterator[tuple[int, int, dict]]:
     """The elements of a ``.json`` file holding one array, each with the line it starts on."""
     decoder = json.JSONDecoder()
     line, seen = 1, 0  # line = the line of text[seen]
@@ -271,7 +320,7 @@ def _array_records(path: Path, text: str) -> Iterator[tuple[int, int, dict]]:
         return i
 
     def refuse(i: int, problem: str):
-        return UserError("data.paths", f"{path}:{line_at(i)}", problem, "Correct the file: a .json file holds one array "
+        return UserError(f"{key}.paths", f"{path}:{line_at(i)}", problem, "Correct the file: a .json file holds one array "
                          "of JSON objects, [{...}, {...}], or one object per line.")
 
     pos = skip(text.index("[") + 1)
@@ -281,7 +330,7 @@ def _array_records(path: Path, text: str) -> Iterator[tuple[int, int, dict]]:
             value, end = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as e:
             raise refuse(e.pos, f"The array's element {index} is not JSON ({e.msg}).") from None
-        yield index, line_at(pos), _record(value, path, line_at(pos))
+        yield index, line_at(pos), _record(value, path, line_at(pos), key)
         pos = skip(end)
         if pos < len(text) and text[pos] == ",":
             pos, index = skip(pos + 1), index + 1

@@ -4,7 +4,9 @@ Sources: ``data._target_`` builds one document source (the standard library's co
 ``shardyard.corpus`` reads, your own), or ``data=mixture`` lists several with weights. Each document goes to
 train or val by a stable hash of its name, is tokenized (``shardyard.shards``: worker processes, bounded memory,
 resumable) and followed by an end-of-text token. Every source has its own cache, keyed by its fingerprint and
-the tokenizer, so adding a source to a mixture tokenizes only that one.
+the tokenizer: with a given tokenizer (``data.tokenizer.path``, a model's), adding a source to a mixture tokenizes
+only that one; a BPE trained on the mixture's text changes (and so re-tokenizes) when its sources do, not when
+their weights do.
 
 Training sequences are the non-overlapping ``seq_len + 1`` windows of a source's train stream. Sample ``k`` of
 a run (``k = step x global batch + ...``) is a pure function of the seed and ``k``: a seeded block schedule picks
@@ -23,6 +25,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import sys
 import sysconfig
 import tempfile
@@ -180,7 +183,7 @@ def _files_under(root: Path, readable) -> list[Path]:
     found = []
     for here, dirs, names in os.walk(root):
         dirs[:] = [d for d in dirs if not d.startswith(".") and not os.path.isfile(os.path.join(here, d, MANIFEST))
-                   and not d.endswith(".partial")]
+                   and ".partial-" not in d]
         found += [Path(here, n) for n in names if not n.startswith(".") and readable(Path(n))]
     return sorted(found)
 
@@ -252,6 +255,29 @@ def _as_source(made: Any) -> Any:
     return made if hasattr(made, "documents") and hasattr(made, "fingerprint") else _Iterable(made)
 
 
+def _check_arguments(key: str, node: DictConfig, own: set[str]) -> None:
+    """A source entry's keys against what its ``_target_`` takes: a misspelt or missing one exits 2 naming it."""
+    import inspect
+
+    from hydra.utils import get_object
+
+    try:
+        params = inspect.signature(get_object(node._target_)).parameters
+    except Exception as e:
+        raise UserError(f"{key}._target_", node._target_, f"It cannot be imported or inspected ({type(e).__name__}: "
+                        f"{e}).", "Check the spelling, and that its package is installed.") from None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    for k in node:
+        if k != "_target_" and k not in own and k not in params:
+            raise UserError(f"{key}.{k}", node[k], f"{node._target_} takes no such key (it takes "
+                            f"{', '.join(sorted(p for p in params if p not in own))}).", "Remove it, or spell one of those.")
+    for name, p in params.items():
+        if p.default is inspect.Parameter.empty and name not in node and name not in own:
+            raise UserError(f"{key}.{name}", None, f"{node._target_} needs it, and the source does not give it.",
+                            f"Add it: {key}.{name}=...")
+
+
 def mixture(sources: list) -> list[Source]:
     """``data=mixture``'s ``_target_``: the sources of ``data.sources``, each built from its own keys (local files
     unless it names a ``_target_``), its name, weight and epochs cap checked."""
@@ -278,8 +304,11 @@ def mixture(sources: list) -> list[Source]:
         if epochs is not None and (not isinstance(epochs, (int, float)) or not epochs > 0):
             raise UserError(f"{key}.epochs", epochs, "It caps the passes over the source in the run, so it must be "
                             "above 0.", f"Use e.g. {key}.epochs=2, or null for no cap.")
+        if isinstance(e.get("paths"), str):
+            e = {**e, "paths": [e["paths"]]}  # one path, not its characters
         node = OmegaConf.create({"_target_": "shardyard.data.TextFiles", **e})
         extra = {"key": key} if node._target_ == "shardyard.data.TextFiles" else {}
+        _check_arguments(key, node, {*SOURCE_KEYS, *extra})
         docs = _as_source(build(node, own=SOURCE_KEYS, **extra))
         if hasattr(docs, "tokenize_rows"):
             raise UserError(f"{key}._target_", node._target_, "A source that makes its own rows (data=sft) cannot be "
@@ -318,7 +347,8 @@ def _publish(tmp: str, final: str, hashes: dict[str, str] | None = None) -> None
     name in one rename. ``hashes``: sha256 digests already taken as the files were written (token shards)."""
     hashes = hashes or {}
     files = {name: {"size": os.path.getsize(os.path.join(tmp, name)),
-                    "sha256": hashes.get(name) or _sha256(os.path.join(tmp, name))} for name in sorted(os.listdir(tmp))}
+                    "sha256": hashes.get(name) or _sha256(os.path.join(tmp, name))}
+             for name in sorted(os.listdir(tmp)) if name != MANIFEST}
     with open(os.path.join(tmp, MANIFEST), "w") as f:
         json.dump({"key": os.path.basename(final), "files": files}, f, indent=1)
     if os.path.exists(final):
@@ -408,8 +438,8 @@ def _cache_key(target: str, val_fraction: float, fingerprint: str, extra: str) -
 
 def tokenizer_dir(d: DictConfig, sources: list[Source]) -> str:
     """A byte-level BPE tokenizer trained on the first ``data.tokenizer.train_bytes`` of the train text (of a
-    mixture: each source's share by its weight)."""
-    fingerprint = "|".join(f"{s.target}:{s.docs.fingerprint()}:{s.weight}" for s in sources)
+    mixture: an equal share of each source's, so that reweighting a mixture keeps its tokenizer and caches)."""
+    fingerprint = "|".join(f"{s.target}:{s.docs.fingerprint()}" for s in sources)
     target = sources[0].target if len(sources) == 1 else "mixture"
     key = _cache_key(target, d.val_fraction, fingerprint, f"bpe|{d.tokenizer.vocab_size}|{d.tokenizer.train_bytes}")
     out = os.path.join(d.cache_dir, "tokenizers", f"{key}-bpe{d.tokenizer.vocab_size}")
@@ -421,17 +451,16 @@ def _train_tokenizer(d: DictConfig, sources: list[Source], out: str) -> None:
     from transformers import PreTrainedTokenizerFast
 
     print(f"shardyard | training a byte-level BPE tokenizer (vocab {d.tokenizer.vocab_size}) -> {out}", flush=True)
-    total = sum(s.weight for s in sources)
 
     def texts():
         for s in sources:
-            budget = d.tokenizer.train_bytes * s.weight / total
-            for name, text in s.docs.documents():
+            budget = d.tokenizer.train_bytes / len(sources)
+            for piece in pieces_of(s.docs):  # pieces: a huge .txt file is not joined whole
                 if budget <= 0:
                     break  # the rest of the corpus is not read
-                if not is_val(name, d.val_fraction):
-                    budget -= len(text)
-                    yield text
+                if not is_val(piece.name, d.val_fraction):
+                    budget -= len(piece.text)
+                    yield piece.text
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -489,7 +518,9 @@ def _tokenize(d: DictConfig, s: Source, tok_dir: str, out: str) -> None:
         tokenizer_file=os.path.join(tok_dir, "tokenizer.json"), eot=tok.eos_token_id, dtype=dtype,
         is_val=lambda name: is_val(name, d.val_fraction), num_proc=num_proc(d), buffer_bytes=d.buffer_mb << 20,
         shard_tokens=max(1, (d.shard_mb << 20) // itemsize), label=s.name)
-    partial = out + ".partial"
+    # One partial build per machine: flock is not cluster-wide on every shared file system, so two nodes never
+    # write one directory; a killed build resumes on its own machine, and the first to publish wins.
+    partial = f"{out}.partial-{socket.gethostname()}"
     built = shards.build(pieces_of(s.docs), partial, opt, total_bytes=getattr(s.docs, "total_bytes", lambda: None)(),
                          bytes_read=getattr(s.docs, "bytes_read", None))
     os.remove(os.path.join(partial, shards.PROGRESS))
@@ -760,7 +791,7 @@ class Mixture:
         self.sizes = [len(p) for p in parts]
         self.offsets = np.cumsum([0] + self.sizes)  # global sample ids: source offset + window
         self.weights = effective_weights(names, weights, epochs, self.sizes, total_samples)
-        self.quota = _largest_remainder(self.weights, BLOCK)
+        self.quota = _capped_quota(self.weights, epochs, self.sizes, total_samples)
         self._blocks: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     def __len__(self) -> int:
@@ -833,6 +864,27 @@ def _largest_remainder(weights: list[float], total: int) -> np.ndarray:
     quota = np.floor(exact).astype(np.int64)
     for i in np.argsort(-(exact - quota), kind="stable")[: total - quota.sum()]:
         quota[i] += 1
+    return quota
+
+
+def _capped_quota(weights: list[float], epochs: list[float | None], sizes: list[int], total: int) -> np.ndarray:
+    """Each source's slots per block: its weight's share by largest remainder, but a capped source never more
+    than ``epochs x windows / blocks`` (the run's blocks, the last one counted whole), so rounding up can never
+    pass its cap; the freed slots go to the uncapped sources by their weights."""
+    quota = _largest_remainder(weights, BLOCK)
+    blocks = -(-total // BLOCK)
+    limit = np.array([BLOCK if e is None else int(e * n // blocks) for e, n in zip(epochs, sizes)])
+    over = quota > limit
+    if not over.any():
+        return quota
+    quota[over] = limit[over]
+    free = np.array([e is None and w > 0 for e, w in zip(epochs, weights)])
+    if not free.any():
+        raise UserError("data.sources", [f"epochs={e}" for e in epochs], "Every source is capped, and the caps, in "
+                        f"whole samples per block of {BLOCK}, cannot fill the run's {total:,} samples.",
+                        "Leave one source uncapped, raise a cap, or train fewer steps.")
+    w = np.where(free, weights, 0.0)
+    quota[free] += _largest_remainder(list(w / w.sum()), BLOCK - int(quota.sum()))[free]
     return quota
 
 

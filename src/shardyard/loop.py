@@ -120,19 +120,25 @@ class Health:
 def evaluate(backend: Backend, val: dict, batches: int, plan: Plan, weights: dict | None = None) -> dict:
     """The held-out loss of each source (``val``: name -> rows) over ``batches`` (``train.eval_batches``)
     micro-batches, on every rank: ``{"eval/loss": overall}``, plus ``eval/loss/<name>`` per source when there
-    are several, whose weighted mean (``weights``: the mixture's) is the overall loss."""
+    are several, whose weighted mean (``weights``: the mixture's) is the overall loss. Like the training loss,
+    a source's loss is the mean over its label tokens (a micro-batch's mean weighted by its label count), so
+    SFT rows with few labels do not weigh as much as full ones."""
     model = backend.hf_model()
     was_training = model.training
     model.eval()
-    losses = {}
+    sums = []
     for name, rows in val.items():
-        total = torch.zeros((), device=backend.device)
+        total, count = torch.zeros((), device=backend.device), torch.zeros((), device=backend.device)
         for x, y in eval_batches(rows, batches, plan.micro_batch_size, backend.dp_rank, backend.dp_size):
-            total += backend.eval_loss(to_device(x, backend.device), y.to(backend.device)).float()
-        losses[name] = total / batches
+            n = (y != -100).sum().to(backend.device).float()
+            mean = backend.eval_loss(to_device(x, backend.device), y.to(backend.device)).float()
+            total += torch.where(n > 0, mean * n, 0.0)  # a batch without labels: NaN mean, no weight
+            count += n
+        sums += [total, count]
     model.train(was_training)
-    names = list(losses)
-    means = backend.all_reduce_mean(torch.stack([losses[n] for n in names])).tolist()  # one all-reduce
+    reduced = backend.all_reduce_mean(torch.stack(sums)).tolist()  # one all-reduce: every source's sum and count
+    names = list(val)
+    means = [reduced[2 * i] / max(reduced[2 * i + 1], 1e-12) for i in range(len(names))]
     if len(names) == 1:
         return {"eval/loss": means[0]}
     w = weights or {n: 1 / len(names) for n in names}

@@ -128,9 +128,9 @@ def _load_progress(partial: str) -> dict:
         progress, listed, ok = empty, {}, True
     if not ok:
         progress, listed = empty, {}
-    for name in os.listdir(partial):
-        if name.endswith(".bin") and name not in listed:
-            os.remove(os.path.join(partial, name))  # the shard being written when the build stopped
+    for name in os.listdir(partial):  # the shard being written when the build stopped, or what its end wrote
+        if (name.endswith(".bin") and name not in listed) or name in ("meta.json", "shardyard_cache.json"):
+            os.remove(os.path.join(partial, name))
     return progress
 
 
@@ -199,7 +199,7 @@ def build(pieces: Iterable[Piece], partial: str, opt: BuildOptions, total_bytes:
         progress["pieces"], progress["cuts"] = done_pieces, index + 1
         _save_progress(partial, progress)
 
-    if opt.num_proc == 1:  # no pool to start: the default corpus tokenizes in this process
+    if opt.num_proc == 1:  # no pool to start: tokenized in this process, by the tokenizer's own Rayon threads
         _init_worker(opt.tokenizer_file, one_thread=False)
         for chunk in chunks():
             take(chunk, _encode([p.text for p in chunk], opt.dtype))

@@ -242,22 +242,24 @@ def run_ranks(world: int, overrides: list[str], run_dir: str) -> list[dict]:
 
 
 def hf_eval_loss(hf_dir: str, cfg: DictConfig, world: int) -> float:
-    """Eval loss of an HF export on exactly the sequences a ``world``-rank run evaluates (same mean)."""
+    """Eval loss of an HF export on exactly the sequences a ``world``-rank run evaluates, as ``loop.evaluate``
+    weighs them (the mean over their label tokens)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from shardyard import data
-    from shardyard.model import causal_lm_loss
+    from shardyard.model import causal_lm_loss_sum
 
     prep = data.prepare(cfg)
     val = data.open_split(prep, "val", cfg.data.seq_len)
     model = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True, dtype=torch.float32).eval()
-    losses = []
+    total, count = 0.0, 0
     with torch.no_grad():
         for rank in range(world):
             for x, y in data.eval_batches(val, cfg.train.eval_batches, cfg.train.micro_batch_size, rank, world):
-                losses.append(causal_lm_loss(model, x, y).item())
-    return sum(losses) / len(losses)
+                total += causal_lm_loss_sum(model, x, y).item()
+                count += int((y != -100).sum())
+    return total / count
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -49,11 +49,12 @@ def _consumed(run_dir, last: int, steps: int) -> list[int]:
     the first attempt (its two ranks), the later ones from the resumed attempt (one rank), whose lines follow."""
     ids = []
     for rank in (0, 1):
-        attempt, previous = 0, 0
+        attempt, previous = 0, (0, -1)
         for line in open(run_dir / "samples" / f"rank{rank}.jsonl"):
             rec = json.loads(line)
-            attempt += rec["step"] < previous  # the resumed attempt starts again after the checkpoint
-            previous = rec["step"]
+            # The resumed attempt starts again after the checkpoint: at or before where the killed one was.
+            attempt += (rec["step"], rec["micro"]) <= previous
+            previous = (rec["step"], rec["micro"])
             if (attempt == 0 and rec["step"] <= last) or (attempt == 1 and rec["step"] <= steps):
                 ids += rec["ids"]
     return sorted(ids)
