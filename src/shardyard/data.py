@@ -268,7 +268,7 @@ def _check_arguments(key: str, node: DictConfig, own: set[str]) -> None:
                         f"{e}).", "Check the spelling, and that its package is installed.") from None
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return
-    for k in node:
+    for k in map(str, node):
         if k != "_target_" and k not in own and k not in params:
             raise UserError(f"{key}.{k}", node[k], f"{node._target_} takes no such key (it takes "
                             f"{', '.join(sorted(p for p in params if p not in own))}).", "Remove it, or spell one of those.")
