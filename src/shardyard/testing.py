@@ -546,18 +546,21 @@ def peak_tree_rss(cmd: list[str], env: dict | None = None, timeout: float = 600,
                   stop_when: Callable[[], bool] | None = None) -> tuple[int, float, subprocess.Popen]:
     """Run ``cmd`` and sample the memory of it and all its children every 20 ms: ``(peak bytes, wall s,
     process)``. The memory is the summed PSS (resident pages, a shared page counted once in all): summed RSS
-    counts a child between fork and exec as a second copy of its parent. ``stop_when``: checked at every
-    sample; True kills the whole tree with SIGKILL (kill -9)."""
+    counts a child between fork and exec as a second copy of its parent. The tree is read process by process,
+    not at one instant, so a process starting or ending mid-read can make one sample count shared pages twice:
+    the peak is the highest value held by two consecutive samples. ``stop_when``: checked at every sample;
+    True kills the whole tree with SIGKILL (kill -9)."""
     import psutil
 
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
-    root, peak = psutil.Process(proc.pid), 0
+    root, peak, last = psutil.Process(proc.pid), 0, 0
     while proc.poll() is None:
         try:
             tree = [root, *root.children(recursive=True)]
-            peak = max(peak, sum(p.memory_full_info().pss for p in tree))
+            now = sum(p.memory_full_info().pss for p in tree)
+            peak, last = max(peak, min(now, last)), now
         except psutil.Error:
             pass
         if stop_when is not None and stop_when():
