@@ -130,7 +130,7 @@ def open_text(path: Path, codec: str | None, newline: str | None = None) -> tupl
     return io.TextIOWrapper(stream, encoding="utf-8-sig", newline=newline), raw
 
 
-def _decode_errors(path: Path) -> tuple:
+def _decode_errors() -> tuple:
     """The exceptions a damaged or foreign compressed file raises while it is read (exit 2, naming it)."""
     try:
         import zstandard
@@ -162,21 +162,28 @@ class Records:
         return f
 
     def pieces(self) -> Iterator[Piece]:
+        yield from self._guarded(self._pieces())
+
+    def _pieces(self) -> Iterator[Piece]:
+        if self.format == "text":
+            yield from self._text()
+        elif self.format in ("jsonl", "json"):
+            for ordinal, line, record in self._json():
+                yield Piece(f"{self.name}:{ordinal}", self.text_of(record, f"{self.path}:{line}"), True)
+        elif self.format == "csv":
+            yield from self._csv()
+        else:
+            yield from self._datasets()
+
+    def _guarded(self, items: Iterator) -> Iterator:
+        """``items``, with text that is not UTF-8 and a file that does not decompress as exit-2 paragraphs."""
         try:
-            if self.format == "text":
-                yield from self._text()
-            elif self.format in ("jsonl", "json"):
-                for ordinal, line, record in self._json():
-                    yield Piece(f"{self.name}:{ordinal}", self.text_of(record, f"{self.path}:{line}"), True)
-            elif self.format == "csv":
-                yield from self._csv()
-            else:
-                yield from self._datasets()
+            yield from items
         except UnicodeDecodeError as e:
             raise UserError(f"{self.key}.paths", str(self.path), f"The file is not UTF-8 text ({e.reason} at byte "
                             f"{e.start} of its text).", "Convert it to UTF-8 (iconv -t utf-8), or leave it out of the "
                             "paths.") from None
-        except _decode_errors(self.path) as e:
+        except _decode_errors() as e:
             raise _refuse_unreadable(self.path, e, self.key) from None
 
     # -------------------------------------------------------------------------------------------- the text
@@ -345,10 +352,4 @@ def read_records(path: Path) -> Iterator[tuple[int, int, dict]]:
     one object per line, or a ``.json`` array (ordinal: the element's index). Anything else exits 2 naming the
     file and line."""
     r = Records(path, path.name)
-    try:
-        yield from r._json()
-    except UnicodeDecodeError as e:
-        raise UserError("data.paths", str(path), f"The file is not UTF-8 text ({e.reason} at byte {e.start}).",
-                        "Convert it to UTF-8 (iconv -t utf-8), or leave it out of data.paths.") from None
-    except _decode_errors(path) as e:
-        raise _refuse_unreadable(path, e) from None
+    yield from r._guarded(r._json())
