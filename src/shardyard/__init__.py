@@ -1,3 +1,10 @@
 """shardyard: declarative distributed LLM training recipes (Hydra + torch.distributed)."""
 
 __version__ = "0.1.0"
+
+import logging as _logging
+
+# torchao (precision=fp8) is imported by transformers whenever it is installed: its CUDA-only kernels' load failures
+# on a CPU build and torch's deprecation notes on its enums are noise on every run, and not ours to fix.
+_logging.getLogger("torchao").setLevel(_logging.ERROR)
+_logging.getLogger("torch.utils._pytree").setLevel(_logging.ERROR)

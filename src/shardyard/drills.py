@@ -3,8 +3,8 @@
 * ``SHARDYARD_TEST_CRASH_AT_STEP=STEP[:RANK][@TEXT]``: that rank dies (exit 13) after that step, on the first
   attempt only (a restarted worker has ``TORCHELASTIC_RESTART_COUNT`` > 0); with ``@TEXT`` only in a run whose
   directory contains TEXT (one job of a sweep).
-* ``SHARDYARD_TEST_POISON_GRAD=STEP:RANK:PARAM``: the gradient of parameter PARAM turns NaN on that rank
-  during that step.
+* ``SHARDYARD_TEST_POISON_GRAD=STEP:RANK:PARAM[=VALUE]``: the gradient of parameter PARAM turns NaN (or VALUE,
+  e.g. ``inf``: an fp16 overflow) on that rank during that step.
 * ``SHARDYARD_TEST_PAUSE_IN_SAVE=SECONDS[@STEP]``: every rank sleeps inside the checkpoint save (of STEP).
 * ``SHARDYARD_TEST_KILL_IN_SAVE=POINT@STEP[:RANK]``: when that rank (default 0) reaches the named point of the
   save of STEP (``SAVE_POINTS``), the whole job dies by SIGKILL at once, as in a node failure.
@@ -34,15 +34,41 @@ def crash_after(step: int, rank: int, run_dir: str = "") -> None:
 
 def poison_gradient(model, rank: int, current_step: Callable[[], int]) -> None:
     """The tensor hook is registered on the bare model, before the engine wraps it, so it runs first:
-    before any engine hook and any reduction."""
+    before any engine hook and any reduction. An engine that trains other tensors than the ones built
+    (FSDP2 swaps in sharded and, around forward, unsharded parameters) is reached through the owning module
+    instead: at the poisoned step its forward hooks whatever tensor it holds under that name then."""
     spec = os.environ.get("SHARDYARD_TEST_POISON_GRAD")
     if not spec:
         return
-    at, who, name = spec.split(":", 2)
+    import torch
+
+    at, who, target = spec.split(":", 2)
+    name, _, value = target.partition("=")
     if int(who) != rank:
         return
+    bad = float(value or "nan")
     param = dict(model.named_parameters())[name]
-    param.register_hook(lambda g: g * float("nan") if current_step() == int(at) else g)
+
+    def poison(g):
+        return torch.full_like(g, bad) if current_step() == int(at) else g
+
+    param.register_hook(poison)
+    owner, _, leaf = name.rpartition(".")
+
+    def arm(module, args) -> None:
+        held = getattr(module, leaf, None)
+        if current_step() != int(at) or not torch.is_grad_enabled() or held is None or held is param \
+                or not held.requires_grad:
+            return
+        handles: list = []
+
+        def once(g):
+            handles.pop().remove()
+            return poison(g)
+
+        handles.append(held.register_hook(once))
+
+    model.get_submodule(owner).register_forward_pre_hook(arm)
 
 
 def qlora_on_cpu() -> bool:

@@ -29,6 +29,35 @@ def peak_tflops(device: torch.device, precision: str, override: float | None) ->
     return None
 
 
+def measured_peak_tflops(device: torch.device, precision: str, n: int | None = None, seconds: float = 1.0) -> float:
+    """The matmul TFLOP/s this device reaches, measured: the best of repeated ``n x n`` matmuls in the
+    precision's dtype (bf16/fp16; fp8 runs its bf16 fallback's figure; fp32 as the matmul setting allows).
+    MFU against this is the fraction of what the device really does here, which the data-sheet table
+    (``peak_tflops``) overstates (clock and power limits, a shared CPU). ``n``: 8192 on GPUs, 1024 on CPU."""
+    import time
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}.get(precision, torch.float32)
+    n = n or (8192 if device.type == "cuda" else 1024)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    torch.matmul(a, b)  # warm-up: kernel selection, lazy init
+    sync()
+    best, start = float("inf"), time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        reps = 10 if device.type == "cuda" else 1
+        t = time.perf_counter()
+        for _ in range(reps):
+            torch.matmul(a, b)
+        sync()
+        best = min(best, (time.perf_counter() - t) / reps)
+    return 2 * n ** 3 / best / 1e12
+
+
 def memory_metrics(device: torch.device) -> dict:
     """CUDA: peak allocated and reserved GiB since the last call (then the peaks are reset); CPU: RSS."""
     gib = 1024 ** 3

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 
 from shardyard import moe
+from shardyard.config import checkpointing_mode
 from shardyard.errors import UserError
 from shardyard.adapters import checkpoint_name
 from shardyard.facts import META_INIT_ABOVE, ModelFacts
@@ -474,21 +475,63 @@ def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return max(lists, key=len) if lists else []
 
 
+def _saved_ops() -> set:
+    """What a ``selective`` block keeps for backward: the outputs of its matmuls and of attention (the costly
+    ops); every other op (norms, activations, rotary, elementwise products) is recomputed from them."""
+    aten = torch.ops.aten
+    ops = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten._grouped_mm.default,
+           aten._scaled_dot_product_efficient_attention.default, aten._scaled_dot_product_flash_attention.default,
+           aten._scaled_dot_product_flash_attention_for_cpu.default,
+           aten._scaled_dot_product_cudnn_attention.default, aten._scaled_mm.default}
+    return {op for op in ops if op is not None}
+
+
+def _selective_context() -> Any:
+    from functools import partial
+
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    saved = _saved_ops()
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return partial(create_selective_checkpoint_contexts, policy)
+
+
 def apply_activation_checkpointing(model: Any, m: DictConfig) -> None:
-    if not m.activation_checkpointing:
+    """``model.activation_checkpointing`` on every ``model.activation_checkpointing_every``-th block.
+
+    1. Non-reentrant checkpointing: it composes with DDP/FSDP hooks, torch.compile and keyword arguments.
+    2. ``selective`` passes torch's selective policy (``_selective_context``) as the checkpoint's
+       ``context_fn``: the same wrapper, only what it keeps differs.
+    3. HF models checkpoint through their own layers' switch (``gradient_checkpointing``, set per layer), which
+       keeps FSDP's hooks outside the recomputed forward and the parameter names unchanged; others are wrapped
+       with torch's ``checkpoint_wrapper`` (its state dict drops the wrapper's prefix)."""
+    mode = checkpointing_mode(m)
+    if mode == "none":
         return
-    if is_hf(model) and getattr(model, "supports_gradient_checkpointing", False):
-        # Non-reentrant checkpointing composes with DDP/FSDP and torch.compile.
+    kwargs: dict[str, Any] = {"use_reentrant": False}  # 1
+    if mode == "selective":
+        kwargs["context_fn"] = _selective_context()  # 2
+    every = int(m.get("activation_checkpointing_every", 1))
+    blocks = transformer_blocks(model)
+    chosen = {id(b) for i, b in enumerate(blocks) if i % every == 0}
+    if is_hf(model) and getattr(model, "supports_gradient_checkpointing", False):  # 3
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        for block in blocks:
+            if hasattr(block, "gradient_checkpointing"):
+                setattr(block, "gradient_checkpointing", id(block) in chosen)
         return
+    from functools import partial
+
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (apply_activation_checkpointing as wrap,
                                                                              checkpoint_wrapper)
 
-    block_ids = {id(b) for b in transformer_blocks(model)}
-    wrap(model, checkpoint_wrapper_fn=checkpoint_wrapper, check_fn=lambda mod: id(mod) in block_ids)
+    wrap(model, checkpoint_wrapper_fn=partial(checkpoint_wrapper, **kwargs), check_fn=lambda mod: id(mod) in chosen)
 
 
 def apply_compile(model: Any, m: DictConfig) -> None:
@@ -499,11 +542,99 @@ def apply_compile(model: Any, m: DictConfig) -> None:
             block.compile()
 
 
-def prepare_replica(model: torch.nn.Module, m: DictConfig, device: torch.device, seed: int) -> torch.nn.Module:
-    """Full-replica engines (single, DDP): materialise, activation checkpointing, then compile, then move."""
-    materialize(model, device, seed, m)
-    apply_activation_checkpointing(model, m)
-    apply_compile(model, m)
+def apply_float8(model: Any, precision: DictConfig, device: torch.device) -> None:
+    """``precision=fp8``: the transformer blocks' ``nn.Linear`` layers become torchao's ``Float8Linear``
+    (dynamic tensorwise scales; e4m3 activations and weights, e5m2 gradients), before checkpointing, compile
+    and sharding wrap them, as torchtitan orders it. The LM head and the embeddings stay in bf16 (their
+    precision matters most for the loss; torchtitan leaves the output layer out too), and so do layers whose
+    dimensions are not multiples of 16 (float8 matmuls need them). On a CPU torchao emulates the float8
+    matmuls: the same rounding of inputs to float8, the product in high precision."""
+    if precision.name != "fp8":
+        return
+    import logging
+
+    logging.getLogger("torchao").setLevel(logging.ERROR)  # its CUDA-only kernels' load failures on a CPU build
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    inside = {id(mod) for block in transformer_blocks(model) for mod in block.modules()}
+
+    def wanted(mod: torch.nn.Module, name: str) -> bool:
+        return (id(mod) in inside and isinstance(mod, torch.nn.Linear)
+                and mod.in_features % 16 == 0 and mod.out_features % 16 == 0)
+
+    convert_to_float8_training(model, config=Float8LinearConfig(emulate=device.type != "cuda"),
+                               module_filter_fn=wanted)
+
+
+def float8_linears(model: torch.nn.Module) -> int:
+    """How many layers ``apply_float8`` converted (the run's start line prints it)."""
+    return sum(type(mod).__name__ == "Float8Linear" for mod in model.modules())
+
+
+_LOSS_TARGETS: Any = None  # the targets of the loss being computed (a chunked head reads them); see chunked_loss
+
+
+def apply_chunked_loss(model: Any, m: DictConfig) -> None:
+    """``model.loss_chunk``: the LM head computes the summed cross-entropy itself, ``loss_chunk`` tokens at a
+    time, when the loss asks for it (``_cross_entropy`` hands it the targets); otherwise it is the plain head.
+
+    1. Inside the head's own forward, so each engine's hooks on the head (ZeRO-3's gather, FSDP's unshard)
+       run as for any forward, and the parameter names do not change (only the instance's ``forward``).
+    2. Each chunk's logits, their fp32 upcast and the softmax live only inside a non-reentrant checkpoint:
+       forward keeps the chunk's hidden states (which the model has anyway), backward recomputes the chunk's
+       logits, so at most one chunk's ``chunk x vocab`` logits exist at a time; the head's matmul runs once
+       more in backward (2 x hidden x vocab FLOPs per token).
+    3. The sum of the chunks' sums equals the whole sum (fp32 accumulation), so losses and gradients equal the
+       unchunked ones within rounding."""
+    chunk = int(m.get("loss_chunk", 0))
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if chunk <= 0 or head is None:
+        return
+    plain = head.forward  # 1
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        targets = _LOSS_TARGETS
+        if targets is None:
+            return plain(hidden)
+        h = hidden.reshape(-1, hidden.size(-1))
+        t = targets.reshape(-1)
+        assert h.size(0) == t.size(0), (h.shape, t.shape)
+
+        def piece(h_c: torch.Tensor, t_c: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(plain(h_c).float(), t_c, ignore_index=-100, reduction="sum")
+
+        from torch.utils.checkpoint import checkpoint
+
+        total = hidden.new_zeros((), dtype=torch.float32)
+        for i in range(0, h.size(0), chunk):  # 2, 3
+            total = total + checkpoint(piece, h[i:i + chunk], t[i:i + chunk], use_reentrant=False)
+        return total
+
+    head.forward = forward
+    model.shardyard_loss_chunk = chunk
+
+
+def has_chunked_loss(model: Any) -> bool:
+    while hasattr(model, "module"):  # DDP, DeepSpeed's engine
+        model = model.module
+    return bool(getattr(model, "shardyard_loss_chunk", 0))
+
+
+def prepare_model(model: Any, cfg: DictConfig, device: torch.device) -> None:
+    """The options that change how a built model computes, in the order every engine applies them before
+    it wraps or shards the model: float8 linears -> activation checkpointing -> regional compile -> chunked
+    loss head. Float8 first, so checkpointing recomputes and compile traces the float8 layers; the loss
+    head last, outside the compiled blocks."""
+    apply_float8(model, cfg.precision, device)
+    apply_activation_checkpointing(model, cfg.model)
+    apply_compile(model, cfg.model)
+    apply_chunked_loss(model, cfg.model)
+
+
+def prepare_replica(model: torch.nn.Module, cfg: DictConfig, device: torch.device) -> torch.nn.Module:
+    """Full-replica engines (single, DDP, Horovod): materialise, ``prepare_model``, then move."""
+    materialize(model, device, cfg.seed, cfg.model)
+    prepare_model(model, cfg, device)
     return model.to(device)
 
 
@@ -542,9 +673,21 @@ def causal_lm_loss_sum(model: torch.nn.Module, inputs: Any, targets: torch.Tenso
 
 
 def _cross_entropy(model: torch.nn.Module, inputs: Any, targets: torch.Tensor, reduction: str) -> torch.Tensor:
-    out = logits(model(**packed_kwargs(model, inputs)) if isinstance(inputs, dict) else model(inputs))
+    if has_chunked_loss(model):  # the head returns the summed cross-entropy (apply_chunked_loss)
+        global _LOSS_TARGETS
+        _LOSS_TARGETS = targets
+        try:
+            total = logits(_call(model, inputs))
+        finally:
+            _LOSS_TARGETS = None
+        return total if reduction == "sum" else total / (targets != -100).sum()
+    out = logits(_call(model, inputs))
     return F.cross_entropy(out.float().reshape(-1, out.size(-1)), targets.reshape(-1), ignore_index=-100,
                            reduction=reduction)
+
+
+def _call(model: torch.nn.Module, inputs: Any) -> Any:
+    return model(**packed_kwargs(model, inputs)) if isinstance(inputs, dict) else model(inputs)
 
 
 def attn_implementation(model: Any) -> str | None:
@@ -596,9 +739,13 @@ def model_shape(model: Any) -> dict:
     act = {}
     for regime in ("fp32", "autocast", "half"):
         layer = [b[regime] for b in per_block]
+        kept = [b["selective_" + regime] for b in per_block]
         resid = 2 if regime == "half" else 4  # the residual stream: fp32 but under half parameters
         act[regime] = {"blocks": sum(layer), "max_block": max(layer), "ckpt_per_block": resid * h,
-                       "loss": (12 if regime == "fp32" else 10) * vocab + 2 * resid * h}
+                       "selective_blocks": sum(kept), "max_selective_block": max(kept),
+                       # the logits (and their fp32 upcast and gradient) per token, which model.loss_chunk bounds,
+                       # and the final norm's and the head's inputs
+                       "logits": (12 if regime == "fp32" else 10) * vocab, "loss_hidden": 2 * resid * h}
     module_params = [sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()]
     # Routed experts (what expert parallelism splits): their parameters in all and in the largest block.
     block_experts = [sum(p.numel() for m in moe.expert_modules(b) for p in m.parameters()) for b in blocks]
@@ -616,9 +763,15 @@ def model_shape(model: Any) -> dict:
 def _llama_bytes(h: int, i: int, hkv: int, heads: int) -> dict:
     # Saved tensors of one LLaMA block per token: 2 RMSNorms (input and output each), q/k/v, SDPA's output
     # and log-sum-exp, o_proj's input, and the SwiGLU MLP's gate, up, silu(gate) and product (4 x i).
+    # Selective checkpointing keeps the block's input (the fp32 residual; half under half parameters) and what
+    # its matmuls and SDPA return: q, k, v, o_proj's and down's outputs (3h + 2 hkv), gate and up (2i), SDPA's
+    # output (h) and log-sum-exp (fp32 per head).
+    mm = 4 * h + 2 * hkv + 2 * i
     return {"fp32": 32 * h + 16 * i + 8 * hkv + 4 * heads + 8,
             "autocast": 30 * h + 8 * i + 4 * hkv + 4 * heads,  # + the bf16 weight copies (``autocast_copies``)
-            "half": 20 * h + 8 * i + 4 * hkv + 4 * heads + 8}
+            "half": 20 * h + 8 * i + 4 * hkv + 4 * heads + 8,
+            "selective_fp32": 4 * h + 4 * mm + 4 * heads, "selective_autocast": 4 * h + 2 * mm + 4 * heads,
+            "selective_half": 2 * h + 2 * mm + 4 * heads}
 
 
 # DeepSeek-V3 under autocast / half parameters, relative to fp32 (measured on transformers' implementation:
@@ -645,7 +798,18 @@ def _block_bytes_per_token(block: Any, c: Any, h: int) -> dict:
         else:
             ffn = 4 * c.intermediate_size
         fp32 = 4 * (attn + ffn)
-        return {"fp32": fp32, "autocast": _V3_AUTOCAST * fp32, "half": _V3_HALF * fp32}
+        # selective: the block's input and the matmul/SDPA outputs: q (and its low-rank latent), the kv latent
+        # and its up-projection, SDPA's output and lse, o_proj's output; the router's scores and per routed
+        # token the experts' gate|up and down outputs; the shared experts' likewise (a dense MLP: gate, up, down)
+        kept = (h + (rq if rq else 0) + heads * dq + rkv + c.qk_rope_head_dim + heads * (c.qk_nope_head_dim + dv)
+                + heads * dv + heads + h)
+        if moe:
+            kept += c.n_routed_experts + k * (2 * mi + h) + c.n_shared_experts * 2 * mi + h
+        else:
+            kept += 2 * c.intermediate_size + h
+        return {"fp32": fp32, "autocast": _V3_AUTOCAST * fp32, "half": _V3_HALF * fp32,
+                "selective_fp32": 4 * kept, "selective_autocast": _V3_AUTOCAST * 4 * kept,
+                "selective_half": _V3_HALF * 4 * kept}
     i = getattr(c, "intermediate_size", None) or 4 * h
     if moe and getattr(c, "num_experts_per_tok", None):  # LLaMA-style attention with routed experts
         i = c.num_experts_per_tok * (getattr(c, "moe_intermediate_size", None) or i)

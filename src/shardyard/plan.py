@@ -22,6 +22,7 @@ from typing import Any, Iterable
 
 from omegaconf import DictConfig
 
+from shardyard.config import checkpointed_fraction, checkpointing_mode
 from shardyard.config.schema import Offload, Precision
 from shardyard.errors import UserError
 from shardyard.facts import Plan, split_hardware
@@ -281,8 +282,10 @@ def estimate(cfg: DictConfig, batch: Plan, hw: Hardware) -> Estimate:
     if batch.facts.trainable is not None:
         quantized = adapters.method(cfg.peft).quantized_base
         states = frozen_base(states, P, batch.facts.trainable, shape, quantized=quantized)
-    ckpt = bool(cfg.model.activation_checkpointing)
-    acts = (_activations(shape, states.regime, mbs * batch.seq_len, ckpt)
+    mode = checkpointing_mode(cfg.model)
+    ckpt = mode != "none"
+    fraction = checkpointed_fraction(cfg.model, shape["blocks"])
+    acts = (_activations(shape, states.regime, mbs * batch.seq_len, mode, fraction, int(cfg.model.get("loss_chunk", 0)))
             + states.dispatch_bytes_per_token * mbs * batch.seq_len) * states.activation_factor
     device = dict(states.device)
     if accum > 1 and states.accumulation_bytes:
@@ -298,7 +301,9 @@ def estimate(cfg: DictConfig, batch: Plan, hw: Hardware) -> Estimate:
     else:
         host = dict(states.host)
     tokens = mbs * batch.seq_len * accum / mp  # a tensor-parallel or pipeline rank computes its part of each token
-    compute = None if hw.peak_flops is None else batch.facts.flops_per_token * tokens * (4 / 3 if ckpt else 1) / (
+    recompute = {"none": 0.0, "full": 1 / 3, "selective": 1 / 30}[mode] * fraction  # a block's forward is 1/3 of its
+    # training FLOPs; selective recomputes only the ops between matmuls (a few % of them)
+    compute = None if hw.peak_flops is None else batch.facts.flops_per_token * tokens * (1 + recompute) / (
         hw.peak_flops * cfg.plan.mfu)
     comm_bytes = states.comm_bytes(accum) * (dp - 1) / dp  # the engine's collectives run over its replicas
     comm_bytes += states.all_to_all_per_micro * accum  # point to point: what leaves the rank, counted already
@@ -317,16 +322,27 @@ def _accumulation(cfg: DictConfig, batch: Plan, world: int) -> int:
     return max(1, gbs // (batch.micro_batch_size * world))
 
 
-def _activations(shape: dict, regime: str, tokens: int, ckpt: bool) -> float:
+def _activations(shape: dict, regime: str, tokens: int, mode: str = "none", fraction: float = 0.0,
+                 loss_chunk: int = 0) -> float:
+    """Activation bytes of one micro-batch of ``tokens``: the blocks (a ``fraction`` of them checkpointed in
+    ``mode``), autocast's bf16 weight copies, and the loss (the logits of ``loss_chunk`` tokens at a time)."""
     a = shape["activation_bytes_per_token"][regime]
-    if ckpt:  # each block keeps its input; one block at a time is recomputed in full during backward
-        per_token = shape["blocks"] * a["ckpt_per_block"] + a["max_block"] + a["loss"]
-        copies = 2 * (shape["max_block_params"] + shape["root_params"] / 2) if regime == "autocast" else 0.0
+    n = max(shape["blocks"], 1)
+    logits_tokens = min(loss_chunk, tokens) if loss_chunk else tokens
+    loss = a["loss_hidden"] * tokens + a["logits"] * logits_tokens
+    if mode == "none" or fraction == 0:
+        kept, transient, copied = a["blocks"], 0.0, shape["block_params"]
     else:
-        per_token = a["blocks"] + a["loss"]
-        # autocast casts each weight to bf16 once per forward and keeps the copy for backward
-        copies = 2 * (shape["block_params"] + shape["root_params"] / 2) if regime == "autocast" else 0.0
-    return per_token * tokens + copies
+        # checkpointed blocks keep their input (full) or their matmul outputs (selective); one block at a time
+        # is recomputed in backward, all of it (full) or the ops between its matmuls (selective)
+        own = n * a["ckpt_per_block"] if mode == "full" else a["selective_blocks"]
+        kept = (1 - fraction) * a["blocks"] + fraction * own
+        transient = a["max_block"] - (0.0 if mode == "full" else a["max_selective_block"])
+        # autocast's weight casts are recomputed with the block: only the plain blocks keep theirs
+        copied = (1 - fraction) * shape["block_params"] + shape["max_block_params"]
+    # autocast casts each weight to bf16 once per forward and keeps the copy for backward
+    copies = 2 * (copied + shape["root_params"] / 2) if regime == "autocast" else 0.0
+    return (kept + transient) * tokens + loss + copies
 
 
 def _check_fit(e: Estimate, hw: Hardware, headroom: float) -> None:
@@ -447,7 +463,8 @@ def plan_report(cfg: DictConfig, batch: Plan, hw: Hardware) -> str:
     mfu = f"at MFU {cfg.plan.mfu:.0%} of {hw.peak_flops / 1e12:.0f} TFLOP/s" if hw.peak_flops else "(no FLOP/s figure for this hardware)"
     notes = [
         f"model {cfg.model.name}: {f'{P / 1e9:.2f}B' if P >= 1e9 else f'{P / 1e6:.1f}M'} parameters | precision {cfg.precision.name} | micro batch "
-        f"{batch.micro_batch_size} x seq {batch.seq_len} | activation checkpointing {bool(cfg.model.activation_checkpointing)} "
+        f"{batch.micro_batch_size} x seq {batch.seq_len} | activation checkpointing {checkpointing_mode(cfg.model)} "
+        f"| loss chunk {cfg.model.get('loss_chunk', 0) or 'off'} "
         f"| optimizer {cfg.optim._target_} ({optimizer_bytes_per_param(cfg.optim):.0f} bytes/param)",
         "rules of thumb (ZeRO paper, mixed-precision Adam: 16 bytes/param): DDP 16P = "
         f"{16 * P / GiB:.1f} GiB; ZeRO-1 4P+12P/N = {(4 * P + 12 * P / hw.world) / GiB:.1f}; ZeRO-2 2P+14P/N = "
@@ -552,7 +569,8 @@ def alternatives(cfg: DictConfig, batch: Plan, hw: Hardware, limit: int = 6) -> 
     for name, variant in engine_variants(cfg, hw, batch.facts.routed_experts):
         if _swaps_to_nvme(variant.backend) and not variant.backend.get("nvme_path"):
             continue  # ZeRO-Infinity needs the user's NVMe directory
-        for ckpt in sorted({bool(cfg.model.activation_checkpointing), True}):
+        mode = checkpointing_mode(cfg.model)
+        for ckpt in dict.fromkeys([mode, "full"]):  # as written first, then full checkpointing
             mbs = batch.micro_batch_size
             while mbs >= 1:
                 v = variant.copy()
@@ -563,8 +581,8 @@ def alternatives(cfg: DictConfig, batch: Plan, hw: Hardware, limit: int = 6) -> 
                     v.train.grad_accum_steps = None
                 b = dataclasses.replace(batch, micro_batch_size=mbs)
                 changes = _changes_of_engine(cfg, variant)
-                if ckpt != bool(cfg.model.activation_checkpointing):
-                    changes.append("model.activation_checkpointing=true")
+                if ckpt != mode:
+                    changes.append("model.activation_checkpointing=full")
                 if mbs != batch.micro_batch_size:
                     changes.append(f"train.micro_batch_size={mbs} train.global_batch_size={gbs}")
                 nodes = nodes_needed(v, b, hw)

@@ -572,3 +572,38 @@ def peak_tree_rss(cmd: list[str], env: dict | None = None, timeout: float = 600,
             raise TimeoutError(f"{cmd} ran over {timeout} s")
         time.sleep(0.02)
     return peak, time.perf_counter() - t0, proc
+
+
+def activation_memory(overrides: list[str], rows: int, seq: int) -> dict:
+    """What one training micro-batch of ``rows x seq`` tokens holds in this process, measured: ``kept``, the bytes
+    alive after the forward (what backward will read), and ``peak``, the high-water mark through forward and
+    backward, both above what was alive before (parameters, and gradients allocated by a first step). Run it in a
+    process started with ``MALLOC_MMAP_THRESHOLD_=65536``: tensors then live in their own mappings, returned to
+    the system when freed, so the resident size follows the live tensors (``VmHWM`` reset through clear_refs).
+    Also the plan's ``_activations`` for the same micro-batch (``plan``)."""
+    import torch
+
+    from shardyard.config import checkpointed_fraction, checkpointing_mode
+    from shardyard.model import build_model, causal_lm_loss_sum, model_shape, prepare_replica
+    from shardyard.plan import _activations
+
+    def status(field: str) -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+    cfg = compose(overrides)
+    model = prepare_replica(build_model(cfg.model, cfg.seed), cfg, torch.device("cpu")).train()
+    x = torch.randint(0, cfg.model.vocab_size, (rows, seq), generator=torch.Generator().manual_seed(0))
+    y = torch.randint(0, cfg.model.vocab_size, (rows, seq), generator=torch.Generator().manual_seed(1))
+    causal_lm_loss_sum(model, x, y).backward()  # gradients exist from here on, as in every later step
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current resident size
+    base = status("VmRSS")
+    loss = causal_lm_loss_sum(model, x, y)
+    kept = status("VmRSS") - base
+    loss.backward()
+    shape = model_shape(build_model(cfg.model, cfg.seed, on_meta=True))
+    regime = "fp32" if cfg.precision.name == "fp32" else "autocast"
+    planned = _activations(shape, regime, rows * seq, checkpointing_mode(cfg.model),
+                           checkpointed_fraction(cfg.model, shape["blocks"]), int(cfg.model.loss_chunk))
+    return {"kept": kept, "peak": status("VmHWM") - base, "plan": planned}

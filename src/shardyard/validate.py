@@ -190,6 +190,7 @@ def validate(cfg: DictConfig, env: DistEnv | None) -> Plan:
     _validate_balance(m.balance, facts)
     _validate_ep(cfg.backend, p.dims, facts)
     _validate_precision(cfg.precision, p.device_type)
+    _validate_speed_options(cfg)
     if cfg.optim.lr <= 0:
         raise UserError("optim.lr", cfg.optim.lr, "The learning rate must be positive.", "Use e.g. optim.lr=3e-4.")
     if cfg.sched.get("warmup_steps", 0) < 0:
@@ -610,18 +611,43 @@ def _gpu_capability() -> tuple[str, float] | None:
         return None
 
 
+def _validate_speed_options(cfg: DictConfig) -> None:
+    """The keys that buy throughput or memory (docs/performance.md): their values, and the adapters fp8 cannot
+    convert. Which engines take each one is the engine's own ``validate``."""
+    from shardyard.config import checkpointing_mode
+
+    m = cfg.model
+    checkpointing_mode(m)  # raises UserError on a value it does not know
+    _at_least("model.activation_checkpointing_every", m.activation_checkpointing_every, 1)
+    _at_least("model.loss_chunk", m.loss_chunk, 0)
+    if cfg.precision.name == "fp8" and cfg.peft.name != "none":
+        raise UserError("precision", "fp8", f"Float8 linears replace the blocks' nn.Linear layers, which peft="
+                        f"{cfg.peft.name} wraps with its adapters (and QLoRA quantizes to 4 bits).",
+                        "Use precision=bf16 with adapters, or peft=none for fp8 training.")
+
+
 def _validate_precision(pr: DictConfig, dev: str) -> None:
     import torch
 
     from shardyard.config.schema import Precision
 
     precision = Precision(pr.name)
-    if precision is Precision.bf16 and dev == "cuda":
+    if precision is Precision.fp8:
+        import importlib.util
+
+        if importlib.util.find_spec("torchao") is None:
+            raise UserError("precision", "fp8", "Float8 training runs through torchao, which is not installed.",
+                            "pip install 'shardyard[fp8]' (torchao), or use precision=bf16.")
+        gpu = _gpu_capability() if dev == "cuda" else None
+        if gpu is not None and gpu[1] < 8.9:  # float8 tensor cores: Ada (8.9) and Hopper (9.0) on
+            raise UserError("precision", "fp8", f"This GPU ({gpu[0]}, compute capability {gpu[1]}) has no float8 "
+                            "matmuls (Ada, 8.9, and Hopper, 9.0, and later have them).", "Use precision=bf16.")
+    if precision in (Precision.bf16, Precision.fp8) and dev == "cuda":
         gpu = _gpu_capability()
         if gpu is None:  # no nvidia-smi: ask torch (this initialises CUDA here)
             gpu = (torch.cuda.get_device_name(), 8.0 if torch.cuda.is_bf16_supported() else 0.0)
         if gpu[1] < 8.0:  # bf16 tensor cores from Ampere (sm_80) on
-            raise UserError("precision", "bf16", f"This GPU ({gpu[0]}, compute capability {gpu[1]}) has no native "
+            raise UserError("precision", pr.name, f"This GPU ({gpu[0]}, compute capability {gpu[1]}) has no native "
                             "bf16 (Ampere, 8.0, and later have it; older GPUs would emulate it, slowly).",
                             "Use precision=fp16 (loss-scaled) or precision=fp32.")
     if precision is not Precision.fp32 and not torch.amp.autocast_mode.is_autocast_available(dev):

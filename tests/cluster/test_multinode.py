@@ -209,10 +209,16 @@ def test_deepspeed_hostfile_across_hosts_trains_as_one_host(hosts, ssh, one_host
         pytest.skip("no pdsh here (DeepSpeed's multi-node runner): make test installs it with apt-get as root")
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("".join(f"{a} slots=1\n" for a in hosts.addrs))
+    # Each node's DeepSpeed launcher sets CUDA_VISIBLE_DEVICES itself, so on a GPU machine DeepSpeed would pick
+    # its CUDA accelerator beside shardyard's backend.device=cpu (STEPS): the runner exports the lines of this
+    # file (DS_ENV_FILE; no trailing newline, which would be part of the value) to every node.
+    ds_env = tmp_path / "deepspeed_env"
+    ds_env.write_text("DS_ACCELERATOR=cpu")
     cmd = [str(Path(sys.executable).parent / "deepspeed"), "--hostfile", str(hostfile), "--master_addr",
            hosts.addrs[0], "--master_port", "29481", str(ROOT / "train.py"), f"hydra.run.dir={tmp_path / 'run'}",
            *STEPS, "backend=zero2", f"launch.socket_ifname={hosts.ifname}"]
-    proc = hosts.run(0, cmd, cwd=ROOT, env={**os.environ, "PATH": ssh.path, "PYTHONUNBUFFERED": "1"},
+    proc = hosts.run(0, cmd, cwd=ROOT, env={**os.environ, "PATH": ssh.path, "PYTHONUNBUFFERED": "1",
+                                            "DS_ENV_FILE": str(ds_env), "DS_ACCELERATOR": "cpu"},
                      capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "world size 2 (1/node x 2 nodes" in proc.stdout, proc.stdout[-2000:]

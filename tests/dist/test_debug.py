@@ -28,7 +28,7 @@ def test_nan_policy_stop_names_step_rank_and_parameter(engine, tmp_path):
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["OWNER", "latest", "step-00000002"]  # nothing after the NaN
 
 
-@pytest.mark.parametrize("engine", ["ddp", "zero2"])
+@pytest.mark.parametrize("engine", ["ddp", "zero2", "fsdp"])  # fsdp: the drill reaches FSDP2's unsharded parameters
 def test_nan_policy_skip_leaves_the_parameters_of_the_step_before(engine, tmp_path, monkeypatch):
     monkeypatch.setenv("SHARDYARD_TEST_POISON_GRAD", f"3:1:{PARAM}")
     skipped, clean = run_many(2, [

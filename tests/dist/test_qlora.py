@@ -22,6 +22,11 @@ QL = ["data=sft", "data.seq_len=128", "peft=qlora", "peft.r=4", "peft.dropout=0.
 
 
 def test_qlora_is_refused_on_cpu_and_on_sharding_engines():
+    from shardyard.validate import device_type
+
+    # This tier runs on CPU on every machine (tests/conftest.py hides the GPUs); tests/gpu checks that a GPU
+    # machine accepts peft=qlora.
+    assert device_type(compose(["peft=qlora"])) == "cpu"
     with pytest.raises(UserError) as e:
         validate(compose(["peft=qlora"]), None)
     assert e.value.key == "peft" and "CUDA" in e.value.paragraph()

@@ -35,13 +35,17 @@ def test_deepspeed_launcher_starts_train_py(tmp_path):
     assert os.path.exists(launcher), "DeepSpeed's launcher comes with the deepspeed extra (make setup installs it)"
     from shardyard.launch import free_port
 
+    # A CPU run on any machine: DeepSpeed's launcher sets CUDA_VISIBLE_DEVICES=0,1 for its workers itself, so on a
+    # GPU machine they would see its GPUs (tests/conftest.py hides them from everything else): backend.device=cpu
+    # for shardyard, DS_ACCELERATOR=cpu for DeepSpeed's own device choice.
     # A free rendezvous port: the launcher's default 29500 may still be held by an earlier job's sockets.
     cmd = [launcher, "--num_nodes=1", "--num_gpus=2", "--no_ssh_check", f"--master_port={free_port()}", "train.py",
-           "backend=zero2",
+           "backend=zero2", "backend.device=cpu",
            f"hydra.run.dir={tmp_path}", *FAST]
     # The venv's bin goes last: first, its ninja would differ from the one every other run builds DeepSpeed's
     # ops with, and torch would rebuild them (about 100 s each time the ninja changes).
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": os.environ["PATH"] + ":" + os.path.dirname(sys.executable)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
+           "PATH": os.environ["PATH"] + ":" + os.path.dirname(sys.executable)}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert json.load(open(tmp_path / "summary.json"))["world_size"] == 2

@@ -15,7 +15,7 @@ import pytest
 from conftest import ROOT, TINY, train_py
 from readers import csv_by_step, jsonl_by_step, tensorboard_scalars, wandb_offline_run
 
-RUN = [*TINY, "backend=single", "train.steps=6", "train.log_every_n_steps=2", "train.eval_every_n_steps=3",
+RUN = [*TINY, "backend=single", "backend.device=cpu", "train.steps=6", "train.log_every_n_steps=2", "train.eval_every_n_steps=3",
        "checkpoint.save_final=true", "monitor=[console,tensorboard,wandb,mlflow,csv]",
        "profile.enabled=true", "profile.steps=[2,3]", "metrics.peak_tflops=0.5"]
 

@@ -48,7 +48,7 @@ def test_every_option_composes_and_validates(group, option, tmp_path):
 
             nodes = {r.name: r.nodes for r in recipes.catalogue()}
             assert group == "recipe" and nodes[option] > 1 and "world size" in e.paragraph(), e.paragraph()
-        else:  # QLoRA's 4-bit kernels are CUDA-only
+        else:  # QLoRA's 4-bit kernels are CUDA-only (this tier sees no GPU: test_the_cpu_tiers_see_no_gpu)
             assert cfg.peft.name == "qlora" and "CUDA" in e.paragraph(), e.paragraph()
         return
     tr = cfg.train  # the plan keeps what the recipe fixed and derives the rest
@@ -104,23 +104,38 @@ def test_contradicting_accumulation_is_refused():
     assert e.value.key == "train.grad_accum_steps"
 
 
+def test_the_cpu_tiers_see_no_gpu():
+    """Every tier but tests/gpu runs on CPU on every machine: tests/conftest.py hides a GPU machine's GPUs from
+    the session and all it starts, so the refusals below that only a machine without GPUs makes (marked) hold
+    there too; tests/gpu/test_gpu.py::test_what_a_machine_without_gpus_refuses_validates_here checks that a GPU
+    machine accepts them."""
+    import os
+
+    import torch
+
+    from shardyard.validate import device_type
+
+    assert os.environ.get("CUDA_VISIBLE_DEVICES") == "" and torch.cuda.device_count() == 0
+    assert device_type(compose([])) == "cpu"
+
+
 @pytest.mark.parametrize("overrides,key", [
     (["launch.nproc_per_node=zero"], "launch.nproc_per_node"),
-    (["backend.device=cuda"], "backend.device"),
+    (["backend.device=cuda"], "backend.device"),  # without GPUs
     (["data=text_files", "data.paths=[/nonexistent/corpus.txt]"], "data.paths"),
     (["data.tokenizer.path=/nonexistent/tok"], "data.tokenizer.path"),
     (["model=hf", "model.path=/nonexistent/model"], "model.path"),
-    (["model.attn_implementation=flash_attention_2"], "model.attn_implementation"),
+    (["model.attn_implementation=flash_attention_2"], "model.attn_implementation"),  # without GPUs (or flash-attn)
     (["backend=single", "launch.nproc_per_node=2"], "backend"),
     (["data.seq_len=100000"], "data.seq_len"),
-    (["backend.dist_backend=nccl"], "backend.dist_backend"),
+    (["backend.dist_backend=nccl"], "backend.dist_backend"),  # without GPUs
     (["profile.enabled=true", "profile.steps=[5,2]"], "profile.steps"),
     (["profile.enabled=true", "profile.steps=[1,9999]"], "profile.steps"),
     (["debug.max_skipped=0"], "debug.max_skipped"),
     (["metrics.peak_tflops=-1"], "metrics.peak_tflops"),
     (["backend=zero1", "backend.offload_param=cpu"], "backend.offload_param"),
     (["backend=zero_infinity"], "backend.nvme_path"),
-    (["backend=fsdp", "precision=fp16"], "precision"),
+    (["backend=fsdp", "precision=fp16"], "precision"),  # without GPUs
     (["backend=ddp", "+backend.cpu_offload=true"], "backend.cpu_offload"),  # an offload knob DDP does not have
 ])
 def test_user_errors_name_the_key(overrides, key):

@@ -102,7 +102,7 @@ def test_every_schema_field_has_a_docstring():
 
 
 @pytest.mark.parametrize("override,allowed", [
-    ("precision.name=fp8", "fp32, bf16, fp16"),
+    ("precision.name=fp4", "fp32, bf16, fp16, fp8"),
     ("debug.nan_policy=ignore", "stop, skip, off"),
     ("model.attn_implementation=flash", "sdpa, eager, flash_attention_2"),
     ("model.init_device=gpu", "auto, cpu, meta"),
@@ -149,6 +149,16 @@ def test_keys_no_schema_or_plugin_reads_are_refused(overrides, key):
     (["train.eval_every_n_steps=-5"], "train.eval_every_n_steps"),
     (["train.max_grad_norm=-1"], "train.max_grad_norm"),
     (["model=hf"], "model.path"),  # a required value left as ???
+    # the speed options (issue 34): their values, and each engine's refusal of what it cannot take
+    (["model.activation_checkpointing=some"], "model.activation_checkpointing"),
+    (["model.activation_checkpointing_every=0"], "model.activation_checkpointing_every"),
+    (["model.loss_chunk=-1"], "model.loss_chunk"),
+    (["backend=zero3", "model.compile=true"], "model.compile"),
+    (["backend=zero3", "model.activation_checkpointing=selective"], "model.activation_checkpointing"),
+    (["backend=zero2", "precision=fp8"], "precision"),
+    (["backend=pipeline", "launch.nproc_per_node=2", "model.loss_chunk=256"], "model.loss_chunk"),
+    (["backend=fsdp_tp", "launch.nproc_per_node=2", "precision=fp8"], "precision"),
+    (["precision=fp8", "peft=lora"], "precision"),
 ])
 def test_bad_values_name_the_key(overrides, key):
     cfg = compose(overrides)

@@ -6,6 +6,8 @@ import torch
 from shardyard.model import build_model, inspect_model, materialize, prepare_replica, shape_model, wants_meta
 from shardyard.testing import compose
 
+TINY_MODEL = ["model.hidden_size=64", "model.intermediate_size=176", "model.num_layers=2", "model.num_heads=4"]
+
 
 def test_deepseek7b_has_the_published_dimensions():
     m = compose(["model=deepseek7b"]).model
@@ -59,8 +61,8 @@ def test_seeded_build_is_identical_and_meta_init_matches_distribution():
 
 
 def test_activation_checkpointing_disables_cache():
-    m = compose(["model=deepseek_tiny", "model.activation_checkpointing=true"]).model
-    model = prepare_replica(build_model(m, seed=0), m, torch.device("cpu"), 0)
+    cfg = compose(["model=deepseek_tiny", "model.activation_checkpointing=true"])
+    model = prepare_replica(build_model(cfg.model, seed=0), cfg, torch.device("cpu"))
     assert model.config.use_cache is False
     assert getattr(model, "is_activation_checkpointing", None) or model.is_gradient_checkpointing
     assert model.model.layers[0].training and model.config.use_cache is False
@@ -109,3 +111,25 @@ def test_anomaly_detection_switch():
             y.sum().backward()
     with anomaly_detection(compose([]).debug):
         assert not torch.is_anomaly_enabled()
+
+
+def test_prepare_model_applies_the_speed_options_where_they_belong():
+    """fp8: the blocks' linear layers become torchao's Float8Linear, the LM head and embeddings do not;
+    regional compile: each block compiled, not the model; loss_chunk: the head returns the summed loss when
+    the loss asks, the logits otherwise (generation, export)."""
+    from shardyard.model import causal_lm_loss_sum, float8_linears, has_chunked_loss, transformer_blocks
+
+    cfg = compose([*TINY_MODEL, "precision=fp8", "model.compile=true", "model.loss_chunk=64"])
+    model = prepare_replica(build_model(cfg.model, seed=0), cfg, torch.device("cpu"))
+    assert float8_linears(model) == 7 * cfg.model.num_layers  # q, k, v, o, gate, up, down
+    assert type(model.lm_head).__name__ == "Linear"
+    assert all(getattr(b, "_compiled_call_impl", None) is not None for b in transformer_blocks(model))
+    assert getattr(model, "_compiled_call_impl", None) is None
+    assert has_chunked_loss(model)
+    x = torch.randint(0, 100, (2, 32))
+    assert model.lm_head(torch.zeros(2, cfg.model.hidden_size)).shape == (2, cfg.model.vocab_size)
+    plain = compose(TINY_MODEL)
+    ref = prepare_replica(build_model(plain.model, seed=0), plain, torch.device("cpu"))
+    ref_model = compose([*TINY_MODEL, "model.loss_chunk=24"])  # 64 targets: chunks of 24, 24 and 16
+    chunked = prepare_replica(build_model(ref_model.model, seed=0), ref_model, torch.device("cpu"))
+    torch.testing.assert_close(causal_lm_loss_sum(chunked, x, x), causal_lm_loss_sum(ref, x, x), rtol=1e-6, atol=0)

@@ -12,6 +12,7 @@ from typing import Any, Callable, ClassVar, Optional, Protocol
 import torch
 from omegaconf import DictConfig
 
+from shardyard.config import checkpointing_mode
 from shardyard.facts import ParallelDims, Plan
 
 
@@ -94,7 +95,7 @@ def expert_parallel_states(states: ModelStates, cfg: DictConfig, shape: dict, wo
     gathered = (2 * c + 4) * saved if blocks else c * E_all * (1 - 1 / ep) + 4 * saved
     device["buffers"] = max(device.get("buffers", 0.0) - gathered, 0.0)
     tokens = cfg.train.micro_batch_size * cfg.data.seq_len
-    passes = 6 if cfg.model.activation_checkpointing else 4  # 4
+    passes = 6 if checkpointing_mode(cfg.model) == "full" else 4  # 4 (selective keeps the dispatched rows' outputs)
     a2a = shape["moe_layers"] * tokens * shape["experts_per_token"] * shape["hidden"] * c * passes * (ep - 1) / ep
     return dataclasses.replace(
         states, device=device,
@@ -107,6 +108,27 @@ def expert_parallel_states(states: ModelStates, cfg: DictConfig, shape: dict, wo
 
 HALF = 2
 FP32 = 4
+
+
+def refuse_speed_options(cfg: DictConfig, engine_name: str, why: dict[str, str]) -> None:
+    """An engine's refusal of the speed options it cannot take (``why``: option -> the engine's reason), each
+    set option named with its key and value: ``fp8`` (``precision=fp8``), ``loss_chunk``
+    (``model.loss_chunk``), ``compile`` (``model.compile``), ``selective``
+    (``model.activation_checkpointing=selective``)."""
+    from shardyard.errors import UserError
+
+    m = cfg.model
+    set_ = {"fp8": ("precision", "fp8", cfg.precision.name == "fp8", "Use precision=bf16."),
+            "loss_chunk": ("model.loss_chunk", m.get("loss_chunk", 0), bool(m.get("loss_chunk", 0)),
+                           "Use model.loss_chunk=0."),
+            "compile": ("model.compile", True, bool(m.get("compile")), "Use model.compile=false."),
+            "selective": ("model.activation_checkpointing", "selective", checkpointing_mode(m) == "selective",
+                          "Use model.activation_checkpointing=full.")}
+    for option, reason in why.items():
+        key, value, on, fix = set_[option]
+        if on:
+            raise UserError(key, value, f"{engine_name} cannot take it: {reason}",
+                            f"{fix} Or an engine that takes it (docs/performance.md).")
 
 
 def engine(backend_cfg: DictConfig) -> Any:

@@ -67,7 +67,7 @@ class DDPBackend:
 
     def prepare(self, build, total_steps: int) -> None:
         b = self.bcfg
-        model = prepare_replica(build(allow_meta=True), self.cfg.model, self.device, self.cfg.seed)
+        model = prepare_replica(build(allow_meta=True), self.cfg, self.device)
         # DDP broadcasts rank 0's parameters at construction, so every replica starts identical.
         self.ddp = DistributedDataParallel(
             model, device_ids=[self.device.index] if self.device.type == "cuda" else None,

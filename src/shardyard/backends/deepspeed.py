@@ -21,12 +21,13 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from shardyard.facts import Plan
-from shardyard.backends import FP32, HALF, ModelStates, StepStats, deepspeed_patches, process_group
+from shardyard.backends import (FP32, HALF, ModelStates, StepStats, deepspeed_patches, process_group,
+                                refuse_speed_options)
 from shardyard.backends.process_group import init_process_group, teardown
 from shardyard.backends.torch_step import pick_device
 from shardyard.errors import UserError
 from shardyard import moe
-from shardyard.model import apply_activation_checkpointing, causal_lm_loss, causal_lm_loss_sum, wants_meta
+from shardyard.model import causal_lm_loss, causal_lm_loss_sum, prepare_model, wants_meta
 from shardyard.optim import build_optimizer, build_scheduler, optimizer_kwargs, param_groups
 from shardyard.safe_load import weights_only_loads
 
@@ -181,6 +182,13 @@ class DeepSpeedBackend:
                             "arbitrary optimizer object.",
                             "Use a torch.optim optimizer (optim=adamw, sgd, adafactor) or deepspeed.ops.adam."
                             "DeepSpeedCPUAdam, or the same engine without offload (backend=zero2/zero3).")
+        why = {"fp8": "DeepSpeed's engine casts the model to bf16 itself and has no torchao float8 path here."}
+        if b.stage == 3:
+            inside = "ZeRO-3 gathers parameters in hooks on every submodule, inside the blocks that "
+            why["compile"] = inside + "regional compile would trace."
+            why["selective"] = inside + "the selective policy replays op by op (their allocations differ between " \
+                                        "forward and the recompute)."
+        refuse_speed_options(cfg, f"backend={b.name}", why)
         if cfg.precision.name == "fp16":
             from deepspeed.accelerator import get_accelerator
 
@@ -283,7 +291,7 @@ class DeepSpeedBackend:
 
             self._hf_ds = HfDeepSpeedConfig(self.config)
         model = build(allow_meta=False)
-        apply_activation_checkpointing(model, m)
+        prepare_model(model, self.cfg, self.device)  # checkpointing, compile (ZeRO-1/2: validate), loss head
         client = build_optimizer(model, self.cfg.optim) if "optimizer" not in self.config else None
         self.engine, _, _, _ = deepspeed.initialize(
             model=model, model_parameters=param_groups(model, self.cfg.optim.weight_decay), config=self.config,

@@ -19,18 +19,20 @@ from shardyard.backends.forward import forward_to
 from shardyard.backends.process_group import init_process_group, teardown
 from shardyard.backends.torch_step import COMPUTE_DTYPES, TorchStepper, pick_device
 from shardyard.errors import UserError
-from shardyard.model import apply_activation_checkpointing, apply_compile, materialize, transformer_blocks
+from shardyard.model import materialize, prepare_model, transformer_blocks
 
 
 def parallelize_fsdp(model: torch.nn.Module, cfg: DictConfig, device: torch.device,
                      mesh: DeviceMesh | None = None) -> torch.nn.Module:
-    """Activation checkpointing -> compile -> experts to their EP ranks -> shard blocks -> shard root ->
-    materialise. In this order because:
+    """Float8 linears -> activation checkpointing -> compile -> chunked loss head -> experts to their EP ranks
+    -> shard blocks -> shard root -> materialise. In this order because:
 
-    1. Activation checkpointing wraps each block's forward first, so that FSDP's pre-forward hook (the
-       parameter all-gather) also runs again when the block is recomputed in backward.
-    2. Compile each block next: FSDP2's hooks then sit outside the compiled graphs (one graph serves
-       every identical block; graph breaks on collectives are avoided).
+    1. ``prepare_model``: float8 linears (``precision=fp8``) replace the blocks' layers before anything wraps
+       them; activation checkpointing wraps each block's forward inside FSDP's hooks, so that the pre-forward
+       all-gather runs again when the block is recomputed in backward.
+    2. Compile each block next (in ``prepare_model``): FSDP2's hooks then sit outside the compiled graphs (one
+       graph serves every identical block; graph breaks on collectives are avoided). The chunked loss head
+       (``model.loss_chunk``) runs inside the root's forward, whose parameters stay unsharded until backward.
     3. Expert parallelism (``mesh``: the (edp, ep) mesh, when ``backend.ep`` > 1): each rank keeps its
        ``E / ep`` routed experts of every MoE layer (``expert_parallel.shard_experts``), and FSDP shards them
        over ``edp`` as their own unit (``ExpertGradients`` divides their gradients by ep as well: the EP peers'
@@ -42,8 +44,7 @@ def parallelize_fsdp(model: torch.nn.Module, cfg: DictConfig, device: torch.devi
        storage and initialise them, so no rank ever holds the full model.
     """
     b, pr = cfg.backend, cfg.precision
-    apply_activation_checkpointing(model, cfg.model)  # 1
-    apply_compile(model, cfg.model)  # 2
+    prepare_model(model, cfg, device)  # 1, 2
     # bf16/fp16: parameters all-gathered in the compute dtype, gradients reduced in fp32; the sharded fp32
     # parameters are the master weights the optimizer updates.
     mp = MixedPrecisionPolicy(param_dtype=COMPUTE_DTYPES[pr.name], reduce_dtype=torch.float32) \

@@ -10,6 +10,7 @@ import torch
 from omegaconf import DictConfig
 
 from shardyard.facts import Plan
+from shardyard.backends import refuse_speed_options
 from shardyard.backends.forward import forward_to
 from shardyard.backends.torch_step import TorchStepper, pick_device, replica_states
 from shardyard.errors import UserError
@@ -37,6 +38,8 @@ class HorovodBackend:
             raise UserError("backend", "horovod", f"Horovod is not installed or not built for this torch ({e}).",
                             "Run `make setup` (it builds Horovod 0.28.1 with PyTorch + Gloo, and MPI when Open MPI "
                             "is installed), or pick another backend.") from None
+        refuse_speed_options(cfg, "backend=horovod", {"fp8": "float8 training is proven here on single, ddp and "
+                                                      "fsdp only."})
         if cfg.backend.compression not in ("none", "fp16"):
             raise UserError("backend.compression", cfg.backend.compression, "Unknown gradient compression.",
                             "Use none or fp16.")
@@ -107,7 +110,7 @@ class HorovodBackend:
 
     def prepare(self, build, total_steps: int) -> None:
         hvd = self.hvd
-        model = prepare_replica(build(allow_meta=True), self.cfg.model, self.device, self.cfg.seed)
+        model = prepare_replica(build(allow_meta=True), self.cfg, self.device)
         compression = hvd.Compression.fp16 if self.bcfg.compression == "fp16" else hvd.Compression.none
 
         def distributed(optimizer):

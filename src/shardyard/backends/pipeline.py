@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from shardyard import moe
 from shardyard.facts import Plan
-from shardyard.backends import ModelStates, process_group, smoke_degree
+from shardyard.backends import ModelStates, process_group, refuse_speed_options, smoke_degree
 from shardyard.backends.expert_parallel import shard_experts, stepper_options
 from shardyard.moe import expert_modules
 from shardyard.backends.forward import forward_to
@@ -202,6 +202,9 @@ class PipelineBackend:
         import transformers
 
         FSDPBackend.validate(cfg, plan)
+        refuse_speed_options(cfg, "backend=pipeline", {
+            "fp8": "the stages are not built with float8 linears here.",
+            "loss_chunk": "the last stage's loss function receives the logits from the schedule."})
         if int(transformers.__version__.split(".")[0]) < 5:  # Stage.forward builds the mask as transformers 5 does
             raise UserError("backend", "pipeline", f"The pipeline stages call transformers 5's masking API, and "
                             f"transformers {transformers.__version__} is installed.",

@@ -45,7 +45,7 @@ class SingleBackend:
         self.device = pick_device(self.plan, 0)
 
     def prepare(self, build, total_steps: int) -> None:
-        self.model = prepare_replica(build(allow_meta=True), self.cfg.model, self.device, self.cfg.seed)
+        self.model = prepare_replica(build(allow_meta=True), self.cfg, self.device)
         self.stepper = TorchStepper(self.model, self.cfg, self.device, self.plan.grad_accum_steps, total_steps)
 
     def forward_backward(self, inputs, targets, is_last_micro: bool, weight: torch.Tensor) -> torch.Tensor:

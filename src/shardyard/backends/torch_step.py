@@ -16,8 +16,9 @@ from shardyard.memory import local
 from shardyard.model import causal_lm_loss, causal_lm_loss_sum
 from shardyard.optim import build_optimizer, build_scheduler
 
-COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-"""``precision.name`` -> the dtype matmuls run in; master weights, gradients and reductions stay fp32."""
+COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
+"""``precision.name`` -> the autocast dtype (fp8: bf16 around the float8 linears, which cast themselves); master
+weights, gradients and reductions stay fp32."""
 
 
 class TorchStepper:

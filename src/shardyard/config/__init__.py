@@ -68,3 +68,25 @@ def compose(overrides: list[str], conf_dir: Path | str = CONF_DIR, config_name: 
     register_resolvers()
     with initialize_config_dir(version_base="1.3", config_dir=str(conf_dir)):
         return hydra_compose(config_name, overrides=[*overrides, f"run_dir={run_dir}"])
+
+
+def checkpointing_mode(m: Any) -> str:
+    """``model.activation_checkpointing`` as ``none``, ``full`` or ``selective`` (``false``/``true`` are the
+    first two: recipes written before ``selective`` existed)."""
+    from shardyard.errors import UserError
+
+    value = m.activation_checkpointing
+    mode = {False: "none", True: "full"}[value] if isinstance(value, bool) else str(value).lower()
+    mode = {"false": "none", "true": "full"}.get(mode, mode)
+    if mode not in ("none", "full", "selective"):
+        raise UserError("model.activation_checkpointing", value, "It is none, full or selective (false and true "
+                        "mean none and full).", "Use model.activation_checkpointing=selective (or full, or none).")
+    return mode
+
+
+def checkpointed_fraction(m: Any, blocks: int) -> float:
+    """The share of the blocks ``apply_activation_checkpointing`` checkpoints (the plan's figure)."""
+    if checkpointing_mode(m) == "none" or blocks == 0:
+        return 0.0
+    every = int(m.get("activation_checkpointing_every", 1))
+    return len(range(0, blocks, every)) / blocks

@@ -75,6 +75,7 @@ class Precision(Choice):
     fp32 = "fp32"
     bf16 = "bf16"
     fp16 = "fp16"
+    fp8 = "fp8"
 
 
 class NanPolicy(Choice):
@@ -358,10 +359,28 @@ class ModelConfig:
     ``mypkg.models.build``)."""
     name: str = MISSING
     """Human-readable model name (logs, summaries)."""
-    activation_checkpointing: bool = False
-    """Recompute each transformer block's activations in backward (non-reentrant checkpointing)."""
+    activation_checkpointing: Any = False
+    """What transformer blocks keep for backward (non-reentrant checkpointing): ``none`` (or ``false``): every
+    activation; ``full`` (or ``true``): only each block's input, the block recomputed in backward (least memory,
+    about a third more compute); ``selective``: each block keeps its matmul and attention outputs and recomputes
+    the cheap ops between them (norms, activations, rotary, products): memory between the two for little
+    recompute (torch's selective checkpoint policy, ``shardyard.model._saved_ops``); not on ZeRO-3, whose
+    parameter hooks run inside the blocks."""
+    activation_checkpointing_every: int = 1
+    """Checkpoint every k-th transformer block only (``full`` or ``selective``): 1 = every block; 2 = half of
+    them, trading memory for less recompute. The plan counts the blocks it checkpoints."""
     compile: bool = False
-    """Wrap each transformer block in ``torch.compile``."""
+    """Regional compile: each transformer block in ``torch.compile`` (inductor), not the whole model, so one graph
+    serves every identical block and the engine's hooks (FSDP's all-gathers, DDP's buckets) stay outside it.
+    single, ddp, horovod, fsdp, pipeline and ZeRO-1/2; refused on ZeRO-3 (its parameter hooks run inside the
+    blocks) and fsdp_tp (inductor's tensor-parallel blocks train differently from eager on torch 2.13). The
+    first steps pay the compile (cached in ``/tmp/torchinductor_<user>``)."""
+    loss_chunk: int = 0
+    """Chunked cross-entropy: the LM head and the loss run on this many tokens at a time, each chunk
+    recomputed in backward, so the full ``tokens x vocab`` fp32 logits (and their gradient) never exist; the
+    loss is the same sum (within 1e-5). 0 = off (one matmul over the micro-batch). Worth it at large
+    vocabularies: at vocab 128k and 8k tokens per micro-batch the logits alone take 4 GiB in fp32. The plan
+    counts one chunk. Not on fsdp_tp (sharded head) or pipeline."""
     init_device: InitDevice = InitDevice.auto
     """Where parameters are first created: ``auto`` (meta above 1B parameters or when ``weights`` are loaded),
     ``cpu`` or ``meta``."""
@@ -650,7 +669,10 @@ class DecaySchedConfig(SchedConfig):
 class PrecisionConfig:
     name: Precision = MISSING
     """``fp32``; ``bf16`` (bf16 compute, fp32 master weights, gradients and reductions); ``fp16`` (fp16
-    compute with dynamic loss scaling, fp32 master weights). The compute dtype follows from it."""
+    compute with dynamic loss scaling, fp32 master weights); ``fp8``: bf16 as above, and the transformer
+    blocks' linear layers in float8 through torchao (dynamic tensorwise scales, e4m3 forward, e5m2 gradients;
+    ``pip install shardyard[fp8]``): H100-class GPUs (compute capability 8.9+) run float8 matmuls, a CPU runs
+    torchao's emulation (same numerics, no speed). single, ddp, fsdp. The compute dtype follows from it."""
     initial_scale_power: int = 16
     """fp16 only: the loss scale starts at 2**this."""
     loss_scale_window: int = 1000

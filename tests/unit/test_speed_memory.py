@@ -1,0 +1,47 @@
+"""What the memory options save, measured (issue 34): chunked cross-entropy at a 32k vocabulary and selective
+activation checkpointing, each beside the plan's figure for it. One process measures every case, the resident
+size following the live tensors (``testing.activation_memory``); the losses they give are tests/dist's."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+MODEL = ["model.hidden_size=256", "model.intermediate_size=688", "model.num_layers=4", "model.num_heads=4",
+         "precision=fp32"]
+CASES = {"none": [], "selective": ["model.activation_checkpointing=selective"],
+         "full": ["model.activation_checkpointing=full"],
+         "vocab32k": ["model.vocab_size=32768"], "vocab32k-chunk512": ["model.vocab_size=32768", "model.loss_chunk=512"]}
+
+
+@pytest.fixture(scope="module")
+def measured():
+    code = ("import json, sys; from shardyard.testing import activation_memory; "
+            f"cases = {json.dumps({k: MODEL + v for k, v in CASES.items()})}; "
+            "print(json.dumps({k: activation_memory(o, 4, 512) for k, o in cases.items()}))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def test_selective_checkpointing_keeps_between_none_and_full(measured):
+    none, sel, full = (measured[k] for k in ("none", "selective", "full"))
+    assert none["kept"] > 1.3 * sel["kept"] and sel["kept"] > 2 * full["kept"], measured
+    assert none["peak"] > sel["peak"] > full["peak"], measured
+
+
+def test_chunked_loss_never_holds_the_full_logits(measured):
+    whole, chunked = measured["vocab32k"], measured["vocab32k-chunk512"]
+    logits = 4 * 512 * 32768 * 4  # the fp32 logits of the micro-batch: 256 MiB
+    assert whole["peak"] - chunked["peak"] > logits, measured  # the logits, their softmax and gradient: gone
+    assert chunked["peak"] < 0.5 * whole["peak"]
+
+
+@pytest.mark.parametrize("case", ["none", "selective", "vocab32k", "vocab32k-chunk512"])
+def test_the_plan_models_what_each_option_keeps(measured, case):
+    assert measured[case]["plan"] == pytest.approx(measured[case]["peak"], rel=0.15), measured[case]
