@@ -1,9 +1,9 @@
 # python bench/throughput.py [--steps N] [--rounds R] [--model tiny|1b] [--precision bf16|fp32|fp8] [--compile] ...
 """Tokens/s, MFU and peak memory of one training recipe, four ways (issue 34, point 1).
 
-    python bench/throughput.py --steps 10        # the README's CPU table: --model tiny, fp32, 1 process (~80 s on 2 cores)
+    python bench/throughput.py --steps 10   # the README's CPU table: --model tiny, fp32, 1 process (80-90 s, 2 cores)
     python bench/throughput.py --steps 10 --rounds 3                       # the same, 3 alternating rounds
-    python bench/throughput.py                   # on CUDA: --model 1b, bf16, seq 2048, every visible GPU, 20 steps x 3 rounds
+    python bench/throughput.py              # on CUDA: --model 1b, bf16, seq 2048, all visible GPUs, 20 steps x 3 rounds
     python bench/throughput.py --model 1b --compile                        # regional torch.compile everywhere
     python bench/throughput.py --model 1b --precision fp8 --engines single,ddp,fsdp   # float8 linears (torchao)
     python bench/throughput.py --approaches shardyard,plain --engines ddp  # a subset
@@ -313,8 +313,10 @@ def titan_config():
     if fp8:  # torchtitan 0.3.0's float8 recipe is rowwise (shardyard's and the plain loop's: tensorwise)
         from torchtitan.components.quantization import Float8LinearConverter
 
-        model = Float8LinearConverter.Config(filter_fqns=["lm_head"], model_compile_enabled=compiled).build().convert(model)
-    model_spec = dataclasses.replace(model_registry("debugmodel"), flavor=f"shardyard-bench-{spec['model']}", model=model)
+        fp8_config = Float8LinearConverter.Config(filter_fqns=["lm_head"], model_compile_enabled=compiled)
+        model = fp8_config.build().convert(model)
+    model_spec = dataclasses.replace(model_registry("debugmodel"), flavor=f"shardyard-bench-{spec['model']}",
+                                     model=model)
     optimizer = default_adamw(lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY)
     optimizer.implementation = "foreach"
     return Trainer.Config(
@@ -361,7 +363,8 @@ def _tail(text: str, n: int = 300) -> str:
 
 def _env(spec: dict, threads: int | None = None) -> dict:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "SHARDYARD_BENCH_DEVICE": spec["device"],
-           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT / "bench"), str(ROOT / "src"), os.environ.get("PYTHONPATH")) if p)}
+           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT / "bench"), str(ROOT / "src"),
+                                                     os.environ.get("PYTHONPATH")) if p)}
     if threads:  # torchrun would set OMP_NUM_THREADS=1 for a world > 1
         env["OMP_NUM_THREADS"] = str(threads)
     return env
@@ -436,8 +439,8 @@ def run_titan(spec: dict, world: int, work: Path, timeout: float) -> dict:
     if rc != 0 or not found:
         return {"error": f"exit {rc}: {_tail(text)}", "wall_s": wall}
     # its tps is per device (local tokens / time); memory: its max_reserved (it logs no allocated figure)
-    return {"tokens_per_s": [found[k][1] * world for k in sorted(found)], "memory_gib": max(v[0] for v in found.values()),
-            "world": world, "wall_s": wall}
+    return {"tokens_per_s": [found[k][1] * world for k in sorted(found)],
+            "memory_gib": max(v[0] for v in found.values()), "world": world, "wall_s": wall}
 
 
 # -------------------------------------------------------------------------------------------- report
@@ -446,64 +449,64 @@ def _fmt(x: float | None, spec: str) -> str:
 
 
 def report(a, spec: dict, info: dict, names: list[str], results: dict, skipped: list[str], wall: float) -> None:
-    s, world = spec["shape"], spec["world"]
+    s, world, cpu = spec["shape"], spec["world"], spec["device"] == "cpu"
     fpt, measured, table = info["flops_per_token"], info["measured_peak"], info["table_peak"]
     rows = {}
     for name in names:
         runs = [r for r in results[name] if "tokens_per_s" in r]
-        if not runs:
-            continue
-        per_run = [statistics.median(r["tokens_per_s"][a.warmup:] or r["tokens_per_s"][-1:]) / r["world"] for r in runs]
-        rows[name] = {"tps": statistics.median(per_run), "mem": max(r["memory_gib"] for r in runs),
-                      "world": runs[0]["world"], "n": len(runs)}
-    print(f"\nbench/throughput.py: {spec['model']} ({info['params'] / 1e6:,.1f}M parameters: hidden {s['hidden_size']}, "
-          f"{s['num_layers']} layers, {s['num_heads']} heads ({s['num_kv_heads']} kv), intermediate "
-          f"{s['intermediate_size']}, vocab {s['vocab_size']}), {spec['precision']}"
+        if runs:
+            per_run = [statistics.median(r["tokens_per_s"][a.warmup:] or r["tokens_per_s"][-1:]) / r["world"]
+                       for r in runs]
+            rows[name] = {"tps": statistics.median(per_run), "mem": max(r["memory_gib"] for r in runs),
+                          "world": runs[0]["world"]}
+    how = "processes" if a.world else "every visible GPU" if not cpu else "1 process on a CPU"
+    attention = 12 * s["num_layers"] * s["hidden_size"] * s["seq"]  # H x Q = hidden (full-width heads)
+    print(f"\nbench/throughput.py: {spec['model']} ({info['params'] / 1e6:,.1f}M parameters: hidden "
+          f"{s['hidden_size']}, {s['num_layers']} layers, {s['num_heads']} heads ({s['num_kv_heads']} kv), "
+          f"intermediate {s['intermediate_size']}, vocab {s['vocab_size']}), {spec['precision']}"
           f"{', compiled' if spec['compile'] else ''}, on {spec['device'].upper()}: {info['device_name']} "
           f"({os.cpu_count()} cores, torch {info['torch']}, transformers {info['transformers']})")
     print(f"  micro-batch {s['mbs']} x seq {s['seq']} = {s['mbs'] * s['seq']:,} tokens per step per process; world "
-          f"size {world} ({'every visible GPU' if spec['device'] == 'cuda' else '1 process on a CPU'}; shardyard "
-          f"single: 1) -> {s['mbs'] * s['seq'] * world:,} tokens per step; {a.steps} steps per run, the first "
-          f"{a.warmup} dropped, {a.rounds} round(s) alternating; median of the per-step figures, then over rounds")
+          f"size {world} ({how}; shardyard single: 1) -> {s['mbs'] * s['seq'] * world:,} tokens per step; {a.steps} "
+          f"steps per run, the first {a.warmup} dropped, {a.rounds} round(s) alternating; median of the per-step "
+          f"figures, then over rounds")
     print(f"  FLOPs per token: shardyard.model.flops_per_token = 6N + 12*L*H*Q*T (PaLM appendix B; attention "
-          f"included, N without the input embedding) = 6 x {(fpt - 12 * s['num_layers'] * s['hidden_size'] * s['seq']) / 6 / 1e6:,.2f}M"
-          f" + 12 x {s['num_layers']} x {s['num_heads']} x {s['hidden_size'] // s['num_heads']} x {s['seq']} = "
+          f"included, N without the input embedding) = 6 x {(fpt - attention) / 6 / 1e6:,.2f}M + 12 x "
+          f"{s['num_layers']} x {s['num_heads']} x {s['hidden_size'] // s['num_heads']} x {s['seq']} = "
           f"{fpt / 1e9:,.4f} GFLOP")
+    shared = " (on a CPU, per process: the peak over the processes sharing its cores)" if cpu and world > 1 else ""
     print(f"  peak per device: measured {measured:,.2f} TFLOP/s (shardyard.metrics.measured_peak_tflops, "
           f"{spec['precision']} matmul); data sheet {_fmt(table, ',.1f')} TFLOP/s (shardyard.metrics.peak_tflops"
-          f"{'' if table else '; none for a CPU'}). MFU = tokens/s per device x FLOPs per token / measured peak")
-    memory = "peak allocated GiB" if spec["device"] == "cuda" else "peak RSS GiB"
+          f"{'' if table else '; none for a CPU'}). MFU = tokens/s per device x FLOPs per token / measured peak"
+          f"{shared}")
+    memory = "peak RSS GiB" if cpu else "peak allocated GiB"
     base = rows.get("shardyard single", {}).get("tps")
-    head = f"  {'approach':<26}{'tok/s/device':>14}{'MFU':>9}" + (f"{'MFU sheet':>11}" if table else "") + \
-        f"{memory:>20}{'x sy single':>13}{'x sy peer':>11}"
+    head = (f"  {'approach':<26}{'tok/s/device':>14}{'MFU':>9}" + (f"{'MFU sheet':>11}" if table else "")
+            + f"{memory:>20}{'x sy single':>13}{'x sy peer':>11}")
     print("\n" + head + "\n  " + "-" * (len(head) - 2))
-    for name in names:
-        if name not in rows:
-            continue
+    for name in (n for n in names if n in rows):
         r = rows[name]
         peer = _peer(name, world)
-        ratio_peer = r["tps"] / rows[peer]["tps"] if peer in rows and peer != name else None
-        mfu = r["tps"] * fpt / (measured * 1e12)
+        vs_peer = _fmt(r["tps"] / rows[peer]["tps"], ".3f") if peer in rows and peer != name else "-"
+        # a CPU's cores are shared by its processes: one process's peak is the measured one over their number
+        mfu = r["tps"] * fpt / (measured * 1e12 / (r["world"] if cpu else 1))
         label = name + (f" x{r['world']}" if r["world"] > 1 else "")
-        line = (f"  {label:<26}{r['tps']:>14,.0f}{100 * mfu:>8.2f}%"
-                + (f"{100 * r['tps'] * fpt / (table * 1e12):>10.2f}%" if table else "")
-                + f"{r['mem']:>20.2f}{_fmt(r['tps'] / base if base else None, '.3f'):>13}"
-                + f"{_fmt(ratio_peer, '.3f') if ratio_peer else '-':>11}")
-        if name == "torchtitan 0.3.0":
-            line += "   (memory: its max reserved)"
-        print(line)
+        print(f"  {label:<26}{r['tps']:>14,.0f}{100 * mfu:>8.2f}%"
+              + (f"{100 * r['tps'] * fpt / (table * 1e12):>10.2f}%" if table else "")
+              + f"{r['mem']:>20.2f}{_fmt(r['tps'] / base if base else None, '.3f'):>13}{vs_peer:>11}"
+              + ("   (memory: its max reserved)" if name == LABEL["torchtitan"] else ""))
     for name in names:
-        for r in results[name]:
-            if "error" in r:
-                print(f"  {name}: failed: {r['error']}")
-                break
+        failed = [r for r in results[name] if "error" in r]
+        if failed:
+            print(f"  {name}: failed ({len(failed)} of {len(results[name])} runs): {failed[0]['error']}")
     for line in skipped:
         print(f"  {line}")
     print(f"  load average (1 min) at the end: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; at the start: "
           f"{spec['load_start']:.2f} (other processes on the machine slow every approach, unevenly)")
-    print(f"  x sy peer: against shardyard {'ddp (plain, HF: DDP)' if world > 1 else 'single (plain, HF)'}, "
-          f"fsdp (torchtitan: FSDP2). Memory: {'torch.cuda.max_memory_allocated' if spec['device'] == 'cuda' else 'RSS at each step end (whole process: interpreter, torch, data)'}, "
-          f"the highest of the runs. Wall time of the bench: {wall:.0f} s")
+    what = "RSS at each step end (the whole process: interpreter, torch, data)" if cpu else \
+        "torch.cuda.max_memory_allocated"
+    print(f"  x sy peer: against shardyard {'ddp (plain, HF: DDP)' if world > 1 else 'single (plain, HF)'}, fsdp "
+          f"(torchtitan: FSDP2). Memory: {what}, the highest of the runs. Wall time of the bench: {wall:.0f} s")
 
 
 def _peer(name: str, world: int) -> str:
@@ -515,7 +518,8 @@ def _peer(name: str, world: int) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, help="steps per run (default 10 on CPU, 20 on CUDA)")
     ap.add_argument("--rounds", type=int, help="alternating rounds (default 1 on CPU, 3 on CUDA)")
     ap.add_argument("--warmup", type=int, default=3, help="first steps of every run left out (default 3)")
@@ -552,7 +556,8 @@ def main() -> None:
     shape.update({k: v for k, v in (("seq", a.seq), ("mbs", a.mbs)) if v})
     world = a.world or (torch.cuda.device_count() if device == "cuda" else 1)
     spec = {"model": a.model, "shape": shape, "steps": a.steps, "precision": a.precision or
-            ("bf16" if device == "cuda" else "fp32"), "compile": a.compile, "device": device, "world": world, "load_start": os.getloadavg()[0]}
+            ("bf16" if device == "cuda" else "fp32"), "compile": a.compile, "device": device, "world": world,
+            "load_start": os.getloadavg()[0]}
 
     wanted = [x.strip() for x in a.approaches.split(",") if x.strip()]
     names, skipped = [], []
@@ -596,7 +601,8 @@ def main() -> None:
                 res = run_titan(spec, world, work, a.timeout)
             results[name].append(res)
             if "error" in res:
-                print(f"  round {r + 1}: {name:<24} failed after {res['wall_s']:.1f} s: {res['error'][:160]}", flush=True)
+                print(f"  round {r + 1}: {name:<24} failed after {res['wall_s']:.1f} s: {res['error'][:160]}",
+                      flush=True)
             else:
                 tps = statistics.median(res["tokens_per_s"][a.warmup:] or res["tokens_per_s"][-1:])
                 print(f"  round {r + 1}: {name:<24} {tps:>12,.0f} tok/s  {res['memory_gib']:.2f} GiB  "
@@ -604,7 +610,8 @@ def main() -> None:
     # A peak is a maximum: measured again now that nothing else of ours runs (noise only lowers it).
     from shardyard.metrics import measured_peak_tflops
 
-    again = measured_peak_tflops(torch.device("cuda", 0) if device == "cuda" else torch.device("cpu"), spec["precision"])
+    again = measured_peak_tflops(torch.device("cuda", 0) if device == "cuda" else torch.device("cpu"),
+                                 spec["precision"])
     info["measured_peak"] = max(info["measured_peak"], again)
     report(a, spec, info, names, results, skipped, time.perf_counter() - t_start)
     shutil.rmtree(work, ignore_errors=True)

@@ -478,12 +478,11 @@ def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 def _saved_ops() -> set:
     """What a ``selective`` block keeps for backward: the outputs of its matmuls and of attention (the costly
     ops); every other op (norms, activations, rotary, elementwise products) is recomputed from them."""
-    aten = torch.ops.aten
-    ops = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten._grouped_mm.default,
-           aten._scaled_dot_product_efficient_attention.default, aten._scaled_dot_product_flash_attention.default,
-           aten._scaled_dot_product_flash_attention_for_cpu.default,
-           aten._scaled_dot_product_cudnn_attention.default, aten._scaled_mm.default}
-    return {op for op in ops if op is not None}
+    names = ["mm", "addmm", "bmm", "_grouped_mm", "_scaled_mm", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+             "_scaled_dot_product_cudnn_attention"]
+    ops = (getattr(torch.ops.aten, name, None) for name in names)  # some exist only in newer torch builds
+    return {op.default for op in ops if op is not None}
 
 
 def _selective_context() -> Any:
