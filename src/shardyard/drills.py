@@ -56,9 +56,12 @@ def poison_gradient(model, rank: int, current_step: Callable[[], int]) -> None:
     owner, _, leaf = name.rpartition(".")
 
     def arm(module, args) -> None:
-        held = getattr(module, leaf, None)
-        if current_step() != int(at) or not torch.is_grad_enabled() or held is None or held is param \
-                or not held.requires_grad:
+        if current_step() != int(at) or not torch.is_grad_enabled():
+            return
+        # The registry itself, not getattr: ZeRO-3's parameter dict all-gathers a parameter on attribute access,
+        # a collective this one rank would enter alone.
+        held = module._parameters.get(leaf)
+        if held is None or held is param or not held.requires_grad:
             return
         handles: list = []
 

@@ -586,9 +586,15 @@ def apply_chunked_loss(model: Any, m: DictConfig) -> None:
     3. The sum of the chunks' sums equals the whole sum (fp32 accumulation), so losses and gradients equal the
        unchunked ones within rounding."""
     chunk = int(m.get("loss_chunk", 0))
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if chunk <= 0 or head is None:
+    if chunk <= 0:
         return
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    config = getattr(model, "config", None)
+    if head is None or getattr(config, "final_logit_softcapping", None):
+        why = ("has no get_output_embeddings() to run in chunks" if head is None else
+               "changes its logits after the head (final_logit_softcapping), which the chunks would skip")
+        raise UserError("model.loss_chunk", chunk, f"This model ({type(model).__name__}) {why}.",
+                        "Use model.loss_chunk=0 with it.")
     plain = head.forward  # 1
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:

@@ -144,6 +144,7 @@ def test_engine_on_every_gpu_matches_single_gpu_in_bf16(engine, single, tmp_path
     assert got[-1] < got[0] - 0.3, got
     last = records[-1]
     assert last["memory/max_allocated_gib"] > 0 and "memory/rss_gib" not in last  # CUDA memory, not host RSS
+    assert "loss_scale" not in last  # bf16 needs no loss scaling
 
 
 @pytest.mark.parametrize("engine", ["single", *ENGINES])
@@ -154,7 +155,8 @@ def test_fp16_loss_scaler_skips_an_inf_gradient_backs_off_and_grows_again(engine
     else:
         needs(engine)
         _, s, records = train(tmp_path, *FP16, f"backend={engine}", WORLD, env=overflow(N - 1))
-    print(f"{engine}: world {1 if engine == 'single' else N}")
+    assert s["world_size"] == (1 if engine == "single" else N)
+    print(f"{engine}: world {s['world_size']}")
     scales = [r["loss_scale"] for r in records]  # the dynamic loss scale, logged at every step under fp16
     losses = curve(s)
     assert len(scales) == len(losses) == 9, (scales, losses)
