@@ -13,6 +13,9 @@
 * ZeRO-Infinity swaps to NVMe from the GPUs and equals ZeRO-3.
 * MFU against the peak measured on this GPU (``shardyard.metrics.measured_peak_tflops``), not the data sheet.
 * The plan's allocated peak against ``max_memory_allocated`` for a 1B model (the one big model here).
+* The speed options on the GPUs (docs/performance.md): fp8 (real float8 matmuls on compute capability 8.9+) within
+  2e-2 of bf16 over 50 steps on single, ddp and fsdp; regional compile, chunked loss and selective checkpointing
+  equal to the plain bf16 run within ``BF16_REL``.
 * What a CPU machine refuses (``backend.device=cuda``, nccl, fp16 on FSDP/ZeRO, QLoRA, FlashAttention-2) validates.
 
 The rest of the suite runs on CPU with the GPUs hidden (``tests/conftest.py``); these tests hand them back to their
@@ -317,3 +320,31 @@ def test_what_a_machine_without_gpus_refuses_validates_here(option, tmp_path):
     proc = train_py(*TINY, *CUDA_ONLY[option], "plan.only=true", run_dir=tmp_path)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "GPU" in proc.stdout, proc.stdout[-2000:]  # planned for this machine's GPUs
+
+
+LONG_BF16 = [*TINY, "train.steps=50", "train.eval_every_n_steps=0", f"train.global_batch_size={8 * max(N, 1)}",
+             "train.log_every_n_steps=5", "precision=bf16"]
+
+
+@functools.lru_cache(maxsize=None)
+def float8_matmuls() -> bool:
+    return float(in_child("import torch; print('%d.%d' % torch.cuda.get_device_capability())")) >= 8.9
+
+
+@pytest.mark.parametrize("engine", ["single", "ddp", "fsdp"])
+def test_fp8_on_the_gpus_stays_within_2e_2_of_bf16(engine, tmp_path):
+    if not float8_matmuls():
+        pytest.skip("float8 matmuls need compute capability 8.9+ (precision=fp8 is refused below)")
+    world = ONE if engine == "single" else [f"backend={engine}", WORLD]
+    ref = curve(train(tmp_path / "bf16", *LONG_BF16, *world)[1])
+    got = curve(train(tmp_path / "fp8", *LONG_BF16, *world, "precision=fp8")[1])
+    assert_close(got, ref, 2e-2, f"{engine} fp8 vs bf16, 50 steps")
+    assert got != ref and got[-1] < got[0] - 0.5, got
+
+
+@pytest.mark.parametrize("option", ["model.compile=true", "model.loss_chunk=100",
+                                    "model.activation_checkpointing=selective"])
+@pytest.mark.parametrize("engine", ["ddp", "fsdp"])
+def test_speed_options_on_the_gpus_keep_the_losses(engine, option, single, tmp_path):
+    got = curve(train(tmp_path, *BF16, f"backend={engine}", WORLD, option)[1])
+    assert_close(got, curve(single("bf16")[1]), BF16_REL, f"{engine} x{N} GPUs with {option} vs 1 GPU")

@@ -266,6 +266,14 @@ class DeepSpeedBackend:
             import deepspeed.ops
 
             deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+            # backend.device=cpu on a machine with GPUs: DeepSpeed would pick its CUDA accelerator by itself and
+            # place the engine on cuda:LOCAL_RANK.
+            from deepspeed.accelerator import get_accelerator, set_accelerator
+
+            if get_accelerator().device_name() != "cpu":
+                from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+                set_accelerator(CPU_Accelerator())
         deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo",
                                    timeout=datetime.timedelta(seconds=self.cfg.launch.timeout_s))
 
