@@ -566,11 +566,11 @@ def apply_float8(model: Any, precision: DictConfig, device: torch.device) -> Non
 
 
 def float8_linears(model: torch.nn.Module) -> int:
-    """How many layers ``apply_float8`` converted (the run's start line prints it)."""
+    """How many layers ``apply_float8`` converted (tests/unit/test_model.py counts them)."""
     return sum(type(mod).__name__ == "Float8Linear" for mod in model.modules())
 
 
-_LOSS_TARGETS: Any = None  # the targets of the loss being computed (a chunked head reads them); see chunked_loss
+_LOSS_TARGETS: Any = None  # the targets of the loss being computed (a chunked head reads them): apply_chunked_loss
 
 
 def apply_chunked_loss(model: Any, m: DictConfig) -> None:

@@ -618,8 +618,8 @@ def _validate_speed_options(cfg: DictConfig) -> None:
 
     m = cfg.model
     checkpointing_mode(m)  # raises UserError on a value it does not know
-    _at_least("model.activation_checkpointing_every", m.activation_checkpointing_every, 1)
-    _at_least("model.loss_chunk", m.loss_chunk, 0)
+    _at_least("model.activation_checkpointing_every", m.get("activation_checkpointing_every", 1), 1)
+    _at_least("model.loss_chunk", m.get("loss_chunk", 0), 0)
     if cfg.precision.name == "fp8" and cfg.peft.name != "none":
         raise UserError("precision", "fp8", f"Float8 linears replace the blocks' nn.Linear layers, which peft="
                         f"{cfg.peft.name} wraps with its adapters (and QLoRA quantizes to 4 bits).",
