@@ -550,9 +550,6 @@ def apply_float8(model: Any, precision: DictConfig, device: torch.device) -> Non
     matmuls: the same rounding of inputs to float8, the product in high precision."""
     if precision.name != "fp8":
         return
-    import logging
-
-    logging.getLogger("torchao").setLevel(logging.ERROR)  # its CUDA-only kernels' load failures on a CPU build
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     inside = {id(mod) for block in transformer_blocks(model) for mod in block.modules()}
@@ -619,10 +616,15 @@ def apply_chunked_loss(model: Any, m: DictConfig) -> None:
     model.shardyard_loss_chunk = chunk
 
 
-def has_chunked_loss(model: Any) -> bool:
-    while hasattr(model, "module"):  # DDP, DeepSpeed's engine
+def _bare(model: Any) -> Any:
+    """The model inside DDP's and DeepSpeed's wrappers (their ``.module``)."""
+    while hasattr(model, "module"):
         model = model.module
-    return bool(getattr(model, "shardyard_loss_chunk", 0))
+    return model
+
+
+def has_chunked_loss(model: Any) -> bool:
+    return bool(getattr(_bare(model), "shardyard_loss_chunk", 0))
 
 
 def prepare_model(model: Any, cfg: DictConfig, device: torch.device) -> None:
@@ -696,9 +698,7 @@ def _call(model: torch.nn.Module, inputs: Any) -> Any:
 
 
 def attn_implementation(model: Any) -> str | None:
-    while hasattr(model, "module"):  # DDP, DeepSpeed's engine
-        model = model.module
-    config = getattr(model, "config", None)
+    config = getattr(_bare(model), "config", None)
     return getattr(config, "_attn_implementation", None)
 
 
