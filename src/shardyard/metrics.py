@@ -75,6 +75,17 @@ def memory_metrics(device: torch.device) -> dict:
 _RUN_PEAK = {"cuda": 0}
 
 
+def reset_host_peak() -> None:
+    """Start the resident high-water mark (``VmHWM``) afresh (Linux ``clear_refs``): what a run measures beside the
+    plan is its training's peak, not the data preparation's before it (a first run builds its tokenizer and
+    token cache in the same process). A kernel that refuses leaves the mark as it is."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
 def run_peak_memory(device: torch.device) -> float:
     """This process's peak over the whole run, in bytes: CUDA's ``max_memory_allocated`` (across the
     per-interval resets above), or on CPU the resident high-water mark (``VmHWM``)."""

@@ -16,7 +16,7 @@ import contextlib
 import dataclasses
 import glob
 import os
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Iterator, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -448,7 +448,27 @@ def materialize(model: Any, device: torch.device, seed: int, m: DictConfig | Non
     init_adapters(model, seed)
 
 
+_FAKE_STORAGE: dict[str, Any] = {"mode": None}
+
+
+@contextlib.contextmanager
+def materialized_in(mode: Any) -> Iterator[None]:
+    """Inside, ``materialize`` gives meta parameters storage in ``mode`` (a ``FakeTensorMode``: shapes and bytes,
+    no memory) instead of real storage: the dry run's seam (``shardyard.dryrun``), which builds, shards and wraps
+    the model as the engine does and must never allocate the real parameters."""
+    _FAKE_STORAGE["mode"] = mode
+    try:
+        yield
+    finally:
+        _FAKE_STORAGE["mode"] = None
+
+
 def _init_on_device(model: Any, device: torch.device, seed: int) -> None:
+    with _FAKE_STORAGE["mode"] or contextlib.nullcontext():
+        _init_storage(model, device, seed)
+
+
+def _init_storage(model: Any, device: torch.device, seed: int) -> None:
     model.to_empty(device=device)
     torch.manual_seed(seed)
     with torch.no_grad():
@@ -642,7 +662,8 @@ def prepare_replica(model: torch.nn.Module, cfg: DictConfig, device: torch.devic
     """Full-replica engines (single, DDP, Horovod): materialise, ``prepare_model``, then move."""
     materialize(model, device, cfg.seed, cfg.model)
     prepare_model(model, cfg, device)
-    return model.to(device)
+    # Moved only when it is elsewhere (a dry run's fake tensors cannot be swapped for themselves).
+    return model if all(p.device == device for p in model.parameters()) else model.to(device)
 
 
 def param_count(model: torch.nn.Module, trainable: bool = False) -> int:
@@ -748,9 +769,13 @@ def model_shape(model: Any) -> dict:
         resid = 2 if regime == "half" else 4  # the residual stream: fp32 but under half parameters
         act[regime] = {"blocks": sum(layer), "max_block": max(layer), "ckpt_per_block": resid * h,
                        "selective_blocks": sum(kept), "max_selective_block": max(kept),
-                       # the logits (and their fp32 upcast and gradient) per token, which model.loss_chunk bounds,
+                       # the logits (and their fp32 upcast, log-softmax and gradient) per token at the loss's
+                       # backward, which model.loss_chunk bounds (12 bytes measured by the dry run at deepseek7b),
                        # and the final norm's and the head's inputs
-                       "logits": (12 if regime == "fp32" else 10) * vocab, "loss_hidden": 2 * resid * h}
+                       "logits": (14 if regime == "fp32" else 12) * vocab, "loss_hidden": 2 * resid * h,
+                       # what the backward of the largest block allocates beside its activations (gradients of
+                       # its activations, the experts' grouped GEMM inputs): 0 where the fit above holds it
+                       "max_block_backward": max(b.get("backward", 0.0) * b[regime] for b in per_block)}
     module_params = [sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()]
     # Routed experts (what expert parallelism splits): their parameters in all and in the largest block.
     block_experts = [sum(p.numel() for m in moe.expert_modules(b) for p in m.parameters()) for b in blocks]
@@ -761,6 +786,7 @@ def model_shape(model: Any) -> dict:
             "expert_params": sum(block_experts),
             "max_block_expert_params": max((e for e, b in zip(block_experts, block_params) if b == max(block_params)),
                                            default=0),
+            "block_param_list": block_params, "block_expert_list": block_experts,
             "moe_layers": len(found), "experts_per_token": found[0].top_k if found else 0,
             "activation_bytes_per_token": act}
 
@@ -781,7 +807,7 @@ def _llama_bytes(h: int, i: int, hkv: int, heads: int) -> dict:
 
 # DeepSeek-V3 under autocast / half parameters, relative to fp32 (measured on transformers' implementation:
 # its experts run a grouped matmul outside autocast's cast list, so they stay fp32 under autocast).
-_V3_AUTOCAST, _V3_HALF = 1.09, 0.70
+_V3_AUTOCAST, _V3_HALF, _V3_BACKWARD = 1.09, 0.70, 0.8
 
 
 def _block_bytes_per_token(block: Any, c: Any, h: int) -> dict:
@@ -812,7 +838,10 @@ def _block_bytes_per_token(block: Any, c: Any, h: int) -> dict:
             kept += c.n_routed_experts + k * (2 * mi + h) + c.n_shared_experts * 2 * mi + h
         else:
             kept += 2 * c.intermediate_size + h
+        # The backward of an MLA block allocates 0.8x its activations beside them (measured by the dry run on
+        # DeepSeek-V3's blocks, 4096 tokens: 8.8 GiB recomputed and temporary for 4.8 saved).
         return {"fp32": fp32, "autocast": _V3_AUTOCAST * fp32, "half": _V3_HALF * fp32,
+                "backward": _V3_BACKWARD,
                 "selective_fp32": 4 * kept, "selective_autocast": _V3_AUTOCAST * 4 * kept,
                 "selective_half": _V3_HALF * 4 * kept}
     i = getattr(c, "intermediate_size", None) or 4 * h

@@ -32,6 +32,10 @@ GiB = float(2 ** 30)
 CPU_RUNTIME_BYTES = 0.45 * GiB
 """One CPU worker's own footprint before any tensor: Python, torch, transformers, numpy, the tokenizer and
 gloo (VmRSS of a fresh worker measured at 0.38-0.45 GiB with torch 2.13 on x86-64 Linux)."""
+CPU_ALLOCATOR_SLACK = 0.3
+"""On CPU, what glibc's allocator keeps resident of the step's freed temporaries, as a fraction of the tensors' own
+peak: the default run's resident high-water mark was 0.91 GiB for 0.45 of runtime and 0.34 of tensors at their
+peak (the dry run's tracker, which agrees with the plan's 0.35 to 3%)."""
 CUDA_RUNTIME_BYTES = 1.0 * GiB
 """Per GPU outside ``max_memory_allocated``: the CUDA context, cuBLAS/NCCL workspaces and the caching
 allocator's slack. Counted when checking the fit, not in the allocated peak the gpu tier compares."""
@@ -264,10 +268,9 @@ def frozen_base(states: Any, P: int, trainable: int, shape: dict, quantized: boo
                                                            f"({100 * f:.2f}%) hold gradients and optimizer state"])
 
 
-def estimate(cfg: DictConfig, batch: Plan, hw: Hardware) -> Estimate:
-    """The plan of ``cfg`` (its engine, model, precision, batch) on ``hw``; ``batch.facts.shape`` from the
-    meta build. World size, micro batch and accumulation are those the hardware implies."""
-    from shardyard import adapters
+def estimate_kinds(cfg: DictConfig, batch: Plan, hw: Hardware) -> list[Estimate]:
+    """The plan of every kind of rank of ``cfg`` on ``hw`` (one on most engines; a pipeline's stages, in order):
+    ``batch.facts.shape`` from the meta build."""
     from shardyard.backends import engine, parallel_dims
 
     shape = batch.facts.shape
@@ -278,25 +281,50 @@ def estimate(cfg: DictConfig, batch: Plan, hw: Hardware) -> Estimate:
     mp, dp = dims.model_parallel, dims.dp  # dp: the data-parallel replicas
     accum = _accumulation(cfg, batch, dp)
     mbs = batch.micro_batch_size
-    states = engine(cfg.backend).model_states(cfg, P, N, shape, optimizer_bytes_per_param(cfg.optim))
+    first = engine(cfg.backend).model_states(cfg, P, N, shape, optimizer_bytes_per_param(cfg.optim))
+    return [_one_rank(cfg, batch, hw, s, accum, dims) for s in [first, *first.others]]
+
+
+def estimate(cfg: DictConfig, batch: Plan, hw: Hardware) -> Estimate:
+    """The plan of ``cfg`` (its engine, model, precision, batch) on ``hw``: its busiest rank's (``estimate_kinds``).
+    World size, micro batch and accumulation are those the hardware implies."""
+    return max(estimate_kinds(cfg, batch, hw), key=lambda e: e.device_peak)
+
+
+def _one_rank(cfg: DictConfig, batch: Plan, hw: Hardware, states: Any, accum: int, dims: Any) -> Estimate:
+    """``estimate`` for one kind of rank, whose model states the engine gave (``states``)."""
+    from shardyard import adapters
+
+    shape, P, N, mbs = batch.facts.shape, batch.facts.params, hw.world, batch.micro_batch_size
+    mp, dp = dims.model_parallel, dims.dp
     if batch.facts.trainable is not None:
         quantized = adapters.method(cfg.peft).quantized_base
         states = frozen_base(states, P, batch.facts.trainable, shape, quantized=quantized)
     mode = checkpointing_mode(cfg.model)
     ckpt = mode != "none"
     fraction = checkpointed_fraction(cfg.model, shape["blocks"])
-    acts = (_activations(shape, states.regime, mbs * batch.seq_len, mode, fraction, int(cfg.model.get("loss_chunk", 0)))
-            + states.dispatch_bytes_per_token * mbs * batch.seq_len) * states.activation_factor
+    kept, transient, loss, copies = _activation_parts(shape, states.regime, mbs * batch.seq_len, mode, fraction,
+                                                      int(cfg.model.get("loss_chunk", 0)))
+    if batch.facts.trainable is not None:  # autocast caches the casts of weights that train only (not a frozen base)
+        copies *= batch.facts.trainable / max(P, 1)
+    f = states.activation_factor
+    fk, ft, fl = states.activation_parts or (f, f, f)
+    # The loss's logits are freed by its backward before the first block is recomputed (or backpropagated): the
+    # two never coexist (the dry run: a DeepSeek-V3 last stage 9.2 GiB, not 14 as their sum; deepseek7b 11.5).
+    acts = (kept * fk + max(transient * ft, loss * fl)
+            + (copies + states.dispatch_bytes_per_token * mbs * batch.seq_len) * f)
     device = dict(states.device)
     if accum > 1 and states.accumulation_bytes:
         device["grads"] = device.get("grads", 0.0) + states.accumulation_bytes
     device["activations"] = acts
     # Without accumulation, gradients freed by each step grow in backward as the activations shrink.
     overlap = min(device.get("grads", 0.0), acts) if states.grads_freed_each_step and accum == 1 else 0.0
+    # Buffers alive only once the activations are freed (FSDP's root reduced after the whole backward).
+    overlap = min(overlap + states.buffers_apart, acts)
     if hw.device == "cpu":  # one pool: the device is host RAM, offloaded state included
         for k, v in states.host.items():
             device[k] = device.get(k, 0.0) + v
-        device["runtime"] = CPU_RUNTIME_BYTES
+        device["runtime"] = CPU_RUNTIME_BYTES + CPU_ALLOCATOR_SLACK * (sum(device.values()) - overlap)
         host: dict[str, float] = {}
     else:
         host = dict(states.host)
@@ -325,24 +353,34 @@ def _accumulation(cfg: DictConfig, batch: Plan, world: int) -> int:
 def _activations(shape: dict, regime: str, tokens: int, mode: str = "none", fraction: float = 0.0,
                  loss_chunk: int = 0) -> float:
     """Activation bytes of one micro-batch of ``tokens``: the blocks (a ``fraction`` of them checkpointed in
-    ``mode``), autocast's bf16 weight copies, and the loss (the logits of ``loss_chunk`` tokens at a time)."""
+    ``mode``), autocast's bf16 weight copies, and the loss (the logits of ``loss_chunk`` tokens at a time), which
+    is freed before the recomputed block lives."""
+    kept, transient, loss, copies = _activation_parts(shape, regime, tokens, mode, fraction, loss_chunk)
+    return kept + max(transient, loss) + copies
+
+
+def _activation_parts(shape: dict, regime: str, tokens: int, mode: str = "none", fraction: float = 0.0,
+                      loss_chunk: int = 0) -> tuple[float, float, float, float]:
+    """``_activations`` as its parts: what the blocks keep until backward, the one block recomputed at a time,
+    the loss (logits), autocast's weight copies."""
     a = shape["activation_bytes_per_token"][regime]
     n = max(shape["blocks"], 1)
     logits_tokens = min(loss_chunk, tokens) if loss_chunk else tokens
     loss = a["loss_hidden"] * tokens + a["logits"] * logits_tokens
     if mode == "none" or fraction == 0:
-        kept, transient, copied = a["blocks"], 0.0, shape["block_params"]
+        kept, transient = a["blocks"], 0.0
     else:
         # checkpointed blocks keep their input (full) or their matmul outputs (selective); one block at a time
         # is recomputed in backward, all of it (full) or the ops between its matmuls (selective)
         own = n * a["ckpt_per_block"] if mode == "full" else a["selective_blocks"]
         kept = (1 - fraction) * a["blocks"] + fraction * own
         transient = a["max_block"] - (0.0 if mode == "full" else a["max_selective_block"])
-        # autocast's weight casts are recomputed with the block: only the plain blocks keep theirs
-        copied = (1 - fraction) * shape["block_params"] + shape["max_block_params"]
-    # autocast casts each weight to bf16 once per forward and keeps the copy for backward
-    copies = 2 * (copied + shape["root_params"] / 2) if regime == "autocast" else 0.0
-    return (kept + transient) * tokens + loss + copies
+    transient += a.get("max_block_backward", 0.0)  # the backward of the largest block, beside its activations
+    # autocast casts each weight to bf16 once per forward and caches the copy until the forward's autocast region
+    # ends, checkpointed blocks' too: every block's and the head's are alive at the loss (the dry run measured
+    # 18.5 GiB of activations for deepseek7b under DDP/Horovod where counting one block's copies said 7.9)
+    copies = 2 * (shape["block_params"] + shape["root_params"] / 2) if regime == "autocast" else 0.0
+    return kept * tokens, transient * tokens, loss, copies
 
 
 def _check_fit(e: Estimate, hw: Hardware, headroom: float) -> None:
@@ -426,7 +464,7 @@ def describe(e: Estimate, hw: Hardware) -> str:
     """The line printed at every start."""
     parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in e.device.items() if v)
     if e.overlap:
-        parts += f"; grads and activations never peak together: -{e.overlap / GiB:.2f}"
+        parts += f"; gradients or buffers that never peak with the activations: -{e.overlap / GiB:.2f}"
     if hw.device == "cpu":
         of = f"{hw.ranks_per_node} x {e.device_peak / GiB:.2f} GiB = {e.device_peak * hw.ranks_per_node / hw.host_bytes:.1%} " \
              f"of {hw.host_bytes / GiB:.1f} GiB host RAM available"

@@ -46,6 +46,10 @@ def _run(cfg: DictConfig) -> None:
     if scaled and (env is None or env.is_rank0):
         print(f"shardyard | {scaled}", flush=True)
     apply_fast_dev_run(cfg)  # before the config is written: the workers read the shortened run
+    if cfg.plan.dry_run:  # the run at the named hardware's world, simulated here; nothing is written
+        from shardyard import dryrun
+
+        errors.leave(dryrun.main(cfg, validate(cfg, env)))
     planned = _memory_plan(cfg, validate(cfg, env), env)
     if planned is None:
         return  # plan.only: the plan is printed, nothing runs

@@ -44,8 +44,8 @@ def plan(cfg: DictConfig, env: DistEnv | None) -> Plan:
     nproc = launch.nproc_per_node
     # Named hardware fixes the ranks per node an `auto` launch has; a plan-only run starts nothing here, so
     # it plans the named nodes (plan.nodes) and this machine's GPUs do not bound it.
-    named = cfg.plan.hardware is not None and nproc == "auto"
-    planning = named and cfg.plan.only
+    named = cfg.plan.hardware is not None and (nproc == "auto" or cfg.plan.dry_run)
+    planning = named and (cfg.plan.only or cfg.plan.dry_run)  # a dry run is the named hardware's world too
     if env is not None:
         nproc, world = env.local_world_size, env.world_size
     else:
@@ -70,6 +70,8 @@ def plan(cfg: DictConfig, env: DistEnv | None) -> Plan:
         raise UserError("launch.socket_ifname", launch.socket_ifname,
                         f"This node has no network interface of that name (it has: {have}).",
                         "Name one of them (`ip addr` shows their addresses), or leave launch.socket_ifname unset.")
+    if planning and cfg.plan.dry_run:
+        _check_nodes(cfg, nproc, world)
     dims = _parallel_dims(cfg, world)
     mp, dp = dims.model_parallel, dims.dp  # dp: the replicas that read different batches
     mbs = tr.micro_batch_size
@@ -98,6 +100,33 @@ def plan(cfg: DictConfig, env: DistEnv | None) -> Plan:
                             "Set only one of train.grad_accum_steps and train.global_batch_size.")
         accum = derived
     return Plan(dev, nproc, world, mbs, accum, gbs, cfg.data.seq_len, dims, nnodes=max(1, world // nproc))
+
+
+def _check_nodes(cfg: DictConfig, per_node: int, world: int) -> None:
+    """A dry run's ``plan.nodes``: the recipe's layout (its degrees dividing the world, expert parallelism dividing
+    the data-parallel shards) and its global batch (a multiple of micro batch x data-parallel size) must be able
+    to use that many nodes; the refusal lists the node counts that can."""
+    from shardyard.backends import parallel_dims
+
+    tr = cfg.train
+
+    def usable(nodes: int) -> bool:
+        dims = parallel_dims(cfg, per_node * nodes)
+        gbs = tr.global_batch_size
+        return (dims.product == dims.world_size and dims.dp_shard % max(dims.ep, 1) == 0
+                and (gbs is None or gbs % (tr.micro_batch_size * dims.dp) == 0))
+
+    if usable(cfg.plan.nodes):
+        return
+    fits = [n for n in range(1, 4 * cfg.plan.nodes + 1) if usable(n)]
+    dims = parallel_dims(cfg, world)
+    raise UserError("plan.nodes", cfg.plan.nodes,
+                    f"The recipe's layout cannot use {world} ranks ({cfg.plan.nodes} x {per_node}): {dims.describe()} "
+                    f"must multiply to the world, backend.ep must divide the data-parallel shards, and "
+                    f"train.global_batch_size={tr.global_batch_size} must be a multiple of micro batch "
+                    f"{tr.micro_batch_size} x the data-parallel size.",
+                    f"Use plan.nodes in {fits[:12] or 'none up to ' + str(4 * cfg.plan.nodes)}, or change the recipe's "
+                    "degrees or global batch to suit the nodes you have.")
 
 
 def _parallel_dims(cfg: DictConfig, world: int) -> ParallelDims:
@@ -153,6 +182,11 @@ def validate(cfg: DictConfig, env: DistEnv | None) -> Plan:
 
     check_keys(cfg)
     check_ranges(cfg)
+    if cfg.plan.dry_run and cfg.plan.hardware is None:
+        raise UserError("plan.dry_run", True, "A dry run simulates the hardware you are about to rent at its world "
+                        "size, and plan.hardware names none.",
+                        "Add plan.hardware=8xH100-80GB (GPUs per node x a GPU of the plan's table) and plan.nodes=N; "
+                        "this machine's own run needs no dry run: run it.")
     p = plan(cfg, env)
     tr, m, d, c = cfg.train, cfg.model, cfg.data, cfg.checkpoint
     if tr.steps < 1:

@@ -23,7 +23,7 @@ from shardyard.backends.process_group import elastic_start
 from shardyard.checkpoint import Checkpointer
 from shardyard.facts import Plan
 from shardyard.errors import UserError, report_and_exit
-from shardyard.metrics import run_peak_memory
+from shardyard.metrics import reset_host_peak, run_peak_memory
 from shardyard import adapters
 from shardyard.backends.torch_step import COMPUTE_DTYPES
 from shardyard.model import build_model, load_weights, logits, wants_meta, weights_dir
@@ -140,6 +140,7 @@ def train(cfg: DictConfig, plan: Plan, backend: Backend) -> dict:
         drills.poison_gradient(model, backend.rank, lambda: step["now"])
         return model
 
+    reset_host_peak()  # the peak measured beside the plan is the training's, not the data preparation's
     backend.prepare(build, cfg.train.steps)
     # MoE routers, wherever the engine put them: their loads counted, their balance kept (shardyard.moe).
     balancer = moe.Balancer.install(backend.hf_model(), cfg.model.balance, plan.facts.routed_experts, plan.dims.ep,

@@ -4,6 +4,7 @@ at world 4 too: the MoE model's experts on (edp 2 x ep 2) leave each rank P / N,
 
 import pytest
 
+from shardyard import dryrun
 from shardyard import plan as memory_plan
 from shardyard.validate import validate
 from shardyard.testing import run_measurements
@@ -44,3 +45,18 @@ def test_plan_equals_what_engines_hold(measured, world):
             rows.append((got["overrides"][-3:], k, plan[k], got[k]))
     bad = [r for r in rows if abs(r[2] - r[3]) > 0.10 * r[3]]
     assert not bad, "plan vs measured bytes (engine, category, plan, measured):\n" + "\n".join(map(str, bad))
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "fsdp ep=2"])
+def test_dry_run_equals_a_real_run_at_world_4(measured, layout):
+    """The dry run's simulation (a fake process group and fake tensors, ``shardyard.dryrun``) against reality where
+    reality fits on this machine: rank 0 of the real 4-rank gloo run above and the dry run's rank 0 of world 4
+    hold the same parameters, gradients and optimizer state, within 5%."""
+    ep = layout.endswith("ep=2")
+    got = next(g for g in measured[4] if "backend=fsdp" in g["overrides"] and ("backend.ep=2" in g["overrides"]) == ep)
+    cfg = compose([*got["overrides"], "launch.nproc_per_node=4"])
+    batch = validate(cfg, None)
+    assert batch.world_size == 4 and batch.dims.ep == (2 if ep else 1)
+    simulated = dryrun.simulate(cfg, batch, dryrun.Role(0, "first shard"))
+    for k in ("params", "grads", "optimizer"):
+        assert abs(simulated[k] - got[k]) <= 0.05 * got[k], (layout, k, simulated[k], got[k])

@@ -161,8 +161,10 @@ def test_every_engine_shards_as_its_paper_says():
 
 def test_fsdp_gradients_overlap_activations_or_accumulate_unsharded():
     """Without accumulation FSDP's gradients (freed by every step) grow as the activations shrink, so the
-    peak counts the larger; reducing once per step keeps the whole model's unsharded fp32 gradients while
-    accumulating, and reducing every micro-batch sends more instead."""
+    peak counts the larger; FSDP's backward-only buffers (its gradients before their reduce-scatter, the root's
+    reduced last) never meet the activations either, with or without accumulation; reducing once per step keeps
+    the whole model's unsharded fp32 gradients while accumulating, and reducing every micro-batch sends more
+    instead."""
     hw = memory_plan.named("8xH100-80GB", 1)
 
     def plan(*extra):
@@ -173,17 +175,22 @@ def test_fsdp_gradients_overlap_activations_or_accumulate_unsharded():
     every, _ = plan("train.global_batch_size=32")
     once, _ = plan("train.global_batch_size=32", "backend.reduce_every_micro_batch=false")
     assert one.grad_accum == 1 and every.grad_accum == once.grad_accum == 4
-    assert one.overlap == min(one.device["grads"], one.device["activations"]) > 0
+    apart = every.overlap  # with accumulation, only the buffers that never meet the activations' peak
+    assert 0 < apart < every.device["buffers"] and apart <= every.device["activations"]
+    acts = one.device["activations"]
+    assert one.overlap == min(min(one.device["grads"], acts) + apart, acts) >= apart
     assert one.device_peak == sum(one.device.values()) - one.overlap
-    assert every.overlap == 0 and every.device["grads"] == one.device["grads"] == 4 * P / 8
+    assert every.device["grads"] == one.device["grads"] == 4 * P / 8
     assert once.device["grads"] - every.device["grads"] == 4 * P
     assert once.comm_bytes < every.comm_bytes
 
 
 def test_tensor_and_pipeline_parallel_divide_what_they_split():
-    """fsdp_tp: FSDP's figures for a 1/tp slice over world/tp ranks, and 1/tp of the activations. pipeline: the
-    busiest stage's layers (1/stages of the blocks plus the embedding or the head) over world/stages ranks, and
-    the activations of the micro-batches in flight: every one under GPipe, at most `stages` under 1F1B."""
+    """fsdp_tp: FSDP's figures for a 1/tp slice over world/tp ranks, and 1/tp of the activations. pipeline: every
+    stage planned (its layers, 1/stages of the blocks plus the embedding or the head, over world/stages ranks),
+    the activations of its micro-batches in flight (every one under GPipe, stages - s under 1F1B), one block
+    recomputed for one pipeline micro-batch, the loss's logits on the last stage only (all micro-batches' under
+    GPipe, one under 1F1B), the logits and the recomputed block never together."""
     hw = memory_plan.named("8xH100-80GB", 1)
     mbs = ["train.micro_batch_size=4", "train.global_batch_size=32", "launch.nproc_per_node=8"]
     fsdp_cfg, batch = deepseek7b("backend=fsdp", *mbs)
@@ -195,12 +202,14 @@ def test_tensor_and_pipeline_parallel_divide_what_they_split():
         assert e.device["activations"] == pytest.approx(fsdp.device["activations"] / tp, rel=1e-9)
         assert e.grad_accum == 32 // (4 * (8 // tp))  # accumulation over the data-parallel ranks only
     stage = shape["block_params"] / 2 + shape["root_params"] / 2
-    acts = {}
+    kept, recomputed, loss, _ = memory_plan._activation_parts(shape, "half", 4 * batch.seq_len, "full", 1.0)
+    expected = {"gpipe": [kept / 2 + recomputed / 4, kept / 2 + max(recomputed / 4, loss)],  # 4 of 4 in flight
+                "1f1b": [kept / 4 + recomputed / 4, kept / 8 + max(recomputed / 4, loss / 4)]}  # 2, then 1
     for schedule in ("gpipe", "1f1b"):
         cfg, _ = deepseek7b("backend=pipeline", "backend.stages=2", f"backend.schedule={schedule}",
                             "backend.microbatches=4", *mbs)
-        e = memory_plan.estimate(cfg, batch, hw)
-        assert e.device["params"] == pytest.approx(4 * int(stage) / 4, rel=1e-6)  # FSDP over 4 ranks per stage
-        acts[schedule] = e.device["activations"]
-    assert acts["gpipe"] == pytest.approx(fsdp.device["activations"] / 2, rel=1e-9)  # half the layers, all 4 in flight
-    assert acts["1f1b"] == pytest.approx(acts["gpipe"] / 2, rel=1e-9)  # 2 of the 4 micro-batches in flight
+        kinds = memory_plan.estimate_kinds(cfg, batch, hw)
+        assert len(kinds) == 2 and memory_plan.estimate(cfg, batch, hw) in kinds
+        for e, acts in zip(kinds, expected[schedule]):
+            assert e.device["params"] == pytest.approx(4 * int(stage) / 4, rel=1e-6)  # FSDP over 4 ranks per stage
+            assert e.device["activations"] == pytest.approx(acts, rel=1e-9)

@@ -62,10 +62,43 @@ class ModelStates:
     dispatch_bytes_per_token: float = 0.0
     """Activation bytes per token of the micro-batch beside the model's own: expert parallelism's send and
     receive buffers of the MoE layer being run."""
+    activation_parts: Optional[tuple[float, float, float]] = None
+    """Factors for what the blocks keep until backward, the block recomputed at a time and the loss, where
+    they differ (a pipeline stage: its layers' share of the micro-batches in flight, one pipeline micro-batch
+    recomputed, the logits on the last stage only); None: ``activation_factor`` for all three."""
+    others: list = field(default_factory=list)
+    """The figures of the other kinds of rank this engine has (a pipeline's stages other than this one): the
+    plan computes every kind and plans the busiest."""
+    buffers_apart: float = 0.0
+    """Bytes of ``buffers`` alive only after the activations are gone (FSDP's root, reduced last, after the whole
+    backward: ``fsdp_buffers`` 2): the plan's peak does not add them to the activations."""
     notes: list[str] = field(default_factory=list)
 
     def comm_bytes(self, accum: int) -> float:
         return self.comm_per_step + accum * self.comm_per_micro
+
+
+def fsdp_buffers(c: int, root: float, block: float, blocks: float, reshard: bool) -> tuple[float, float]:
+    """FSDP2's own buffers at their largest (compute dtype bytes ``c``; ``root``: the root's parameters, ``block``:
+    the largest block's, ``blocks``: all blocks'), measured by the dry run (docs/plan.md, "The dry run"):
+
+    1. While the blocks run: the root unsharded (``reshard_after_forward=False`` keeps it), the block computing
+       and the one prefetched in the compute dtype (every block, from its forward to its backward, without
+       resharding); in backward one block's gradients unsharded in the compute dtype beside their fp32
+       reduce-scatter input, and the head's gradient, made first and reduced with the root at the end:
+       c x (root + 2 blocks) + (c + 4) x block + c x root / 2.
+    2. At the end of backward the root is reduced last: its fp32 reduce-scatter input beside its unsharded
+       gradients in the compute dtype: (4 + c) x root. (At 7B and above the root's 100k-row vocabulary makes this
+       the larger: 4.7 GiB at deepseek7b on 8 ranks, where 1 gives 3.45.)
+
+    Returns the largest and how much of it never meets the activations at their peak (``buffers_apart``): all but
+    the forward's gathered parameters, since the gradients of 1 and 2 exist only in backward, as the activations
+    are freed (the dry run: deepseek_moe_16b_fsdp peaks 17% below the sum that counted them with the activations).
+    """
+    forward = c * (root + (2 * block if reshard else blocks))
+    gathered = forward + (c + 4) * block + c * root / 2  # 1
+    reduced = (4 + c) * root  # 2
+    return max(gathered, reduced), max(gathered, reduced) - forward
 
 
 def expert_parallel_states(states: ModelStates, cfg: DictConfig, shape: dict, world: int, c: int) -> ModelStates:
@@ -90,15 +123,15 @@ def expert_parallel_states(states: ModelStates, cfg: DictConfig, shape: dict, wo
         return states
     E_blk, E_all = shape["max_block_expert_params"], shape["expert_params"]
     saved = E_blk * (1 - 1 / ep)  # 2
-    blocks = 1 if cfg.backend.reshard_after_forward else 0
     device = dict(states.device)
-    gathered = (2 * c + 4) * saved if blocks else c * E_all * (1 - 1 / ep) + 4 * saved
-    device["buffers"] = max(device.get("buffers", 0.0) - gathered, 0.0)
+    device["buffers"], apart = fsdp_buffers(c, shape["root_params"], shape["max_block_params"] - saved,
+                                            shape["block_params"] - E_all * (1 - 1 / ep),
+                                            cfg.backend.reshard_after_forward)
     tokens = cfg.train.micro_batch_size * cfg.data.seq_len
     passes = 6 if checkpointing_mode(cfg.model) == "full" else 4  # 4 (selective keeps the dispatched rows' outputs)
     a2a = shape["moe_layers"] * tokens * shape["experts_per_token"] * shape["hidden"] * c * passes * (ep - 1) / ep
     return dataclasses.replace(
-        states, device=device,
+        states, device=device, buffers_apart=apart,
         comm_per_micro=max(states.comm_per_micro - (2 * c + 4) * E_all * (1 - 1 / ep), 0.0),  # 3
         all_to_all_per_micro=a2a,
         dispatch_bytes_per_token=2 * shape["experts_per_token"] * shape["hidden"] * c,  # 5
@@ -146,6 +179,13 @@ def parallel_dims(cfg: DictConfig, world: int) -> ParallelDims:
     plan calls it for each engine it compares on the planned hardware's world."""
     degrees = getattr(engine(cfg.backend), "degrees", None)
     return ParallelDims.of(world, degrees(cfg.backend) if degrees else {})
+
+
+def shard_ends(world: int) -> list[tuple[int, str, int]]:
+    """The ranks a dry run simulates on an engine that shards evenly (``dry_run_roles``: rank, what, the plan's
+    kind of rank): the first and the last, which alone can hold less when a tensor's rows do not divide by the
+    world."""
+    return [(0, "first shard", 0)] + ([(world - 1, "last shard", 0)] if world > 1 else [])
 
 
 def smoke_degree(degree: int, world: int) -> int:

@@ -30,6 +30,9 @@ class DDPBackend:
     quantized_base = True
     """peft=qlora: every rank holds the whole 4-bit base (bitsandbytes' packed weights are not sharded)."""
     launcher: ClassVar[str] = "elastic"
+    dry_run: ClassVar[str] = "replica"
+    """``plan.dry_run``: every rank is one whole replica, which the dry run simulates on the ``single`` engine's
+    code (the replica this engine wraps); its gradient buckets are checked by arithmetic."""
     degree_keys: ClassVar[dict[str, str]] = {}
 
     @staticmethod
@@ -40,6 +43,12 @@ class DDPBackend:
         self.cfg, self.plan, self.bcfg = cfg, plan, cfg.backend
         self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         self.dp_rank, self.dp_size = self.rank, self.world_size
+
+    @staticmethod
+    def dry_run_keeps_gradients(cfg: DictConfig) -> bool:
+        """Gradients as views of the buckets (``gradient_as_bucket_view``) live as long as the buckets: the dry
+        run's replica keeps them between steps."""
+        return bool(cfg.backend.gradient_as_bucket_view)
 
     @staticmethod
     def validate(cfg: DictConfig, plan) -> None:
@@ -59,6 +68,7 @@ class DDPBackend:
         # all-reduce of the fp32 gradients per optimizer step (no_sync while accumulating): 2 x 4 bytes x P.
         P = float(n_params)
         return replica_states(cfg, n_params, optim_bytes, buffers=0.0 if cfg.backend.gradient_as_bucket_view else 4 * P,
+                              grads_freed=not cfg.backend.gradient_as_bucket_view,
                               comm_per_step=2 * 4 * P)
 
     def init(self) -> None:

@@ -134,6 +134,9 @@ def ds_optimizer(o: DictConfig) -> dict | None:
 
 class DeepSpeedBackend:
     launcher: ClassVar[str] = "elastic"
+    dry_run: ClassVar[str] = "estimators"
+    """``plan.dry_run``: the plan's model states against DeepSpeed's own estimators; ZeRO allocates its flat
+    partitions with real storage, so it does not run on fake tensors."""
     degree_keys: ClassVar[dict[str, str]] = {}
 
     @staticmethod

@@ -20,7 +20,8 @@ all-reduced loads are exactly those of a run without EP.
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -80,15 +81,19 @@ def expert_parallel_forward(self: Any, hidden_states: torch.Tensor, top_k_index:
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)  # 1
     rows = hidden_states[order // K]
-    counts = torch.bincount(flat, minlength=self.num_experts)
-    received = torch.empty_like(counts)  # 2: [peer, local expert]
-    dist.all_to_all_single(received, counts, group=group)
-    received = received.view(ep, local)
-    send = counts.view(ep, local).sum(1).tolist()
-    recv = received.sum(1).tolist()
+    if _UNIFORM["on"]:  # a dry run's fake tensors have no values to route by
+        send, recv, received = _uniform_splits(T * K, self.num_experts, ep, dist.get_rank(group), x=flat)
+    else:
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        received = torch.empty_like(counts)  # 2: [peer, local expert]
+        dist.all_to_all_single(received, counts, group=group)
+        received = received.view(ep, local)
+        send = counts.view(ep, local).sum(1).tolist()
+        recv = received.sum(1).tolist()
     x = _AllToAll.apply(rows, recv, send, group)  # 3
     # 4: rows arrive as [peer][expert]; the GEMMs want [expert][peer]
-    src = torch.repeat_interleave(torch.arange(ep * local, device=x.device), received.flatten())
+    src = torch.repeat_interleave(torch.arange(ep * local, device=x.device), received.flatten(),
+                                  output_size=x.shape[0])
     by_expert = torch.argsort(src % local * ep + src // local, stable=True)
     x = x[by_expert]
     offs = torch.cumsum(received.sum(0), 0).to(torch.int32)
@@ -102,6 +107,33 @@ def expert_parallel_forward(self: Any, hidden_states: torch.Tensor, top_k_index:
     out = torch.zeros(T, H, dtype=torch.float32, device=hidden_states.device)
     out.index_add_(0, order // K, y)
     return out.to(hidden_states.dtype)
+
+
+_UNIFORM = {"on": False}
+
+
+@contextlib.contextmanager
+def assume_uniform_routing() -> Iterator[None]:
+    """Inside, the expert-parallel forward routes every rank's T x K slots evenly over the E experts instead of
+    by the router's choice: what a dry run on fake tensors (``shardyard.dryrun``), which has no values to route
+    by, assumes. Nothing else changes: the same buffers, all-to-alls and grouped GEMMs run on those splits."""
+    _UNIFORM["on"] = True
+    try:
+        yield
+    finally:
+        _UNIFORM["on"] = False
+
+
+def _uniform_splits(slots: int, experts: int, ep: int, me: int, x: torch.Tensor) -> tuple[list, list, torch.Tensor]:
+    """Even routing of ``slots`` routed slots per rank: what this rank sends to each peer, receives from each,
+    and the [peer, local expert] counts it receives (every peer routes alike)."""
+    local = experts // ep
+    base, extra = divmod(slots, experts)
+    per_expert = [base + (e < extra) for e in range(experts)]
+    mine = per_expert[me * local:(me + 1) * local]
+    send = [sum(per_expert[p * local:(p + 1) * local]) for p in range(ep)]
+    recv = [sum(mine)] * ep
+    return send, recv, torch.tensor([mine] * ep, dtype=torch.long, device=x.device)
 
 
 def shard_experts(model: torch.nn.Module, ep_mesh: DeviceMesh) -> int:

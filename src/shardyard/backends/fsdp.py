@@ -12,7 +12,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from shardyard.facts import Plan
-from shardyard.backends import FP32, HALF, ModelStates, expert_parallel_states, process_group, smoke_degree
+from shardyard.backends import (FP32, HALF, ModelStates, expert_parallel_states, fsdp_buffers, process_group,
+                                shard_ends, smoke_degree)
 from shardyard.backends.expert_parallel import shard_experts, stepper_options
 from shardyard.moe import expert_modules
 from shardyard.backends.forward import forward_to
@@ -77,11 +78,18 @@ def gather_full_state_dict(model: torch.nn.Module, rank: int) -> dict | None:
 
 class FSDPBackend:
     launcher: ClassVar[str] = "elastic"
+    dry_run: ClassVar[str] = "engine"
+    """``plan.dry_run``: this engine itself runs on a fake process group and fake tensors (``shardyard.dryrun``)."""
     degree_keys: ClassVar[dict[str, str]] = {"ep": "backend.ep"}
 
     @staticmethod
     def degrees(b: DictConfig) -> dict[str, int | None]:
         return {"dp_shard": None, "ep": int(b.ep)}  # every rank a shard of the one replica; EP borrows from them
+
+    @staticmethod
+    def dry_run_roles(cfg: DictConfig, dims) -> list[tuple[int, str, int]]:
+        """The ranks whose figures can differ: the ends of the shards (and of each expert-parallel group)."""
+        return shard_ends(dims.world_size)
 
     @staticmethod
     def for_smoke(cfg: DictConfig, world: int) -> None:
@@ -106,10 +114,8 @@ class FSDPBackend:
 
         1. Sharded fp32 parameters (they are the master weights: MixedPrecisionPolicy casts on all-gather),
            sharded fp32 gradients (reduce_dtype fp32) and optimizer state on the shards: (8 + opt) x P / N.
-        2. Unsharded parameters in the compute dtype while in use: the root (embeddings, final norm, LM
-           head: reshard_after_forward=False keeps it), the block computing and the one prefetched; with
-           reshard_after_forward=False every block stays gathered from its forward to its backward.
-        3. One block's unsharded fp32 gradients before its reduce-scatter.
+        2-3. Unsharded parameters in the compute dtype while in use (the root, the block computing and the one
+           prefetched) and unsharded gradients before their reduce-scatter: ``backends.fsdp_buffers``.
         4. cpu_offload: the shards, their gradients and the optimizer live in host RAM; only (2)-(3) stay.
         5. The sharded gradients are freed by each step and rebuilt during backward as activations are freed
            (measured on an H100: counting both overestimated a 1B model's peak by 18%).
@@ -122,15 +128,15 @@ class FSDPBackend:
         """
         b, P, N = cfg.backend, float(n_params), max(world, 1)
         c = FP32 if cfg.precision.name == "fp32" else HALF
-        blocks = shape["block_params"] if not b.reshard_after_forward else 2 * shape["max_block_params"]
-        buffers = c * (shape["root_params"] + blocks) + FP32 * shape["max_block_params"]
+        buffers, apart = fsdp_buffers(c, shape["root_params"], shape["max_block_params"], shape["block_params"],
+                               b.reshard_after_forward)
         shards = {"params": FP32 * P / N, "grads": FP32 * P / N, "optimizer": optim_bytes * P / N}
         device, host = ({"buffers": buffers}, shards) if b.cpu_offload else ({**shards, "buffers": buffers}, {})
         every_micro = b.reduce_every_micro_batch
         states = ModelStates("fp32" if c == FP32 else "half", device, host,
                              comm_per_step=0.0 if every_micro else FP32 * P,
                              comm_per_micro=(2 * c + FP32) * P if every_micro else 2 * c * P,
-                             grads_freed_each_step=True,  # 5
+                             grads_freed_each_step=True, buffers_apart=apart,  # 5
                              accumulation_bytes=0.0 if every_micro else FP32 * P)  # 6
         return expert_parallel_states(states, cfg, shape, N, c)  # 7
 

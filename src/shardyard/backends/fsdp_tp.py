@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from shardyard.facts import Plan
-from shardyard.backends import ModelStates, process_group, refuse_speed_options, smoke_degree
+from shardyard.backends import ModelStates, process_group, refuse_speed_options, shard_ends, smoke_degree
 from shardyard.backends.forward import forward_to
 from shardyard.backends.fsdp import FSDPBackend, gather_full_state_dict
 from shardyard.backends.process_group import init_process_group, teardown
@@ -119,12 +119,19 @@ def check_tp_model(model: Any, tp: int) -> None:
 
 class FSDPTPBackend:
     launcher: ClassVar[str] = "elastic"
+    dry_run: ClassVar[str] = "engine"
+    """``plan.dry_run``: this engine itself runs on a fake process group and fake tensors (``shardyard.dryrun``)."""
     checkpoint_format: ClassVar[str] = "dcp"
     degree_keys: ClassVar[dict[str, str]] = {"tp": "backend.tp"}
 
     @staticmethod
     def degrees(b: DictConfig) -> dict[str, int | None]:
         return {"tp": int(b.tp), "dp_shard": None}  # FSDP over the world / tp replicas
+
+    @staticmethod
+    def dry_run_roles(cfg: DictConfig, dims) -> list[tuple[int, str, int]]:
+        """The ranks whose figures can differ: the ends of the shards."""
+        return shard_ends(dims.world_size)
 
     @staticmethod
     def for_smoke(cfg: DictConfig, world: int) -> None:

@@ -19,6 +19,9 @@ from shardyard.model import prepare_replica
 
 class HorovodBackend:
     launcher: ClassVar[str] = "horovod"
+    dry_run: ClassVar[str] = "replica"
+    """``plan.dry_run``: every rank is one whole replica, which the dry run simulates on the ``single`` engine's
+    code (the replica this engine wraps); its gradient buckets are checked by arithmetic."""
     degree_keys: ClassVar[dict[str, str]] = {}
 
     @staticmethod

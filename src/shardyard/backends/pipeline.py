@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from shardyard import moe
 from shardyard.facts import Plan
-from shardyard.backends import ModelStates, process_group, refuse_speed_options, smoke_degree
+from shardyard.backends import FP32, HALF, ModelStates, process_group, refuse_speed_options, smoke_degree
 from shardyard.backends.expert_parallel import shard_experts, stepper_options
 from shardyard.moe import expert_modules
 from shardyard.backends.forward import forward_to
@@ -164,6 +164,8 @@ def check_pipeline_model(model: Any, cfg: DictConfig) -> None:
 
 class PipelineBackend:
     launcher: ClassVar[str] = "elastic"
+    dry_run: ClassVar[str] = "engine"
+    """``plan.dry_run``: this engine itself runs on a fake process group and fake tensors (``shardyard.dryrun``)."""
     checkpoint_format: ClassVar[str] = "dcp"
     degree_keys: ClassVar[dict[str, str]] = {"pp": "backend.stages", "ep": "backend.ep"}
 
@@ -171,6 +173,32 @@ class PipelineBackend:
     def degrees(b: DictConfig) -> dict[str, int | None]:
         # each stage FSDP over the world / stages replicas; expert parallelism borrows from them
         return {"pp": int(b.stages), "dp_shard": None, "ep": int(b.ep)}
+
+    @staticmethod
+    def dry_run_roles(cfg: DictConfig, dims) -> list[tuple[int, str, int]]:
+        """The ranks whose figures can differ, each with its stage (the plan's kind of rank, ``model_states``):
+        the first data-parallel rank of every stage that holds something the others do not (the embedding, the
+        head, another count of layers or of MoE layers); of stages alike, the first, which has the most
+        micro-batches in flight. Every rank of a stage holds the same shapes (its experts and shards are even
+        splits), so one data-parallel rank stands for its stage."""
+        from shardyard.model import shape_model
+
+        b = cfg.backend
+        model: Any = shape_model(cfg.model)
+        is_moe = [bool(expert_modules(layer)) for layer in model.model.layers]
+        chunks = int(b.stages) * (int(b.virtual_stages) if b.schedule == "interleaved" else 1)
+        spans = layer_split(len(is_moe), chunks)
+        seen, roles = set(), []
+        for s in range(int(b.stages)):
+            mine = [spans[c] for c in range(s, chunks, int(b.stages))]
+            kind = (s == 0, s == int(b.stages) - 1, sum(hi - lo for lo, hi in mine),
+                    sum(sum(is_moe[lo:hi]) for lo, hi in mine))
+            if kind not in seen:  # the first of a kind has the most micro-batches in flight
+                seen.add(kind)
+                layers, moe = kind[2], kind[3]
+                where = "first stage" if s == 0 else "last stage" if s == int(b.stages) - 1 else f"stage {s}"
+                roles.append((s * dims.dp, f"{where}: {layers} layers, {moe} MoE", s))
+        return roles
 
     @staticmethod
     def for_smoke(cfg: DictConfig, world: int) -> None:
@@ -243,30 +271,58 @@ class PipelineBackend:
 
     @staticmethod
     def model_states(cfg: DictConfig, n_params: int, world: int, shape: dict, optim_bytes: float) -> ModelStates:
-        """FSDP2's states of the busiest stage over dp = world/stages ranks (``FSDPBackend.model_states``):
+        """FSDP2's states (``FSDPBackend.model_states``) of every stage over its dp = world/stages ranks, stage 0's
+        first and the others in ``others`` (the plan plans the busiest):
 
-        1. The busiest rank's layers (ceil(layers / chunks) per chunk, counted at the largest block's size: a
-           MoE block, not the average), plus the embedding or the head (half the root: untied, they are the same
-           size; the first and last stages hold one each).
-        2. Activations: those layers, for the micro-batches in flight, each 1/microbatches of the micro batch:
-           GPipe keeps all of them, 1F1B at most ``stages`` (min(stages, m)/m); interleaved is counted as 1F1B. The logits count as split too (an underestimate for the
-           last stage) and the point-to-point activations are not in the communication figure.
+        1. A stage's own layers (``layer_split``, the first chunks one longer) counted block by block, MoE or
+           dense, plus the embedding (the first stage) or the final norm and head (the last).
+        2. Activations: its layers' share of what the micro-batches in flight keep, each 1/microbatches of the
+           micro batch (GPipe: all of them; 1F1B: stage s runs stages - s forwards before its first backward;
+           interleaved is counted as 1F1B), one block recomputed for one pipeline micro-batch, and on the last
+           stage the logits of one pipeline micro-batch (1F1B: its loss and backward follow each forward; GPipe
+           keeps all of them). The point-to-point activations are not in the communication figure.
+        3. Buffers: torch's schedule runs every backward of a step without resharding or reducing (FSDP's
+           reduce-scatter waits for the last pipeline micro-batch), so the stage's own parameters stay unsharded
+           in the compute dtype for the whole step, its gradients accumulate unsharded in fp32 (FSDP2's
+           accumulation in the reduce dtype), and each block's backward adds its gradient in the compute dtype:
+           (c + 4) x the stage's blocks + c x its largest block, counting this rank's 1/ep of the experts. The
+           embedding or head (the stage's root, reduced once at the end) accumulates in the compute dtype:
+           2 x c x its parameters.
+           Found by the dry run (deepseek_v3_pipeline_ep: 40-43 GiB per GPU, where per-block FSDP accounting
+           said 10).
         """
         b = cfg.backend
         pp, m = int(b.stages), int(b.microbatches)
-        virtual = int(b.virtual_stages) if b.schedule == "interleaved" else 1
-        layers = max(int(shape["blocks"]), 1)
-        held = min(math.ceil(layers / (pp * virtual)) * virtual, layers)  # the first chunks take the remainder
-        blocks = min(held * shape["max_block_params"], shape["block_params"])  # its largest blocks, at most all
-        moe = math.ceil(shape.get("moe_layers", 0) * held / layers)  # the MoE layers among them, at most
-        sliced = {**shape, "block_params": blocks, "root_params": shape["root_params"] / 2, "moe_layers": moe,
-                  "expert_params": min(moe * shape.get("max_block_expert_params", 0), shape.get("expert_params", 0))}
-        states = FSDPBackend.model_states(cfg, int(blocks + shape["root_params"] / 2), max(world // pp, 1), sliced,
-                                          optim_bytes)
-        in_flight = m if b.schedule == "gpipe" else min(pp, m)
-        return dataclasses.replace(states, activation_factor=in_flight / m * held / layers, notes=states.notes + [
-            f"pipeline {pp} stages ({b.schedule}, {m} micro-batches, {in_flight} in flight): the busiest stage's "
-            f"{held} layers, then FSDP over {max(world // pp, 1)} data-parallel ranks"])
+        chunks = pp * (int(b.virtual_stages) if b.schedule == "interleaved" else 1)
+        n = max(int(shape["blocks"]), 1)
+        per_block = shape.get("block_param_list") or [shape["block_params"] / n] * n
+        per_experts = shape.get("block_expert_list") or [0] * n
+        spans = layer_split(n, chunks)
+        ep = int(b.ep) if shape.get("expert_params") else 1
+        c, dp = (FP32 if cfg.precision.name == "fp32" else HALF), max(world // pp, 1)
+        kinds = []
+        for s in range(pp):
+            mine = [i for ch in range(s, chunks, pp) for i in range(*spans[ch])]  # 1
+            root = shape["root_params"] / 2 * ((s == 0) + (s == pp - 1))
+            blocks, experts = sum(per_block[i] for i in mine), sum(per_experts[i] for i in mine)
+            big = max(mine, key=lambda i: per_block[i], default=None)
+            largest, largest_e = (per_block[big], per_experts[big]) if big is not None else (0.0, 0.0)
+            sliced = {**shape, "blocks": len(mine), "block_params": blocks, "max_block_params": largest,
+                      "root_params": root, "moe_layers": sum(1 for i in mine if per_experts[i]),
+                      "expert_params": experts, "max_block_expert_params": largest_e}
+            states = FSDPBackend.model_states(cfg, int(blocks + root), dp, sliced, optim_bytes)
+            in_flight = m if b.schedule == "gpipe" else min(pp - s, m)  # 2
+            logits = (m if b.schedule == "gpipe" else 1) if s == pp - 1 else 0
+            held = blocks - experts * (1 - 1 / ep)  # 3
+            device = {**states.device, "buffers": (c + FP32) * held + 2 * c * root
+                      + c * (largest - largest_e * (1 - 1 / ep))}
+            kinds.append(dataclasses.replace(
+                states, device=device, buffers_apart=0.0, activation_factor=1 / m,
+                activation_parts=(in_flight / m * len(mine) / n, 1 / m if mine else 0.0, logits / m),
+                notes=states.notes + [f"pipeline {pp} stages ({b.schedule}, {m} micro-batches): stage {s} holds "
+                                      f"{len(mine)} layers, {in_flight} micro-batches in flight, FSDP over {dp} "
+                                      "data-parallel ranks"]))
+        return dataclasses.replace(kinds[0], others=kinds[1:])
 
     def init(self) -> None:
         self.device = pick_device(self.plan, int(os.environ.get("LOCAL_RANK", 0)))
@@ -322,6 +378,36 @@ class PipelineBackend:
             else torch.zeros((), device=self.device)
         dist.broadcast(ce_sum, group=self.pp_group, group_src=self.pp - 1)
         return ce_sum
+
+    def simulated_forward_backward(self, inputs, targets, is_last_micro: bool, weight: torch.Tensor) -> None:
+        """The dry run's ``forward_backward`` (``shardyard.dryrun``): this rank's stages at the schedule's deepest
+        point, on a fake process group that cannot carry the schedule's shape handshake. The micro-batches in
+        flight (GPipe: all ``microbatches``; 1F1B: ``stages - s`` of them on stage s) run forward, each on its slice of the
+        micro batch (token ids on the first stage, hidden states of the compute dtype elsewhere), then backward
+        as the schedule runs FSDP (``torch.distributed.pipelining.stage``, torch 2.13): every backward without
+        resharding or reducing, so each stage keeps its parameters unsharded and its gradients unsharded and
+        accumulating over the step's pipeline micro-batches, then one reduction (``perform_reduce_grad``). The
+        last stage's loss is the run's ``_scaled_loss``; the others' output gradient a tensor of its shape."""
+        b = self.bcfg
+        m = int(b.microbatches)
+        in_flight = m if b.schedule == "gpipe" else min(self.pp - self.pp_rank, m)  # 1F1B: stage s, pp - s
+        self._weight = weight
+        dtype = COMPUTE_DTYPES[self.cfg.precision.name]
+        for stage in self.stages:
+            outs = []
+            for ids, tgt in list(zip(inputs.chunk(m), targets.chunk(m)))[:in_flight]:
+                x = ids if stage.first else torch.randn(*ids.shape, self.model.config.hidden_size, dtype=dtype,
+                                                        requires_grad=True)
+                outs.append((stage(x), tgt))
+            for out, tgt in outs:
+                stage.set_is_last_backward(False)  # type: ignore[operator]  # FSDPModule methods, added at runtime
+                stage.set_reshard_after_backward(False)  # type: ignore[operator]
+                stage.set_requires_gradient_sync(False)  # type: ignore[operator]
+                if stage.last:
+                    self._scaled_loss(out, tgt).backward()
+                else:
+                    out.backward(torch.ones_like(out))
+            stage.pipe.perform_reduce_grad(1)
 
     step = forward_to("stepper", TorchStepper.step)
 

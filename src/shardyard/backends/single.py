@@ -20,6 +20,8 @@ class SingleBackend:
     max_ranks = 1
     """It trains in one process: the plan offers it as an alternative only to a one-rank run."""
     launcher: ClassVar[str] = "elastic"
+    dry_run: ClassVar[str] = "replica"
+    """``plan.dry_run``: its one rank is simulated as it is."""
     degree_keys: ClassVar[dict[str, str]] = {}
 
     @staticmethod

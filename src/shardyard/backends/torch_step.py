@@ -174,15 +174,19 @@ def pick_device(plan, local_rank: int) -> torch.device:
 
 
 def replica_states(cfg: DictConfig, n_params: int, optim_bytes: float, buffers: float = 0.0,
-                   comm_per_step: float = 0.0) -> ModelStates:
+                   comm_per_step: float = 0.0, grads_freed: bool = True) -> ModelStates:
     """What a full-replica engine (single, DDP, Horovod) holds per rank, whatever the world size.
 
     1. Autocast trains fp32 parameters in every precision: they are the master weights (no separate copy),
        and bf16/fp16 matmuls cast them on the fly (those copies are activations: ``plan._activations``).
     2. Gradients are fp32 like their parameters; the optimizer keeps ``optim_bytes`` per parameter.
+    3. ``grads_freed``: the step frees the gradients (``zero_grad(set_to_none=True)``) and backward rebuilds them as
+       it frees the activations, so without accumulation the two do not peak together (the dry run: the default
+       run's replica peaks 14% below their sum); not when an engine keeps them in its own buffers (DDP's
+       bucket views).
     """
     regime = "fp32" if cfg.precision.name == "fp32" else "autocast"
     P = float(n_params)
     return ModelStates(regime, {"params": FP32 * P, "grads": FP32 * P, "optimizer": optim_bytes * P, "buffers": buffers},
-                       comm_per_step=comm_per_step)
+                       comm_per_step=comm_per_step, grads_freed_each_step=grads_freed)
 

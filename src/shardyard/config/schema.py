@@ -887,6 +887,11 @@ class PlanConfig:
     ``null`` plans for this machine as it is now."""
     nodes: int = 1
     """Nodes of that hardware (``plan.hardware``); this machine's plan uses ``launch.nnodes``."""
+    dry_run: bool = False
+    """Run the recipe at its real world size (``plan.hardware`` x ``plan.nodes``) on this CPU before renting it:
+    the engine's own ``prepare`` over a fake process group and fake tensors, one simulated rank at a time, two
+    optimizer steps under PyTorch's memory tracker; prints each figure beside the plan's and exits 0 when every
+    one is within 10%, 1 otherwise (``shardyard.dryrun``; docs/plan.md, "The dry run")."""
     mfu: float = 0.4
     """Model FLOPs utilisation assumed when turning FLOPs into the planned compute time of a step."""
 
