@@ -119,13 +119,15 @@ def _check_nodes(cfg: DictConfig, per_node: int, world: int) -> None:
     if usable(cfg.plan.nodes):
         return
     fits = [n for n in range(1, 4 * cfg.plan.nodes + 1) if usable(n)]
+    if not fits:  # no node count would do: the degree itself is wrong, and the checks below name its key
+        return
     dims = parallel_dims(cfg, world)
     raise UserError("plan.nodes", cfg.plan.nodes,
                     f"The recipe's layout cannot use {world} ranks ({cfg.plan.nodes} x {per_node}): {dims.describe()} "
                     f"must multiply to the world, backend.ep must divide the data-parallel shards, and "
                     f"train.global_batch_size={tr.global_batch_size} must be a multiple of micro batch "
                     f"{tr.micro_batch_size} x the data-parallel size.",
-                    f"Use plan.nodes in {fits[:12] or 'none up to ' + str(4 * cfg.plan.nodes)}, or change the recipe's "
+                    f"Use plan.nodes in {fits[:12]}, or change the recipe's "
                     "degrees or global batch to suit the nodes you have.")
 
 

@@ -37,6 +37,19 @@ def test_a_layout_that_cannot_use_the_nodes_names_plan_nodes():
     assert "[16, 32, 64]" in e.value.paragraph()  # the node counts that can
 
 
+def test_an_impossible_layout_at_256_ranks_names_its_key():
+    """At deepseek_v3_pipeline_ep's own 256 ranks, 7 pipeline stages cannot divide the world: the node counts that
+    7 stages can use are named; 3-way expert parallelism can use none (256 experts), and its own key is named."""
+    with pytest.raises(UserError) as e:
+        validate(compose(["recipe=deepseek_v3_pipeline_ep", "plan.dry_run=true", "plan.hardware=8xH200-141GB",
+                          "plan.nodes=32", "backend.stages=7"]), None)
+    assert e.value.key == "plan.nodes" and "[14, 28, 56]" in e.value.paragraph()  # 7 stages x ep 16 x the batch
+    with pytest.raises(UserError) as e:
+        validate(compose(["recipe=deepseek_v3_pipeline_ep", "plan.dry_run=true", "plan.hardware=8xH200-141GB",
+                          "plan.nodes=32", "backend.ep=3"]), None)
+    assert e.value.key == "backend.ep" and e.value.value == 3
+
+
 def test_a_dry_run_needs_the_hardware_it_simulates():
     with pytest.raises(UserError) as e:
         validate(compose(["recipe=deepseek_tiny_fsdp2", "plan.dry_run=true"]), None)
