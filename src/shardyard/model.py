@@ -662,8 +662,9 @@ def prepare_replica(model: torch.nn.Module, cfg: DictConfig, device: torch.devic
     """Full-replica engines (single, DDP, Horovod): materialise, ``prepare_model``, then move."""
     materialize(model, device, cfg.seed, cfg.model)
     prepare_model(model, cfg, device)
-    # Moved only when it is elsewhere (a dry run's fake tensors cannot be swapped for themselves).
-    return model if all(p.device == device for p in model.parameters()) else model.to(device)
+    # Always moved (bitsandbytes quantises a 4-bit base as it moves), but for a dry run's fake storage, which is on
+    # the device already and cannot be swapped for itself.
+    return model if _FAKE_STORAGE["mode"] is not None else model.to(device)
 
 
 def param_count(model: torch.nn.Module, trainable: bool = False) -> int:
