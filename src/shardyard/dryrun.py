@@ -120,6 +120,8 @@ def simulate(cfg: DictConfig, batch: Plan, role: Role, replica: bool = False) ->
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from shardyard import adapters
+    from shardyard import plan as memory_plan
+    from shardyard.backends import engine
     from shardyard.backends.expert_parallel import assume_uniform_routing
     from shardyard.backends.torch_step import COMPUTE_DTYPES
     from shardyard.model import build_model, materialized_in
@@ -147,7 +149,7 @@ def simulate(cfg: DictConfig, batch: Plan, role: Role, replica: bool = False) ->
         # have), and storage comes from the fake mode.
         with materialized_in(mode):
             backend.prepare(build, cfg.train.steps)
-        gpu = batch.device_type == "cuda" or hw_device(cfg) == "cuda"
+        gpu = memory_plan.hardware(batch_cfg, batch).device == "cuda"  # the hardware simulated, not this machine
         with mode, assume_uniform_routing(), (gpu_attention() if gpu else contextlib.nullcontext()):
             # An engine whose schedule talks to its peers to run (the pipeline's shape handshake) plays its part
             # of a step alone here.
@@ -160,7 +162,7 @@ def simulate(cfg: DictConfig, batch: Plan, role: Role, replica: bool = False) ->
             # that step unless the engine keeps them in buffers of its own (DDP's: ``dry_run_keeps_gradients``).
             run_micro(ids, ids, True, weight)
             backend.step()
-            if getattr(engine_class(batch_cfg), "dry_run_keeps_gradients", lambda c: False)(batch_cfg):
+            if getattr(engine(batch_cfg.backend), "dry_run_keeps_gradients", lambda c: False)(batch_cfg):
                 for p in backend.stepper.params:
                     p.grad = torch.zeros_like(p)
             tracker = _Tracker(backend)
@@ -179,18 +181,6 @@ def simulate(cfg: DictConfig, batch: Plan, role: Role, replica: bool = False) ->
                 dist.destroy_process_group()
             for k, v in saved.items():
                 os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-
-
-def engine_class(cfg: DictConfig) -> Any:
-    from shardyard.backends import engine
-
-    return engine(cfg.backend)
-
-
-def hw_device(cfg: DictConfig) -> str:
-    from shardyard.facts import split_hardware
-
-    return "cpu" if split_hardware(str(cfg.plan.hardware))[1].lower() == "cpu" else "cuda"
 
 
 @contextlib.contextmanager
@@ -228,7 +218,8 @@ def _simulated_config(cfg: DictConfig, replica: bool) -> DictConfig:
     device (the fake tensors' place), and for a replica the ``single`` engine that DDP and Horovod wrap."""
     cfg = cfg.copy()
     with open_dict(cfg):
-        cfg.model.weights = None if "weights" in cfg.model else cfg.model.get("weights")
+        if "weights" in cfg.model:
+            cfg.model.weights = None
         cfg.model.compile = False  # inductor does not compile fake tensors; compiled regions hold what eager does
         if "device" in cfg.backend:
             cfg.backend.device = "cpu"
