@@ -278,6 +278,7 @@ class _Tracker:
         groups = [g for m in backend.hf_model().modules() if isinstance(m, FSDPModule)
                   for g in m._get_fsdp_state()._fsdp_param_groups]
         self.fsdp_params = [p for g in groups for p in g.fsdp_params]
+        self.entered: float | None = None  # the backward temporaries when a post-backward began (in one: a float)
         self.held = 0  # those bytes, counted again after each post-backward (where FSDP2 accumulates and frees them)
         for g in groups:
             g.post_backward = self._recount_after(g.post_backward)  # type: ignore[method-assign]
@@ -301,14 +302,26 @@ class _Tracker:
 
     def _recount_after(self, post_backward: Any) -> Any:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
-            out = post_backward(*args, **kwargs)
+            # what FSDP2 allocates in its post-backward (the fp32 accumulation of a block's gradients, the cast
+            # that fills it, the reduce-scatter input) is the engine's, though the tracker sees backward temporaries
+            self.entered = sum(self._temp(snap) for snap in self.inner._curr_mem_snap.values())
+            try:
+                out = post_backward(*args, **kwargs)
+            finally:
+                self.entered = None
             self.held = sum(local(g).nbytes for p in self.fsdp_params for g in _unsharded_grads(p))
             return out
         return wrapped
 
+    @staticmethod
+    def _temp(snap: dict) -> float:
+        return float(sum(v for k, v in snap.items() if str(getattr(k, "value", k)) == "Temp"))
+
     def _named(self, snap: dict) -> dict[str, float]:
         named = {str(getattr(k, "value", k)): float(v) for k, v in snap.items()}
         held = max(self.held, sum(local(g).nbytes for p in self.root_params for g in _unsharded_grads(p)))
+        if self.entered is not None:
+            held += max(named.get("Temp", 0.0) - self.entered, 0.0)
         moved = min(held, named.get("Temp", 0.0))  # what the tracker has not counted as unsharded gradients already
         if moved:
             named["Temp"] -= moved

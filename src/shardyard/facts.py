@@ -30,6 +30,9 @@ class ModelFacts:
     """The HF attention implementation (``sdpa``, ``eager``, ``flash_attention_2``); None: not an HF model."""
     trainable: int | None = None
     """Parameters that train (the adapters under ``peft``); None: all of them."""
+    adapter_activations: dict | None = None
+    """What the adapters save for backward per token, regime -> device kind -> bytes
+    (``adapters.activation_bytes_per_token``); None: no adapters."""
     moe_layers: int = 0
     """Mixture-of-experts layers (routers, ``shardyard.moe.routers``); 0: a dense model."""
     routed_experts: int = 0

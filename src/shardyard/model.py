@@ -350,8 +350,8 @@ def inspect_model(m: DictConfig, seq_len: int, peft: DictConfig | None = None) -
 
     emb = _input_embeddings(model)
     config = getattr(model, "config", None)
-    trainable = None
-    from shardyard.adapters import apply, method
+    trainable, adapter_acts = None, None
+    from shardyard.adapters import activation_bytes_per_token, apply, method
 
     if peft is not None and method(peft).freezes_base:  # the adapters, on the meta device too: their count for the plan
         if not is_hf(model):
@@ -360,7 +360,9 @@ def inspect_model(m: DictConfig, seq_len: int, peft: DictConfig | None = None) -
                             "Use an HF model option (model=hf, deepseek_tiny, deepseek7b, ...) or peft=none.")
         try:
             with torch.device("meta"):
-                trainable = param_count(apply(shape_model(m), peft, 0), trainable=True)
+                adapted = apply(shape_model(m), peft, 0)
+            trainable = param_count(adapted, trainable=True)
+            adapter_acts = activation_bytes_per_token(adapted, _token_shares(adapted))
         except UserError:
             raise
         except (ValueError, TypeError, KeyError) as e:
@@ -371,9 +373,21 @@ def inspect_model(m: DictConfig, seq_len: int, peft: DictConfig | None = None) -
                       embedding_rows=getattr(emb, "num_embeddings", None),
                       max_positions=getattr(config, "max_position_embeddings", None), shape=model_shape(model),
                       attn=attn_implementation(model) if is_hf(model) else None, trainable=trainable,
+                      adapter_activations=adapter_acts,
                       moe_layers=len(found), routed_experts=found[0].experts if found else 0,
                       experts_per_token=found[0].top_k if found else 0,
                       router_bias=bool(found) and all(r.biased for r in found))
+
+
+def _token_shares(model: torch.nn.Module) -> dict[int, float]:
+    """id(module) -> the fraction of a micro-batch's tokens it computes: top_k / experts inside a routed
+    expert, absent (all of them) elsewhere."""
+    found = moe.routers(model)
+    if not found:
+        return {}
+    share = found[0].top_k / max(found[0].experts, 1)
+    return {id(sub): share for block in transformer_blocks(model) for expert in moe.expert_modules(block)
+            for sub in expert.modules()}
 
 
 def _input_embeddings(model: Any) -> torch.nn.Module | None:
@@ -776,7 +790,10 @@ def model_shape(model: Any) -> dict:
                        "logits": (14 if regime == "fp32" else 12) * vocab, "loss_hidden": 2 * resid * h,
                        # what the backward of the largest block allocates beside its activations (gradients of
                        # its activations, the experts' grouped GEMM inputs): 0 where the fit above holds it
-                       "max_block_backward": max(b.get("backward", 0.0) * b[regime] for b in per_block)}
+                       "max_block_backward": max(b.get("backward", 0.0) * b[regime] for b in per_block),
+                       # what the blocks do not save when their base is frozen (``peft``; the adapters' own
+                       # activations are ``adapters.activation_bytes_per_token``)
+                       "frozen_blocks": sum(b["frozen_" + regime] for b in per_block)}
     module_params = [sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()]
     # Routed experts (what expert parallelism splits): their parameters in all and in the largest block.
     block_experts = [sum(p.numel() for m in moe.expert_modules(b) for p in m.parameters()) for b in blocks]
@@ -799,7 +816,12 @@ def _llama_bytes(h: int, i: int, hkv: int, heads: int) -> dict:
     # its matmuls and SDPA return: q, k, v, o_proj's and down's outputs (3h + 2 hkv), gate and up (2i), SDPA's
     # output (h) and log-sum-exp (fp32 per head).
     mm = 4 * h + 2 * hkv + 2 * i
-    return {"fp32": 32 * h + 16 * i + 8 * hkv + 4 * heads + 8,
+    # A frozen block (``peft``) saves neither its norms' inputs (their weights take no gradient) nor its linear
+    # layers' inputs, but o_proj's (SDPA keeps its output): under autocast each linear its own bf16 cast of the
+    # input (q, k, v, gate, up; down's is bf16 already), else one per distinct input (measured, deepseek_tiny).
+    frozen = {"fp32": 16 * h + 4 * i, "autocast": 18 * h + 2 * i, "half": 8 * h + 2 * i}
+    return {"frozen_" + k: v for k, v in frozen.items()} | {
+            "fp32": 32 * h + 16 * i + 8 * hkv + 4 * heads + 8,
             "autocast": 30 * h + 8 * i + 4 * hkv + 4 * heads,  # + the bf16 weight copies (``autocast_copies``)
             "half": 20 * h + 8 * i + 4 * hkv + 4 * heads + 8,
             "selective_fp32": 4 * h + 4 * mm + 4 * heads, "selective_autocast": 4 * h + 2 * mm + 4 * heads,
@@ -808,7 +830,7 @@ def _llama_bytes(h: int, i: int, hkv: int, heads: int) -> dict:
 
 # DeepSeek-V3 under autocast / half parameters, relative to fp32 (measured on transformers' implementation:
 # its experts run a grouped matmul outside autocast's cast list, so they stay fp32 under autocast).
-_V3_AUTOCAST, _V3_HALF, _V3_BACKWARD = 1.09, 0.70, 0.8
+_V3_AUTOCAST, _V3_HALF, _V3_BACKWARD = 1.09, 0.70, 0.34
 
 
 def _block_bytes_per_token(block: Any, c: Any, h: int) -> dict:
@@ -839,10 +861,12 @@ def _block_bytes_per_token(block: Any, c: Any, h: int) -> dict:
             kept += c.n_routed_experts + k * (2 * mi + h) + c.n_shared_experts * 2 * mi + h
         else:
             kept += 2 * c.intermediate_size + h
-        # The backward of an MLA block allocates 0.8x its activations beside them (measured by the dry run on
-        # DeepSeek-V3's blocks, 4096 tokens: 8.8 GiB recomputed and temporary for 4.8 saved).
+        # The backward of an MLA block allocates 0.34x its activations beside them (measured by the dry run on
+        # DeepSeek-V3's pipeline stages, 4096 tokens: 5.3 GiB recomputed and temporary for a block of 4.0, once
+        # FSDP's own gradient buffers made in its post-backward are counted as buffers, not temporaries).
+        # frozen (``peft``): the two norms' inputs at least (what else its linears stop saving is not counted)
         return {"fp32": fp32, "autocast": _V3_AUTOCAST * fp32, "half": _V3_HALF * fp32,
-                "backward": _V3_BACKWARD,
+                "frozen_fp32": 8 * h, "frozen_autocast": 8 * h, "frozen_half": 4 * h, "backward": _V3_BACKWARD,
                 "selective_fp32": 4 * kept, "selective_autocast": _V3_AUTOCAST * 4 * kept,
                 "selective_half": _V3_HALF * 4 * kept}
     i = getattr(c, "intermediate_size", None) or 4 * h

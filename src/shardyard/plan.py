@@ -307,12 +307,23 @@ def _one_rank(cfg: DictConfig, batch: Plan, hw: Hardware, states: Any, accum: in
                                                       int(cfg.model.get("loss_chunk", 0)))
     if batch.facts.trainable is not None:  # autocast caches the casts of weights that train only (not a frozen base)
         copies *= batch.facts.trainable / max(P, 1)
+        if states.regime == "autocast" and not adapters.method(cfg.peft).quantized_base:
+            # but each frozen linear keeps its weight's bf16 cast for the backward of its input, until its
+            # block's backward: every block's not checkpointed, one recomputed block's otherwise
+            frozen_blocks = max(shape["block_params"] - batch.facts.trainable, 0)
+            kept_share = 1 - (fraction if mode != "none" else 0.0)
+            copies += 2 * (kept_share * frozen_blocks + (1 - kept_share) * shape["max_block_params"])
+    if batch.facts.adapter_activations is not None:  # what the adapters keep, less what the frozen base does not
+        adapters_keep = batch.facts.adapter_activations[states.regime]["cpu" if hw.device == "cpu" else "cuda"]
+        frozen_skips = shape["activation_bytes_per_token"][states.regime]["frozen_blocks"]
+        kept += (1 - (fraction if mode != "none" else 0.0)) * (adapters_keep - frozen_skips) * mbs * batch.seq_len
     f = states.activation_factor
     fk, ft, fl = states.activation_parts or (f, f, f)
     # The loss's logits are freed by its backward before the first block is recomputed (or backpropagated): the
     # two never coexist (the dry run: a DeepSeek-V3 last stage 9.2 GiB, not 14 as their sum; deepseek7b 11.5).
     acts = (kept * fk + max(transient * ft, loss * fl)
-            + (copies + states.dispatch_bytes_per_token * mbs * batch.seq_len) * f)
+            + (copies + states.dispatch_bytes_per_token * mbs * batch.seq_len) * f
+            + states.stage_bytes_per_token * mbs * batch.seq_len + states.stage_bytes)
     device = dict(states.device)
     if accum > 1 and states.accumulation_bytes:
         device["grads"] = device.get("grads", 0.0) + states.accumulation_bytes

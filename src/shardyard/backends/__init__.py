@@ -62,6 +62,12 @@ class ModelStates:
     dispatch_bytes_per_token: float = 0.0
     """Activation bytes per token of the micro-batch beside the model's own: expert parallelism's send and
     receive buffers of the MoE layer being run."""
+    stage_bytes_per_token: float = 0.0
+    """Activation bytes per token of the micro batch beside the blocks' own, scaled for this rank already: what
+    a pipeline stage holds of each micro-batch in flight at its boundaries (``PipelineBackend.model_states`` 2)."""
+    stage_bytes: float = 0.0
+    """Activation bytes of this rank's root in backward (a pipeline stage's embedding or head, its gradient
+    made beside the one accumulated over pipeline micro-batches): ``PipelineBackend.model_states`` 2."""
     activation_parts: Optional[tuple[float, float, float]] = None
     """Factors for what the blocks keep until backward, the block recomputed at a time and the loss, where
     they differ (a pipeline stage: its layers' share of the micro-batches in flight, one pipeline micro-batch
@@ -87,9 +93,10 @@ def fsdp_buffers(c: int, root: float, block: float, blocks: float, reshard: bool
        resharding); in backward one block's gradients unsharded in the compute dtype beside their fp32
        reduce-scatter input, and the head's gradient, made first and reduced with the root at the end:
        c x (root + 2 blocks) + (c + 4) x block + c x root / 2.
-    2. At the end of backward the root is reduced last: its fp32 reduce-scatter input beside its unsharded
-       gradients in the compute dtype: (4 + c) x root. (At 7B and above the root's 100k-row vocabulary makes this
-       the larger: 4.7 GiB at deepseek7b on 8 ranks, where 1 gives 3.45.)
+    2. At the end of backward the root is reduced last: its fp32 reduce-scatter input beside what is left of its
+       unsharded gradients in the compute dtype, a part of them freed as the input is filled (the dry run: 3/4 at
+       deepseek7b, 5/8 at deepseek_moe_16b): (4 + 3c/4) x root. (At 7B and above the root's 100k-row vocabulary
+       makes this the larger: 4.3 GiB at deepseek7b on 8 ranks, where 1 gives 3.45.)
 
     Returns the largest and how much of it never meets the activations at their peak (``buffers_apart``): all but
     the forward's gathered parameters, since the gradients of 1 and 2 exist only in backward, as the activations
@@ -97,7 +104,7 @@ def fsdp_buffers(c: int, root: float, block: float, blocks: float, reshard: bool
     """
     forward = c * (root + (2 * block if reshard else blocks))
     gathered = forward + (c + 4) * block + c * root / 2  # 1
-    reduced = (4 + c) * root  # 2
+    reduced = (4 + 0.75 * c) * root  # 2
     return max(gathered, reduced), max(gathered, reduced) - forward
 
 

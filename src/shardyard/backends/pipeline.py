@@ -30,6 +30,12 @@ from shardyard.errors import UserError
 from shardyard.model import apply_activation_checkpointing, apply_compile, materialize, signature
 
 
+PIPELINE_EDGE = 3.3
+"""What a pipeline stage holds of each micro-batch in flight beside its blocks' checkpointed inputs, per token,
+in units of the hidden state in the compute dtype (h x c): its output and what its layers share (the causal mask,
+the rotary tables). Measured by the dry run on DeepSeek-V3's stages (3 to 16 micro-batches in flight)."""
+
+
 class Hole(torch.nn.Module):
     """Stands where a layer held by another stage was: no parameters, never called."""
 
@@ -278,9 +284,10 @@ class PipelineBackend:
            dense, plus the embedding (the first stage) or the final norm and head (the last).
         2. Activations: its layers' share of what the micro-batches in flight keep, each 1/microbatches of the
            micro batch (GPipe: all of them; 1F1B: stage s runs stages - s forwards before its first backward;
-           interleaved is counted as 1F1B), one block recomputed for one pipeline micro-batch, and on the last
-           stage the logits of one pipeline micro-batch (1F1B: its loss and backward follow each forward; GPipe
-           keeps all of them). The point-to-point activations are not in the communication figure.
+           interleaved is counted as 1F1B), with what the stage holds of each at its edges; one block recomputed
+           for one pipeline micro-batch, and on the last stage the logits of one pipeline micro-batch (1F1B: its
+           loss and backward follow each forward; GPipe keeps all of them); the root's gradient made in backward.
+           The point-to-point activations are not in the communication figure.
         3. Buffers: torch's schedule runs every backward of a step without resharding or reducing (FSDP's
            reduce-scatter waits for the last pipeline micro-batch), so the stage's own parameters stay unsharded
            in the compute dtype for the whole step, its gradients accumulate unsharded in fp32 (FSDP2's
@@ -316,8 +323,20 @@ class PipelineBackend:
             held = blocks - experts * (1 - 1 / ep)  # 3
             device = {**states.device, "buffers": (c + FP32) * held + 2 * c * root
                       + c * (largest - largest_e * (1 - 1 / ep))}
+            # 2: per micro-batch in flight, beside its blocks' checkpointed inputs: the stage's output and the
+            # tensors every layer of it shares (causal mask, rotary tables): 3.3 x h x c per token (the dry run's
+            # DeepSeek-V3 stages, 3 to 16 in flight). The root's backward (stage_bytes): the embedding's or the
+            # head's gradient made in the compute dtype beside the one accumulated, and the head's from the fp32
+            # logits' gradient, c x root x 3.1 on the last stage, x 1.4 on the first (x 0.7 without a micro-batch
+            # after its first backward: all of them in flight).
+            edge = c * shape["root_params"] / 2 * ((1.36 if in_flight < m else 0.68) * (s == 0) + 3.13 * (s == pp - 1))
+            # 3: the first stage backpropagates its embedding last, after the blocks whose recompute is the
+            # activations' peak: its gradient (and, with every micro-batch in flight, the accumulated one) is not
+            # there yet
+            apart = c * root * (2 if in_flight == m else 1) if s == 0 and pp > 1 else 0.0
             kinds.append(dataclasses.replace(
-                states, device=device, buffers_apart=0.0, activation_factor=1 / m,
+                states, device=device, buffers_apart=apart, activation_factor=1 / m,
+                stage_bytes_per_token=PIPELINE_EDGE * c * shape["hidden"] * in_flight / m, stage_bytes=edge,
                 activation_parts=(in_flight / m * len(mine) / n, 1 / m if mine else 0.0, logits / m),
                 notes=states.notes + [f"pipeline {pp} stages ({b.schedule}, {m} micro-batches): stage {s} holds "
                                       f"{len(mine)} layers, {in_flight} micro-batches in flight, FSDP over {dp} "
@@ -382,24 +401,35 @@ class PipelineBackend:
     def simulated_forward_backward(self, inputs, targets, is_last_micro: bool, weight: torch.Tensor) -> None:
         """The dry run's ``forward_backward`` (``shardyard.dryrun``): this rank's stages at the schedule's deepest
         point, on a fake process group that cannot carry the schedule's shape handshake. The micro-batches in
-        flight (GPipe: all ``microbatches``; 1F1B: ``stages - s`` of them on stage s) run forward, each on its slice of the
-        micro batch (token ids on the first stage, hidden states of the compute dtype elsewhere), then backward
-        as the schedule runs FSDP (``torch.distributed.pipelining.stage``, torch 2.13): every backward without
-        resharding or reducing, so each stage keeps its parameters unsharded and its gradients unsharded and
-        accumulating over the step's pipeline micro-batches, then one reduction (``perform_reduce_grad``). The
-        last stage's loss is the run's ``_scaled_loss``; the others' output gradient a tensor of its shape."""
+        flight (GPipe: all ``microbatches``; 1F1B: ``stages - s`` of them on stage s) run forward, each on its slice
+        of the micro batch (token ids on the first stage, hidden states of the compute dtype elsewhere), then
+        backward, and 1F1B one more forward after the first backward: its steady state, where a backward runs beside
+        the gradients earlier ones accumulated. FSDP runs as the schedule runs it (``torch.distributed.pipelining.stage``,
+        torch 2.13): every backward without resharding or reducing, so each stage keeps its parameters unsharded and
+        its gradients unsharded and accumulating over the step's pipeline micro-batches, then one reduction
+        (``perform_reduce_grad``). The last stage's loss is the run's ``_scaled_loss``; the others' output gradient
+        a tensor of its shape."""
         b = self.bcfg
         m = int(b.microbatches)
         in_flight = m if b.schedule == "gpipe" else min(self.pp - self.pp_rank, m)  # 1F1B: stage s, pp - s
         self._weight = weight
         dtype = COMPUTE_DTYPES[self.cfg.precision.name]
         for stage in self.stages:
-            outs = []
-            for ids, tgt in list(zip(inputs.chunk(m), targets.chunk(m)))[:in_flight]:
+            # the micro-batches in flight, then one more after the first backward: the steady state, where a
+            # backward runs beside the gradients an earlier one accumulated (1F1B: from its first backward on)
+            todo = list(zip(inputs.chunk(m), targets.chunk(m)))[:min(in_flight + 1, m)]
+            outs: list = []
+
+            def forward() -> None:
+                ids, tgt = todo.pop(0)
                 x = ids if stage.first else torch.randn(*ids.shape, self.model.config.hidden_size, dtype=dtype,
                                                         requires_grad=True)
                 outs.append((stage(x), tgt))
-            for out, tgt in outs:
+
+            for _ in range(in_flight):
+                forward()
+            while outs:  # each output released after its backward, as the schedule drops it (and its graph)
+                out, tgt = outs.pop(0)
                 stage.set_is_last_backward(False)  # type: ignore[operator]  # FSDPModule methods, added at runtime
                 stage.set_reshard_after_backward(False)  # type: ignore[operator]
                 stage.set_requires_gradient_sync(False)  # type: ignore[operator]
@@ -407,6 +437,9 @@ class PipelineBackend:
                     self._scaled_loss(out, tgt).backward()
                 else:
                     out.backward(torch.ones_like(out))
+                del out
+                if todo:
+                    forward()
             stage.pipe.perform_reduce_grad(1)
 
     step = forward_to("stepper", TorchStepper.step)
