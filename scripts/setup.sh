@@ -41,5 +41,13 @@ else
   say "Horovod 0.28.1 (built once per machine, cached; skip with SHARDYARD_SKIP_HOROVOD=1)"
   PYTHON="$VPY" bash scripts/build_horovod.sh
 fi
+# DeepSpeed compiles its ops on first use, inside a training run (a killed compile there leaves a lock that
+# shardyard.op_builds reports). Compile the zero engines' ops now instead: one line, output only on failure.
+if [ "${SHARDYARD_SKIP_OPS:-0}" = 1 ]; then
+  say "skipping DeepSpeed's ops (SHARDYARD_SKIP_OPS=1): the zero engines compile them on first use"
+else
+  say "DeepSpeed's ops for the zero engines (compiled once per machine and venv; skip with SHARDYARD_SKIP_OPS=1)"
+  $VPY -m shardyard.op_builds
+fi
 echo "$want" > "$stamp"
 say "ok: $($VPY -c 'import torch, transformers; print(f"torch {torch.__version__}, transformers {transformers.__version__}")')"

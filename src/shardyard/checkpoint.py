@@ -7,13 +7,15 @@ Layout of ``checkpoint.dir`` (default ``<run_dir>/checkpoints``)::
     latest              name of the newest complete checkpoint
     .tmp-step-00000009  (only while it is being written; never looks complete; removed at the next start)
 
-A checkpoint is written under ``.tmp-…`` by every rank, then rank 0 hashes (sha256) and fsyncs every file,
-writes ``meta.json`` (step, tokens, data position, every rank's RNG states, scheduler and loss-scaler state,
-engine, world size, the model's architecture and the manifest: every file's size and sha256, dotfiles such as
-DCP's ``.metadata`` included), fsyncs the directories, renames the directory, fsyncs its parent and only then
-moves ``latest``; ``keep_last`` prunes after that, once the new checkpoint verifies. Resume verifies the
-hashes (rank 0, which the other ranks follow) and, with ``resume=auto``, walks back to the newest checkpoint
-that verifies and loads.
+A checkpoint is written under ``.tmp-…`` by every rank; then every rank hashes (sha256) and fsyncs the files
+it wrote (DCP's ``__R_0.distcp``, DeepSpeed's ``zero_pp_rank_R_*``; rank 0 the rest), in parallel, and hands rank
+0 their manifest with its RNG state (``part-rank<R>.json``); rank 0 merges them into ``meta.json`` (step, tokens,
+data position, every rank's RNG states, scheduler and loss-scaler state, engine, world size, the model's
+architecture and the manifest: every file's size and sha256, dotfiles such as DCP's ``.metadata`` included),
+fsyncs the directories, renames the directory, fsyncs its parent and only then moves ``latest``; ``keep_last``
+prunes after that, by ``stat`` alone (nothing is read back). Resume verifies the hashes, each rank its share
+(what it reads back), and, with ``resume=auto``, walks back to the newest checkpoint that verifies and loads.
+``async_save``: the state is copied to host memory and everything after it runs in a thread.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import sys
+import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -101,9 +105,40 @@ def _hash_all(path: str, files: list[str], sync: bool = False) -> list[tuple[int
         return list(pool.map(lambda rel: _hash_file(os.path.join(path, rel), sync), files))
 
 
-def _manifest(path: str, sync: bool = False) -> dict:
-    files = _files(path)
+def _manifest(path: str, sync: bool = False, files: list[str] | None = None) -> dict:
+    files = _files(path) if files is None else files
     return {rel: {"bytes": size, "sha256": digest} for rel, (size, digest) in zip(files, _hash_all(path, files, sync))}
+
+
+_WRITER = re.compile(r"(?:^|/)__(\d+)_\d+\.distcp$|zero_pp_rank_(\d+)_|(?:^|/)rank(\d+)/")
+"""The rank a checkpoint file's name says wrote it: DCP's ``__R_i.distcp``, DeepSpeed's ``*zero_pp_rank_R_*``,
+ZeRO-Infinity's ``offloaded_tensors/rankR/``."""
+_HANDOFF = re.compile(r"^part-rank\d+\.json(\.tmp)?$")
+"""What each rank hands rank 0 inside the directory being saved (its RNG state and its files' hashes)."""
+
+
+def writer(rel: str, world: int) -> int:
+    """The rank that wrote the checkpoint file ``rel`` (``_WRITER``); rank 0 for every other file (DCP's
+    ``.metadata``, a replica engine's files, the HF export) and for a rank this world does not have."""
+    m = _WRITER.search(rel)
+    rank = int(next(g for g in m.groups() if g is not None)) if m else 0
+    return rank if rank < world else 0
+
+
+def share(manifest: dict, rank: int, world: int, saved_world: int) -> list[str]:
+    """The files of a checkpoint that ``rank`` verifies on resume: at the world size it was saved with, those it
+    wrote (what it reads back: its own shards), rank 0 the shared ones; at another, a 1/world share of the bytes
+    (largest files first, each to the rank with the fewest bytes so far: every rank computes the same split)."""
+    if saved_world == world:
+        return [rel for rel in sorted(manifest) if writer(rel, world) == rank]
+    load = [0] * world
+    mine = []
+    for rel in sorted(manifest, key=lambda r: (-int(manifest[r]["bytes"]), r)):
+        r = load.index(min(load))
+        load[r] += int(manifest[rel]["bytes"])
+        if r == rank:
+            mine.append(rel)
+    return sorted(mine)
 
 
 def _fsync_dirs(path: str) -> None:
@@ -133,10 +168,12 @@ def _meta_digest(meta: dict) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
-def verify(path: str) -> str | None:
+def verify(path: str, files: list[str] | None = None, read: bool = True) -> str | None:
     """None if the checkpoint at ``path`` is complete and intact (``meta.json`` matches its own sha256, and
     every file of its manifest is present with the size and sha256 it was written with), else what is wrong
-    with it. Checkpoints written before shardyard kept hashes (no ``meta_sha256``) have sizes checked only."""
+    with it. Checkpoints written before shardyard kept hashes (no ``meta_sha256``) have sizes checked only.
+    ``files``: only these of the manifest (a rank's ``share`` on resume); ``read=False``: sizes only (``stat``,
+    no byte read: pruning)."""
     meta_path = os.path.join(path, "meta.json")
     try:
         with open(meta_path) as f:
@@ -146,12 +183,25 @@ def verify(path: str) -> str | None:
     except (OSError, ValueError) as e:
         return f"its meta.json is unreadable ({type(e).__name__}: {e})"
     try:
-        return _verify(path, meta)
+        return _verify(path, meta, files, read)
     except (KeyError, TypeError, AttributeError, ValueError) as e:  # a manifest of the wrong shape
         return f"its meta.json is malformed ({type(e).__name__}: {e})"
 
 
-def _verify(path: str, meta: dict) -> str | None:
+def verify_share(path: str, rank: int, world: int) -> tuple[str | None, int]:
+    """``verify`` of this rank's ``share`` of the checkpoint at ``path`` (every rank checks ``meta.json``):
+    what is wrong, and the bytes this rank read to tell."""
+    try:
+        with open(os.path.join(path, "meta.json")) as f:
+            meta = json.load(f)
+        files = share(meta["manifest"], rank, world, int(meta.get("world_size", world)))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return verify(path), 0  # what is wrong with meta.json, said by verify
+    problem = verify(path, files)
+    return problem, sum(int(meta["manifest"][rel]["bytes"]) for rel in files)
+
+
+def _verify(path: str, meta: dict, files: list[str] | None = None, read: bool = True) -> str | None:
     hashed_meta = "meta_sha256" in meta
     if hashed_meta and meta["meta_sha256"] != _meta_digest(meta):
         return "meta.json is corrupt: its sha256 differs from the one recorded when it was saved"
@@ -159,6 +209,8 @@ def _verify(path: str, meta: dict) -> str | None:
     if not isinstance(manifest, dict) or (hashed_meta and not manifest):
         return "its meta.json is malformed (no manifest of its files)"
     want = {rel: entry if isinstance(entry, dict) else {"bytes": int(entry)} for rel, entry in manifest.items()}
+    if files is not None:
+        want = {rel: want[rel] for rel in files}
     for rel, entry in want.items():
         if hashed_meta and not isinstance(entry.get("sha256"), str):
             return f"its meta.json is malformed ({rel} has no sha256)"
@@ -167,7 +219,7 @@ def _verify(path: str, meta: dict) -> str | None:
             return f"{rel} is missing"
         if os.path.getsize(file) != entry["bytes"]:
             return f"{rel} is truncated or corrupt ({os.path.getsize(file)} bytes, {entry['bytes']} written)"
-    hashed = sorted(rel for rel, entry in want.items() if "sha256" in entry)
+    hashed = sorted(rel for rel, entry in want.items() if "sha256" in entry) if read else []
     try:
         got = _hash_all(path, hashed)
     except OSError as e:
@@ -216,12 +268,19 @@ class Checkpointer:
         self.history: dict[str, list] = {"eval_losses": [], "train_losses": [], "grad_norms": []}
         """The run's curves up to the step it resumed from (from the checkpoint), for its summary."""
         self._good: set[str] = set()
-        """Checkpoints verified by this process (hashing each once is enough for ``keep_last``)."""
+        """Checkpoints verified or written by this process (checking each once is enough for ``keep_last``)."""
+        self.verified_bytes = 0
+        """Bytes this rank hashed to verify the checkpoint it resumed from (its ``share``)."""
+        self._pending: Any = None
+        """The background save in flight (``checkpoint.async_save``): a Future."""
+        self._pool: Any = None
+        self._group: Any = None
 
     # ----------------------------------------------------------------------------------------- saving
     def export_final(self) -> str | None:
         """``checkpoint.save_final``: the HF export at the end of the run, in ``<run_dir>/hf`` (every rank: sharded
         engines gather the weights); None when not asked."""
+        self.wait()
         if not self.c.save_final:
             return None
         from shardyard.export import save_hf
@@ -233,65 +292,138 @@ class Checkpointer:
             self.save(step, stream)
 
     def save(self, step: int, stream) -> str:
+        """Every rank writes its part; every rank hashes and fsyncs the files it wrote and hands rank 0 their
+        manifest; rank 0 merges the manifests, writes meta.json and publishes. ``checkpoint.async_save``: the
+        state is copied to host memory here and everything after runs in a thread (``_complete``)."""
+        t0 = time.perf_counter()
+        self.wait()  # the last background save first: one at a time, in order
         name = f"step-{step:08d}"
         tmp, final = os.path.join(self.dir, f".tmp-{name}"), os.path.join(self.dir, name)
-        rank = self.backend.rank
+        rank, background = self.backend.rank, bool(self.c.get("async_save", False))
         error: BaseException | None = None
+        write = None
+        rng: dict = {}
         try:
             if self.rank0:
                 shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a crash mid-save
                 os.makedirs(tmp)
             drills.save_point("begin", step, rank)
             self.backend.barrier()
-            self.backend.save_checkpoint(tmp)  # collective: every rank writes its own part
-            drills.save_point("engine_written", step, rank)
-            with open(os.path.join(tmp, f"rng-rank{rank}.json"), "w") as f:
-                json.dump(rng_state(), f)
+            if background:  # collective: every rank stages its part in host memory, then writes it in a thread
+                write = self.backend.save_checkpoint_async(tmp, self._async_group())  # type: ignore[attr-defined]
+            else:
+                self.backend.save_checkpoint(tmp)  # collective: every rank writes its own part
+                drills.save_point("engine_written", step, rank)
+            rng = rng_state()
             if self.c.export_hf:
                 from shardyard.export import save_hf
 
                 save_hf(self.backend, self.tokenizer_dir, os.path.join(tmp, "hf"))
             drills.pause_in_save(step)
-            drills.save_point("rank_written", step, rank)
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # DCP's CheckpointException is a BaseException
             error = e
-        # Every rank learns whether all wrote their part (one all-reduce, in place of a barrier): a rank that
-        # failed alone must not remove the directory under the others, nor leave them waiting.
+        # Every rank learns whether all wrote (or staged) their part (one all-reduce, in place of a barrier): a rank
+        # that failed alone must not remove the directory under the others, nor leave them waiting.
         if not self._all_ok(error is None):
             self._save_failed(step, tmp, error)
-        if self.rank0:
-            try:
-                self._publish(tmp, final, step, stream)
-            except OSError as e:
-                error = e
-        if not self._all_ok(error is None):  # rank 0's publish: the others stop with it
-            self._save_failed(step, tmp, error)
-        if self.rank0:
-            self._prune(final, step)
-        self.backend.barrier()
+        facts = {"tokens_seen": step * self.plan.tokens_per_step, "data": stream.position(step),
+                 "training_state": self.backend.training_state(), "history": self._history_until(step)}
+        if not background:
+            self._complete(step, tmp, final, None, rng, facts, None, t0)
+            return final
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._pool = self._pool or ThreadPoolExecutor(1, thread_name_prefix="shardyard-save")
+        self._pending = self._pool.submit(self._complete, step, tmp, final, write, rng, facts, self._async_group(),
+                                          t0, time.perf_counter() - t0)
         return final
 
-    def _publish(self, tmp: str, final: str, step: int, stream) -> None:
-        """Rank 0: meta.json with every file's sha256, everything fsynced, then one rename and ``latest``."""
-        rngs = []
+    def wait(self) -> None:
+        """Wait for the background save in flight, if any (``checkpoint.async_save``); its failure is raised
+        here, on every rank (they decided it together)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def _complete(self, step: int, tmp: str, final: str, write: Any, rng: dict, facts: dict, group: Any,
+                  t0: float, blocked: float | None = None) -> None:
+        """After the engine's write: this rank's files hashed and fsynced by this rank (its manifest and RNG
+        state handed to rank 0 in ``part-rank<r>.json``), then rank 0 publishes and prunes. ``write``: the
+        background write to wait for first; ``group``: the process group of a background save (gloo, its own);
+        ``t0``: when the save began; ``blocked``: how long the step waited for a background save."""
+        rank, world = self.backend.rank, self.backend.world_size
+        hashing = 0.0
+        error: BaseException | None = None
+        try:
+            if write is not None:
+                write.result()
+                drills.save_point("engine_written", step, rank)
+            drills.save_point("rank_written", step, rank)
+            mine = [rel for rel in _files(tmp) if not _HANDOFF.match(rel) and writer(rel, world) == rank]
+            t = time.perf_counter()
+            part = _manifest(tmp, sync=True, files=mine)  # the bytes each rank wrote: hashed once, in parallel
+            hashing = time.perf_counter() - t
+            _write_atomic(os.path.join(tmp, f"part-rank{rank}.json"), json.dumps({"rng": rng, "manifest": part}))
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:
+            error = e
+        if not self._all_ok(error is None, group):
+            self._save_failed(step, tmp, error, group)
+        if self.rank0:
+            try:
+                self._publish(tmp, final, step, facts)
+            except OSError as e:
+                error = e
+        if not self._all_ok(error is None, group):  # rank 0's publish: the others stop with it
+            self._save_failed(step, tmp, error, group)
+        if self.rank0:
+            self._prune(final, step)
+        self._all_ok(True, group)  # as a barrier: nobody goes on before the checkpoint is published
+        if self.rank0:
+            took = time.perf_counter() - t0
+            waited = (f"the step waited {blocked:.2f} s, then the background write, hashing and publish took "
+                      f"{took:.2f} s" if blocked is not None else f"the step waited {took:.2f} s")
+            print(f"shardyard | saved {os.path.basename(final)} ({_size(_du(final))}): {waited}; rank 0 hashed and "
+                  f"fsynced its files in {hashing:.2f} s", flush=True)
+
+    def _async_group(self) -> Any:
+        """The gloo group of background saves (DCP's own collectives and ours run in a thread beside the
+        training's, so never on its group); made at the first one (collective)."""
+        import torch.distributed as dist
+
+        if self._group is None and dist.is_initialized():
+            self._group = dist.new_group(backend="gloo")
+        return self._group
+
+    def _publish(self, tmp: str, final: str, step: int, facts: dict) -> None:
+        """Rank 0: every rank's manifest merged (a file no rank claimed is hashed here), meta.json written, the
+        directories fsynced, then one rename and ``latest``."""
+        rngs, manifest, hashed = [], {}, []
         for r in range(self.backend.world_size):
-            f = os.path.join(tmp, f"rng-rank{r}.json")
+            f = os.path.join(tmp, f"part-rank{r}.json")
             with open(f) as fh:
-                rngs.append(json.load(fh))
+                part = json.load(fh)
             os.remove(f)
+            rngs.append(part["rng"])
+            manifest.update(part["manifest"])
+            hashed.append(sum(e["bytes"] for e in part["manifest"].values()))
         drills.save_point("before_hash", step, 0)
-        manifest = _manifest(tmp, sync=True)  # every rank's files, fsynced as they are hashed
+        unclaimed = [rel for rel in _files(tmp) if rel not in manifest]
+        manifest.update(_manifest(tmp, sync=True, files=unclaimed))
+        hashed[0] += sum(manifest[rel]["bytes"] for rel in unclaimed)
         meta = {
-            "step": step, "tokens_seen": step * self.plan.tokens_per_step, "data": stream.position(step),
-            "rng": rngs, "training_state": self.backend.training_state(), "engine": self.engine,
+            "step": step, "tokens_seen": facts["tokens_seen"], "data": facts["data"],
+            "rng": rngs, "training_state": facts["training_state"], "engine": self.engine,
             "format": self.backend.checkpoint_format, "world_size": self.backend.world_size,
             "global_batch_size": self.plan.global_batch_size, "model_name": self.model_name,
-            "history": self._history_until(step),
+            "history": facts["history"],
             "model": self.signature,
             "model_hash": hashlib.sha256(json.dumps(self.signature, sort_keys=True).encode()).hexdigest()[:16],
-            "manifest": manifest,
+            "manifest": dict(sorted(manifest.items())),
+            "hashed_bytes": hashed,  # by each rank, when it was saved (each hashes the files it wrote)
         }
         meta["meta_sha256"] = _meta_digest(meta)
         drills.save_point("before_meta", step, 0)
@@ -313,20 +445,17 @@ class Checkpointer:
         _fsync_dir(self.dir)
 
     def _prune(self, final: str, step: int) -> None:
-        """Keep the newest ``keep_last`` checkpoints that verify; delete older ones only once the new one is
-        published and verified, and never the newest good one."""
+        """Keep the newest ``keep_last`` checkpoints that look whole; delete older ones only once the new one is
+        published, and never the newest whole one. Nothing is read back: the new checkpoint's hashes were just
+        taken by the ranks that wrote it, and an older one counts when its meta.json verifies and every file of
+        its manifest is there at its size (``stat``)."""
         drills.save_point("before_prune", step, 0)
-        problem = verify(final)
-        if problem is not None:
-            print(f"shardyard | the checkpoint just saved does not verify ({problem}); nothing is pruned: "
-                  f"{final}", file=sys.stderr, flush=True)
-            return
         self._good.add(final)
         if self.c.keep_last <= 0:
             return
         good = []
         for path in reversed([p for p in self.complete() if p <= final]):  # names sort by step
-            if path == final or path in self._good or verify(path) is None:
+            if path == final or path in self._good or verify(path, read=False) is None:
                 self._good.add(path)
                 good.append(path)
             if len(good) == self.c.keep_last:
@@ -338,14 +467,14 @@ class Checkpointer:
                 shutil.rmtree(old, ignore_errors=True)
                 self._good.discard(old)
 
-    def _save_failed(self, step: int, tmp: str, e: BaseException | None) -> None:
+    def _save_failed(self, step: int, tmp: str, e: BaseException | None, group: Any = None) -> None:
         """A save that failed on some rank (every rank calls this together): rank 0 removes the partial
         directory; a rank whose own write failed on the disk raises the paragraph (exit 1), any other failure
         is raised as it was; a rank that wrote its part raises a note naming the others (rank 0 prints it)."""
         written = _du(tmp) if self.rank0 and os.path.isdir(tmp) else 0
         if self.rank0:
             shutil.rmtree(tmp, ignore_errors=True)
-        everyone = self._all_ok(e is not None)  # (also: the directory is gone before any rank reports)
+        everyone = self._all_ok(e is not None, group)  # (also: the directory is gone before any rank reports)
         if e is None:
             raise CheckpointSaveError("checkpoint.dir", self.dir, f"Saving the checkpoint of step {step} failed on "
                                       "another rank (its error is above). The partial directory was removed; the "
@@ -420,8 +549,15 @@ class Checkpointer:
             else:
                 os.remove(path)
 
-    def _all_ok(self, ok: bool) -> bool:
-        """True when ``ok`` holds on every rank (one all-reduce; a rank-0 decision when the others pass True)."""
+    def _all_ok(self, ok: bool, group: Any = None) -> bool:
+        """True when ``ok`` holds on every rank (one all-reduce; a rank-0 decision when the others pass True).
+        ``group``: a background save's own (gloo, host tensors), else the engine's."""
+        if group is not None:
+            import torch.distributed as dist
+
+            flag = torch.tensor([0.0 if ok else 1.0])
+            dist.all_reduce(flag, group=group)
+            return float(flag.item()) == 0.0
         flag = torch.tensor([0.0 if ok else 1.0], device=self.backend.device)
         return float(self.backend.all_reduce_mean(flag).item()) == 0.0
 
@@ -434,13 +570,18 @@ class Checkpointer:
         paths, named = self.candidates()
         skipped: list[str] = []
         for path in paths:
-            problem = verify(path) if self.rank0 else None
+            # each rank verifies its share (what it wrote and reads back; rank 0 the shared files): the bytes are
+            # read once over the world, in parallel
+            problem, self.verified_bytes = verify_share(path, self.backend.rank, self.backend.world_size)
+            if problem is not None and not self.rank0:
+                print(f"shardyard | rank {self.backend.rank}: {path}: {problem}", file=sys.stderr, flush=True)
             if not self._all_ok(problem is None):
+                problem = problem or "another rank found it damaged (its line is above)"
                 if named:
                     raise UserError("checkpoint.resume", path, f"That checkpoint cannot be used: {problem}.",
                                     "Point it at a complete checkpoint directory, or use checkpoint.resume=auto."
                                     ).on_every_rank()
-                skipped.append(self._skip(path, problem or "rank 0 found it damaged"))
+                skipped.append(self._skip(path, problem))
                 continue
             self._good.add(path)
             with open(os.path.join(path, "meta.json")) as f:

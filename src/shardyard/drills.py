@@ -90,9 +90,10 @@ def pause_in_save(step: int) -> None:
 
 SAVE_POINTS = ("begin", "engine_written", "rank_written", "before_hash", "before_meta", "before_fsync",
                "before_rename", "before_latest", "before_prune")
-"""Where ``Checkpointer.save`` calls ``save_point``, in order: tmp dir made; this rank's engine files written;
-its RNG file (and HF export) written; then rank 0 only: RNG files merged; files hashed and fsynced; meta.json
-written; directories fsynced; renamed; ``latest`` moved."""
+"""Where ``Checkpointer.save`` calls ``save_point``, in order: tmp dir made; this rank's engine files written
+(with ``checkpoint.async_save``: in the background thread, as every point after it); this rank about to hash and
+fsync its files; then rank 0 only: the ranks' manifests merged; meta.json written; directories fsynced; renamed;
+``latest`` moved; pruning."""
 
 
 def save_point(name: str, step: int, rank: int) -> None:

@@ -448,18 +448,24 @@ def wants_meta(m: DictConfig, facts: ModelFacts) -> bool:
     return m.init_device == "meta" or (m.init_device == "auto" and (facts.big or loads))
 
 
-def materialize(model: Any, device: torch.device, seed: int, m: DictConfig | None = None) -> None:
+def materialize(model: Any, device: torch.device, seed: int, m: DictConfig | None = None,
+                buffers: torch.device | None = None) -> None:
     """Give meta (or sharded-meta) parameters real storage on ``device``, initialise them, then load
-    ``model.weights`` (only this rank's shards) and initialise the adapters (LoRA), which no checkpoint has."""
-    if not any(p.is_meta for p in model.parameters()):
-        return
-    _init_on_device(model, device, seed)
-    weights = weights_dir(m) if m is not None else None
-    if weights is not None:
-        load_weights(model, weights)
-    from shardyard.adapters import init_adapters
+    ``model.weights`` (only this rank's shards) and initialise the adapters (LoRA), which no checkpoint has.
+    ``buffers``: the compute device, where every buffer ends when the parameters are stored elsewhere (FSDP2's
+    CPU offload keeps them in host memory, and moves parameters only): the forward reads the buffers beside its
+    activations (a V3 router adds ``e_score_correction_bias`` to its scores)."""
+    if any(p.is_meta for p in model.parameters()):
+        _init_on_device(model, device, seed)
+        weights = weights_dir(m) if m is not None else None
+        if weights is not None:
+            load_weights(model, weights)
+        from shardyard.adapters import init_adapters
 
-    init_adapters(model, seed)
+        init_adapters(model, seed)
+    if buffers is not None:
+        with _FAKE_STORAGE["mode"] or contextlib.nullcontext():
+            _buffers_to(model, buffers)
 
 
 _FAKE_STORAGE: dict[str, Any] = {"mode": None}
@@ -493,6 +499,17 @@ def _init_storage(model: Any, device: torch.device, seed: int) -> None:
                 reset: Any = getattr(module, "reset_parameters", None)
                 if reset is not None:
                     reset()
+
+
+def _buffers_to(model: Any, device: torch.device) -> None:
+    """Every buffer of ``model`` onto ``device`` (one copy of a buffer that several modules share)."""
+    moved: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for name, buf in list(module._buffers.items()):
+            if buf is not None and buf.device != device:
+                if id(buf) not in moved:
+                    moved[id(buf)] = buf.to(device)
+                module._buffers[name] = moved[id(buf)]
 
 
 def is_hf(model: torch.nn.Module) -> bool:

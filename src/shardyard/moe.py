@@ -34,6 +34,10 @@ How it meets the engines (no engine needs to know any of this but one call):
    bias update. The biases are buffers of the model: every checkpoint and the HF export carry them.
 4. ``metrics()`` at each log step: per layer the max/mean and min/mean load and the experts that got no
    token over the interval, and the balance loss.
+
+Nothing here makes the host wait for the device inside a layer (issue 41): the loads are counted by a scatter-add
+into a tensor kept on the device (``count_routed``; ``torch.bincount`` reads its output size on the host first),
+the balance losses stay tensors, and ``metrics()`` reads everything it reports in one transfer per log step.
 """
 
 from __future__ import annotations
@@ -96,6 +100,14 @@ def expert_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
             and getattr(m, "num_experts", None)]
 
 
+def count_routed(into: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """Add the routed slots of ``chosen`` (expert ids, any shape) to ``into`` (one count per expert), in place on
+    the device, and return it. No host sync: a scatter-add of ones has a fixed output, where ``torch.bincount``
+    (on CUDA) first reads the largest id on the host to size its output."""
+    flat = chosen.reshape(-1)
+    return into.scatter_add_(0, flat, torch.ones(flat.shape, dtype=into.dtype, device=into.device))
+
+
 def balance_loss(logits: torch.Tensor, chosen: torch.Tensor, batch: int, sigmoid: bool, groups: int = 1,
                  alphas: tuple[float, float, float] = (0.0, 0.0, 0.0)) -> torch.Tensor:
     """``alpha * sum_i f_i P_i`` per sequence, averaged over the ``batch`` sequences, for the expert-level
@@ -145,7 +157,8 @@ class Balancer:
                  device: torch.device):
         self.routers, self.b, self.groups, self.device = found, b, groups, device
         self.experts, self.layers = experts, layers
-        self.counts: torch.Tensor | None = None  # this rank's routed slots per [layer, expert], this step
+        # this rank's routed slots per [layer, expert] this step, kept on the device and added to in place
+        self.counts = torch.zeros(layers, experts, device=device, dtype=torch.float64)
         self.window: torch.Tensor | None = None  # the global loads since the last log step
         self.pending: list[torch.Tensor] = []  # balance losses of the micro-batch being run
         self.aux: torch.Tensor | None = None  # this step's balance losses (summed) and micro-batches, on device
@@ -191,9 +204,7 @@ class Balancer:
             if quiet:
                 return
             with torch.no_grad():
-                if self.counts is None:
-                    self.counts = torch.zeros(self.layers, self.experts, device=self.device, dtype=torch.float64)
-                self.counts[layer] += torch.bincount(chosen.reshape(-1), minlength=self.experts).to(torch.float64)
+                count_routed(self.counts[layer], chosen)
 
         return hook
 
@@ -212,13 +223,12 @@ class Balancer:
         """One all-reduce of this step's loads of every layer, then (DeepSeek-V3 routers) the bias update.
         Every rank calls it once per optimizer step; an update that was not applied (non-finite gradients, an
         fp16 overflow) leaves the biases as they are too."""
-        device = self.device
-        counts = self.counts if self.counts is not None else torch.zeros(self.layers, self.experts, device=device,
-                                                                          dtype=torch.float64)
-        aux = self.aux if self.aux is not None else torch.zeros(2, device=device, dtype=torch.float64)
+        counts = self.counts
+        aux = self.aux if self.aux is not None else torch.zeros(2, device=counts.device, dtype=torch.float64)
         packet = all_reduce_mean(torch.cat([counts.flatten(), aux.to(counts.device)]))  # the step's one all-reduce
         loads, aux = packet[:-2].view_as(counts), packet[-2:]
-        self.counts, self.aux = None, None
+        counts.zero_()
+        self.aux = None
         self.window = loads if self.window is None else self.window + loads
         self.aux_window = aux if self.aux_window is None else self.aux_window + aux
         gamma = float(self.b.bias_update_speed)
@@ -231,34 +241,34 @@ class Balancer:
     def metrics(self) -> dict[str, float]:
         """Per MoE layer, over the global loads since the last call: ``moe/layer_N/max_over_mean``,
         ``min_over_mean``, ``dead_experts`` (experts that got no token); the worst layer's max/mean as
-        ``moe/max_over_mean``; and the mean balance loss per micro-batch, ``moe/balance_loss``."""
+        ``moe/max_over_mean``; and the mean balance loss per micro-batch, ``moe/balance_loss``. One transfer
+        to the host for all of it, whatever the number of layers."""
         out: dict[str, float] = {}
-        if self.window is not None:
-            for layer in _active_rows(self.window):
-                load = self.window[layer]
-                if load.sum() <= 0:
-                    continue
-                mean = load.mean()
-                out[f"moe/layer_{layer}/max_over_mean"] = float(load.max() / mean)
-                out[f"moe/layer_{layer}/min_over_mean"] = float(load.min() / mean)
-                out[f"moe/layer_{layer}/dead_experts"] = float((load == 0).sum())
-            worst = [v for k, v in out.items() if k.endswith("max_over_mean")]
-            if worst:
-                out["moe/max_over_mean"] = max(worst)
-            self.window = None
-        if self.aux_window is not None and self.aux_window[1] > 0:
-            out["moe/balance_loss"] = float(self.aux_window[0] / self.aux_window[1])
-        self.aux_window = None
+        if self.window is None or self.aux_window is None:
+            return out
+        values = torch.cat([self.window.flatten(), self.aux_window.to(self.window.device)]).tolist()  # the one read
+        self.window, self.aux_window = None, None
+        E = self.experts
+        # Rows with routed tokens: every MoE layer of the whole model, also those another pipeline stage holds.
+        for layer in range(self.layers):
+            load = values[layer * E:(layer + 1) * E]
+            mean = sum(load) / E
+            if mean <= 0:
+                continue
+            out[f"moe/layer_{layer}/max_over_mean"] = max(load) / mean
+            out[f"moe/layer_{layer}/min_over_mean"] = min(load) / mean
+            out[f"moe/layer_{layer}/dead_experts"] = float(sum(v == 0 for v in load))
+        worst = [v for k, v in out.items() if k.endswith("max_over_mean")]
+        if worst:
+            out["moe/max_over_mean"] = max(worst)
+        aux_sum, seen = values[-2:]
+        if seen > 0:
+            out["moe/balance_loss"] = aux_sum / seen
         return out
 
     def close(self) -> None:
         for h in self.handles:
             h.remove()
-
-
-def _active_rows(loads: torch.Tensor) -> list[int]:
-    """Rows with routed tokens: every MoE layer of the whole model, also those another pipeline stage holds."""
-    return [int(i) for i in torch.nonzero(loads.sum(-1) > 0).flatten()]
 
 
 def of(model: Any) -> Balancer | None:
@@ -320,11 +330,12 @@ def held_out_loads(model: torch.nn.Module, batches: Any) -> dict[int, torch.Tens
     """Each MoE layer's routed slots per expert when ``model`` (in eval mode) reads ``batches`` of token ids:
     how the router sends text it was not trained on (``bench/moe.py``, the README's figures)."""
     found = routers(model)
-    loads = {r.layer: torch.zeros(r.experts, dtype=torch.float64) for r in found}
+    device = next(model.parameters()).device
+    loads = {r.layer: torch.zeros(r.experts, dtype=torch.float64, device=device) for r in found}
 
     def count(layer: int) -> Callable:
         def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
-            loads[layer] += torch.bincount(output[-1].reshape(-1).cpu(), minlength=len(loads[layer])).double()
+            count_routed(loads[layer], output[-1])
         return hook
 
     handles = [r.module.register_forward_hook(count(r.layer)) for r in found]
@@ -337,7 +348,7 @@ def held_out_loads(model: torch.nn.Module, batches: Any) -> dict[int, torch.Tens
         model.train(was)
         for h in handles:
             h.remove()
-    return loads
+    return {layer: load.cpu() for layer, load in loads.items()}
 
 
 def imbalance(load: torch.Tensor) -> tuple[float, float, int]:

@@ -14,20 +14,22 @@ Writing (``build``):
    is replaced in one rename. A build killed midway resumes from there: finished shards are kept, the
    unfinished one is dropped, the pieces before the cut are read again but not tokenized.
 
-Reading (``TokenShards``): every shard memory-mapped (``np.memmap``), one virtual stream per split; a rank
-reads only the windows it is given.
+Reading (``TokenShards``): one virtual stream per split over its shards, read with ``pread``: a shard is opened
+when a window first needs it and at most ``OPEN_SHARDS`` stay open, so a rank's descriptors do not grow with the
+shard count (a 69B-token corpus of 256 MB shards is ~540 of them, past 1,024 with a few sources and their val
+splits). A rank reads only the windows it is given.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import mmap
 import multiprocessing
 import os
 import sys
 import time
-from collections import deque
+import weakref
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
@@ -37,6 +39,12 @@ from shardyard.corpus import Piece
 
 PROGRESS = "progress.json"
 """A build's progress, in its partial directory (``<cache>.partial``): finished shards and the pieces before them."""
+MANIFEST = "shardyard_cache.json"
+"""A published cache directory's manifest (``shardyard.token_cache``): its key and every other file's size and
+sha256, written last before the directory is published. A directory holding one is a cache, never a corpus."""
+OPEN_SHARDS = 64
+"""Shards of one split a process keeps open at once: more than a rank's windows of a step, so the shards its
+prefetch opened are still open when the next step reads those windows."""
 
 # ------------------------------------------------------------------------------------------ the workers
 _tok = None
@@ -129,7 +137,7 @@ def _load_progress(partial: str) -> dict:
     if not ok:
         progress, listed = empty, {}
     for name in os.listdir(partial):  # the shard being written when the build stopped, or what its end wrote
-        if (name.endswith(".bin") and name not in listed) or name in ("meta.json", "shardyard_cache.json"):
+        if name not in listed and name != PROGRESS:  # meta.json, the manifest and stamp of a publish cut short
             os.remove(os.path.join(partial, name))
     return progress
 
@@ -249,37 +257,66 @@ class _Bar:
 
 # ------------------------------------------------------------------------------------------- the reader
 class TokenShards:
-    """One split's shards, memory-mapped, read as one stream of tokens."""
+    """One split's shards read as one stream of tokens, with ``pread``. A shard is opened when a read first needs
+    it, and at most ``max_open`` stay open (the least recently used is closed first): descriptors stay bounded
+    whatever the shard count. A read copies its window (a few hundred bytes), so closing a shard never touches an
+    array already returned; reopening one costs an ``open`` (~5 us here; a mapping's ``mmap`` and ``munmap``
+    cost ~30 us more, ``bench/token_cache.py``)."""
 
-    def __init__(self, dirname: str, shards: list[dict], dtype: str):
-        self.mmaps = []
-        for s in shards:
-            with open(os.path.join(dirname, s["file"]), "rb") as f:
-                self.mmaps.append(mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ))
-        self.maps = [np.frombuffer(m, dtype=dtype) for m in self.mmaps]
-        self.itemsize = np.dtype(dtype).itemsize
-        self.starts = np.cumsum([0] + [len(m) for m in self.maps])
+    def __init__(self, dirname: str, shards: list[dict], dtype: str, max_open: int = OPEN_SHARDS):
+        self.paths = [os.path.join(dirname, s["file"]) for s in shards]
+        self.dtype, self.itemsize, self.max_open = np.dtype(dtype), np.dtype(dtype).itemsize, max(1, max_open)
+        self.starts = np.cumsum([0] + [int(s["tokens"]) for s in shards])  # from the listing: no file opened
+        self._open: OrderedDict[int, int] = OrderedDict()  # shard -> descriptor, least recently used first
+        self._closer = weakref.finalize(self, _close_all, self._open)  # when the reader is collected
+
+    def close(self) -> None:
+        """Close every open shard now (a later read opens them again)."""
+        self._closer.detach()
+        _close_all(self._open)
+        self._closer = weakref.finalize(self, _close_all, self._open)
 
     def __len__(self) -> int:
         return int(self.starts[-1])
+
+    def _fd(self, i: int) -> int:
+        fd = self._open.get(i)
+        if fd is not None:
+            self._open.move_to_end(i)
+            return fd
+        fd = self._open[i] = os.open(self.paths[i], os.O_RDONLY)
+        if len(self._open) > self.max_open:
+            os.close(self._open.popitem(last=False)[1])
+        return fd
 
     def _spans(self, start: int, stop: int):
         """``(shard, first, end)`` pieces of the token range ``[start, stop)``."""
         i = int(np.searchsorted(self.starts, start, side="right")) - 1
         while start < stop:
             base = int(self.starts[i])
-            end = min(stop, base + len(self.maps[i]))
+            end = min(stop, int(self.starts[i + 1]))
             yield i, start - base, end - base
             start, i = end, i + 1
 
     def read(self, start: int, stop: int) -> np.ndarray:
         """Tokens ``[start, stop)`` of the stream (across a shard boundary when the range spans one)."""
-        parts = [self.maps[i][a:b] for i, a, b in self._spans(start, stop)]
+        parts = []
+        for i, a, b in self._spans(start, stop):
+            want = (b - a) * self.itemsize
+            raw = os.pread(self._fd(i), want, a * self.itemsize)
+            if len(raw) != want:
+                raise RuntimeError(f"{self.paths[i]} ends before token {b}: the cache changed after it was verified")
+            parts.append(np.frombuffer(raw, dtype=self.dtype))
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def prefetch(self, start: int, stop: int) -> None:
-        """Ask the kernel to read ``[start, stop)`` in the background (``MADV_WILLNEED``): a step's windows are
-        scattered over the corpus, and on a cold page cache each costs a disk read when it is touched."""
+        """Ask the kernel to read ``[start, stop)`` in the background (``POSIX_FADV_WILLNEED``): a step's windows
+        are scattered over the corpus, and on a cold page cache each costs a disk read when it is read."""
         for i, a, b in self._spans(start, stop):
-            first = (a * self.itemsize) // mmap.PAGESIZE * mmap.PAGESIZE
-            self.mmaps[i].madvise(mmap.MADV_WILLNEED, first, b * self.itemsize - first)
+            os.posix_fadvise(self._fd(i), a * self.itemsize, (b - a) * self.itemsize, os.POSIX_FADV_WILLNEED)
+
+
+def _close_all(fds: dict[int, int]) -> None:
+    for fd in fds.values():
+        os.close(fd)
+    fds.clear()

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 # Imported before _close_pools is registered, so that atexit runs multiprocessing's own handler (which joins
 # live child processes) after ours (which stops the pools' ranks): the other order waits forever.
@@ -18,7 +19,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -260,6 +261,44 @@ def hf_eval_loss(hf_dir: str, cfg: DictConfig, world: int) -> float:
                 total += causal_lm_loss_sum(model, x, y).item()
                 count += int((y != -100).sum())
     return total / count
+
+
+@contextlib.contextmanager
+def accelerator_groups(accelerator: str = "cuda") -> Iterator[None]:
+    """In a rank (``on_ranks``): play a run whose compute device is ``accelerator`` on this CPU, with the device
+    rule of its collective library. Every process group created inside serves exactly the device types its
+    backend string names, as NCCL serves CUDA tensors only: a CPU tensor in any collective on a group that names
+    no ``cpu`` backend (``torch.distributed``'s, functional collectives, DTensor's, FSDP2's: they all reach
+    c10d's per-device dispatch) is refused by c10d itself, "No backend type associated with device type cpu", the
+    error a GPU run meets.
+
+    1. ``torch.distributed.init_process_group(backend, ..., device_id=...)``: the string is read as torch reads
+       it (``nccl`` names ``cuda`` alone, ``gloo`` both), and the group is created with gloo for each device type
+       it names and for nothing else. Groups made from it (``new_group``, a DeviceMesh's sub-groups) inherit that.
+    2. ``device_id`` is dropped: this machine has no such device to bind. A barrier therefore runs on the host
+       here, where a GPU run's runs on its bound device.
+    3. ``torch.cuda.set_device`` does nothing, so an engine's ``pick_device`` hands out ``cuda:LOCAL_RANK`` and
+       its ``init`` builds its groups and meshes for it (a DeviceMesh of type cuda needs no CUDA to be built).
+
+    Every tensor of this machine is a CPU tensor, so a group must name ``cpu`` to serve anything here: the
+    rule that ``process_group.backend_string`` keeps on an accelerator (every group serves the host as well)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import Backend, BackendConfig
+
+    real_init, real_set_device = dist.init_process_group, torch.cuda.set_device
+
+    def init_process_group(backend: str | None = None, *args: Any, device_id: Any = None, **kwargs: Any) -> Any:
+        # 1 (no backend: torch's default on a machine with the accelerator, one for each of its device types)
+        declared = BackendConfig(Backend(backend)).get_device_backend_map() if backend else ("cpu", accelerator)
+        return real_init(",".join(f"{device}:gloo" for device in declared), *args, **kwargs)  # 2
+
+    dist.init_process_group = init_process_group
+    torch.cuda.set_device = lambda device: None  # 3
+    try:
+        yield
+    finally:
+        dist.init_process_group, torch.cuda.set_device = real_init, real_set_device
 
 
 # --------------------------------------------------------------------------------------------------------------

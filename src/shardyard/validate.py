@@ -207,6 +207,11 @@ def validate(cfg: DictConfig, env: DistEnv | None) -> Plan:
                         f"checkpoint.resume={c.resume} continues them: the two contradict each other.",
                         "Drop checkpoint.overwrite_run_dir to continue the run, or checkpoint.resume to start "
                         "afresh with the old results moved aside (nothing is deleted).")
+    if c.get("async_save") and not hasattr(engine(cfg.backend), "save_checkpoint_async"):
+        raise UserError("checkpoint.async_save", True, f"backend={cfg.backend.name} writes its checkpoints with its "
+                        "own engine, which has no background save here; the engines that write DCP checkpoints "
+                        "have one (single, ddp, fsdp, fsdp_tp, pipeline).",
+                        f"Drop checkpoint.async_save for backend={cfg.backend.name}, or use one of those engines.")
     _at_least("launch.max_restarts", cfg.launch.max_restarts, 0)
     _at_least("launch.timeout_s", cfg.launch.timeout_s, 1)
     _validate_sweep(cfg.sweep)
@@ -572,10 +577,20 @@ def _validate_balance(b: DictConfig, facts: ModelFacts) -> None:
 
 def _validate_ep(b: DictConfig, dims: ParallelDims, facts: ModelFacts) -> None:
     """``backend.ep``: an engine that shards experts, a MoE model, and a degree that divides both the routed
-    experts (whole experts per rank) and the data-parallel shards it borrows its ranks from."""
+    experts (whole experts per rank) and the data-parallel shards it borrows its ranks from; and
+    ``backend.ep_capacity_factor``: null, or above 1 with ``ep > 1``."""
     from shardyard.backends import engine
 
-    ep = b.ep
+    ep, factor = b.ep, b.get("ep_capacity_factor")
+    if factor is not None and not (isinstance(factor, (int, float)) and factor > 1):
+        raise UserError("backend.ep_capacity_factor", factor, "It bounds the token rows a rank of an expert-parallel "
+                        "group receives to this many times its balanced share, so it must be greater than 1 "
+                        "(at 1 or below only a perfectly balanced routing fits).",
+                        "Use e.g. backend.ep_capacity_factor=2, or null (the default: dropless, no bound).")
+    if factor is not None and ep == 1:
+        raise UserError("backend.ep_capacity_factor", factor, "It bounds expert parallelism's receive buffer, and "
+                        "backend.ep=1 sends no token to another rank.",
+                        "Leave backend.ep_capacity_factor null, or set backend.ep to 2 or more.")
     if ep == 1:
         return
     if "ep" not in getattr(engine(b), "degree_keys", {}):

@@ -101,6 +101,14 @@ def test_world_size_2_to_4_to_1(tmp_path):
         assert len(got) == 4 and max(abs(a - b) / b for a, b in zip(got, want)) <= 1e-4, (name, got, want)
     for name in ("zero12", "zero3"):
         assert os.listdir(tmp_path / f"{name}-w4/universal") == []
+    # Saved at world 4, every rank hashed (and fsynced) the files it wrote: about a quarter of the bytes each, rank 0
+    # its own shard and DCP's .metadata, the ZeRO ranks their partitions (rank 0 also the model file).
+    for name, slack in (("fsdp", 0.1), ("zero3", 0.1)):
+        meta = json.load(open(tmp_path / f"{name}-w4/checkpoints/step-00000004/meta.json"))
+        hashed, total = meta["hashed_bytes"], sum(e["bytes"] for e in meta["manifest"].values())
+        assert len(hashed) == 4 and sum(hashed) == total, (name, hashed, total)
+        assert all(0.25 - slack <= h / total <= 0.25 + slack for h in hashed[1:]), (name, hashed, total)
+        assert hashed[0] / total <= 0.25 + slack + 0.1, (name, hashed, total)
     stage = json.load(open(tmp_path / "zero12-w4/checkpoints/step-00000004/meta.json"))["training_state"]["zero_stage"]
     assert stage == 2
 
@@ -132,26 +140,66 @@ def _flip(file):
     file.write_bytes(bytes(data))
 
 
-def test_keep_last_counts_only_checkpoints_that_verify(tmp_path):
+def _truncate(file):
+    file.write_bytes(file.read_bytes()[:-1])
+
+
+def test_keep_last_counts_only_whole_checkpoints_and_never_reads_one(tmp_path, monkeypatch):
+    """Pruning reads no checkpoint's bytes (a 70B checkpoint is ~840 GB, and rank 0 prunes while the others wait):
+    an older checkpoint counts toward keep_last when its meta.json verifies and every file is there at its size."""
+    import shardyard.checkpoint as checkpoint
+
     ck = Checkpointer.__new__(Checkpointer)  # only what pruning reads
     ck.dir, ck.c, ck._good = str(tmp_path), SimpleNamespace(keep_last=2), set()
     _checkpoints(tmp_path, [1, 2, 3, 4, 5])
-    _flip(tmp_path / "step-00000004/.metadata")  # same size: only its sha256 tells
-    assert "sha256 differs" in verify(str(tmp_path / "step-00000004"))
+    _truncate(tmp_path / "step-00000004/.metadata")
+    _flip(tmp_path / "step-00000003/__0_0.distcp")  # same size: only a read tells, and pruning does not read
+    read = []
+    hash_file = checkpoint._hash_file
+    monkeypatch.setattr(checkpoint, "_hash_file", lambda *a, **k: read.append(a) or hash_file(*a, **k))
     ck._prune(str(tmp_path / "step-00000005"), 5)
-    assert sorted(os.listdir(tmp_path)) == ["step-00000003", "step-00000004", "step-00000005"]  # 5 and 3 verify
-    _flip(tmp_path / "step-00000005/__0_0.distcp")
-    ck._good.clear()
-    ck._prune(str(tmp_path / "step-00000005"), 5)  # a new checkpoint that does not verify prunes nothing
-    assert sorted(os.listdir(tmp_path)) == ["step-00000003", "step-00000004", "step-00000005"]
+    assert sorted(os.listdir(tmp_path)) == ["step-00000003", "step-00000004", "step-00000005"]  # 5 and 3 count
+    assert read == []
     ck.c.keep_last = 1
     _checkpoints(tmp_path, [6])
     ck._prune(str(tmp_path / "step-00000006"), 6)
     assert os.listdir(tmp_path) == ["step-00000006"]
     _checkpoints(tmp_path, [9])  # a newer one of another timeline (a rollback): never counted, never the reason
     _checkpoints(tmp_path, [7])  # the new one is pruned
+    read.clear()
     ck._prune(str(tmp_path / "step-00000007"), 7)
     assert sorted(os.listdir(tmp_path)) == ["step-00000007", "step-00000009"]
+    assert read == []
+
+
+def test_each_rank_verifies_its_share_and_the_shares_cover_the_checkpoint_once(tmp_path):
+    """On resume each rank hashes what it wrote (rank 0 the shared files) at the saved world size, a balanced
+    quarter of the bytes at another: the bytes are read once over the world, and a damaged file is found by
+    the rank whose share it is."""
+    from shardyard.checkpoint import share, verify_share, writer
+
+    ck = tmp_path / "step-00000001"
+    ck.mkdir()
+    for r in range(4):
+        (ck / f"__{r}_0.distcp").write_bytes(bytes([r]) * (1000 + r))
+    (ck / ".metadata").write_bytes(b"m" * 50)
+    meta = {"step": 1, "world_size": 4, "manifest": _manifest(str(ck))}
+    (ck / "meta.json").write_text(json.dumps({**meta, "meta_sha256": _meta_digest(meta)}))
+    assert [writer(f"__{r}_0.distcp", 4) for r in range(4)] == [0, 1, 2, 3]
+    assert writer(".metadata", 4) == writer("__7_0.distcp", 4) == 0  # shared, or a rank this world lacks
+    assert writer("zero/bf16_zero_pp_rank_3_mp_rank_00_optim_states.pt", 4) == 3
+    assert writer("zero/mp_rank_00_model_states.pt", 4) == 0
+    total = sum(e["bytes"] for e in meta["manifest"].values())
+    for world in (4, 2, 3):
+        shares = [share(meta["manifest"], r, world, 4) for r in range(world)]
+        assert sorted(f for s in shares for f in s) == sorted(meta["manifest"])  # each file once
+        got = [verify_share(str(ck), r, world) for r in range(world)]
+        assert all(problem is None for problem, _ in got) and sum(n for _, n in got) == total
+        assert max(n for _, n in got) <= total / world + 1003  # no rank more than its share and one file
+    assert shares[0] and share(meta["manifest"], 1, 4, 4) == ["__1_0.distcp"]
+    _flip(ck / "__2_0.distcp")
+    found = [verify_share(str(ck), r, 4)[0] for r in range(4)]
+    assert [p is not None for p in found] == [False, False, True, False] and "sha256 differs" in found[2]
 
 
 def test_meta_json_is_verified_too_and_a_malformed_one_is_a_reason_not_a_crash(tmp_path):

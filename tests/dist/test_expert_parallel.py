@@ -2,12 +2,17 @@
 grad norms within 1e-4 at (world 2, ep 2), (world 4, ep 2), (world 4, ep 4) with accumulation 1 and 2, with
 activation checkpointing, and for 2 pipeline stages x ep 2 at world 4; each rank holds E / ep whole experts; a
 resume is bit for bit, and a checkpoint written at ep 2 resumes at ep 4 (and 4 -> 2) with the same losses; the HF
-export scores the eval set as the engine did."""
+export scores the eval set as the engine did. A MoE layer makes the host wait once per forward (issue 41), and
+``backend.ep_capacity_factor`` stops a collapsed routing with one paragraph (exit 2) where null trains on."""
+
+import json
+import os
 
 import pytest
 import torch
 
-from shardyard.testing import TINY, compose, hf_eval_loss, run_many
+from conftest import train_py
+from shardyard.testing import TINY, compose, hf_eval_loss, on_ranks, run_many
 
 # TINY's 2 layers of deepseek_moe_tiny: layer 0 dense, layer 1 MoE with 8 routed experts (top 2) + 1 shared.
 EP = [*TINY, "model=deepseek_moe_tiny", "train.steps=6", "train.eval_every_n_steps=0", "train.global_batch_size=8",
@@ -96,3 +101,99 @@ def test_export_loads_into_transformers_deepseek_v3_with_the_engines_eval_loss(r
     assert AutoConfig.from_pretrained(str(hf)).architectures == ["DeepseekV3ForCausalLM"]
     engine = runs["w2-ep2"][0]["summary"]["eval_losses"][-1][1]
     assert abs(hf_eval_loss(str(hf), compose([*EP, "backend.ep=2"]), 2) - engine) < 1e-4
+
+
+def _ep_step_syncs(rank: int, world: int, out: str) -> None:
+    """A pool rank: deepseek_moe_tiny (MoE layers 1 and 2) with its experts split over all ``world`` ranks as
+    the engines split them (``shard_experts``) and balanced (V2's device and communication losses on, the
+    ep-aware ones), one warm-up step, then the host syncs of one training forward + backward of its MoE layers,
+    saved with the loads counted."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from shardyard import moe
+    from shardyard.backends import process_group
+    from shardyard.backends.expert_parallel import shard_experts
+    from shardyard.model import build_model
+    from syncs import moe_step_syncs
+
+    dist.init_process_group("gloo")
+    try:
+        cfg = compose(["model=deepseek_moe_tiny", "model.balance.device_aux_alpha=0.05",
+                       "model.balance.comm_aux_alpha=0.02"])
+        model = build_model(cfg.model, seed=0).train()
+        assert shard_experts(model, init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))["ep"]) == 2
+        balancer = moe.Balancer.install(model, cfg.model.balance, experts=8, groups=world)
+        ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(rank))  # each rank its own
+        moe_step_syncs(model, ids)  # warm-up
+        balancer.counts.zero_()
+        syncs = moe_step_syncs(model, ids)
+        torch.save({"syncs": syncs, "loads": balancer.counts.clone()}, os.path.join(out, f"rank{rank}.pt"))
+        del model, balancer
+    finally:
+        process_group.teardown(None)
+
+
+def test_expert_parallelism_makes_the_host_wait_once_per_moe_layer(tmp_path):
+    """Issue 41: at ep 2 (2 gloo ranks) one training forward + backward of the 2 MoE layers reads the host once
+    per layer: the all-to-all's split sizes, fetched in one transfer (before: 4 per layer, the balancer's and
+    the dispatch's torch.bincount and two .tolist())."""
+    on_ranks(2, _ep_step_syncs, str(tmp_path))
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert [what for what, _ in got["syncs"]] == ["tolist", "tolist"], got["syncs"]
+        assert {where for _, where in got["syncs"]} == {got["syncs"][0][1]} and "expert_parallel.py" in \
+            got["syncs"][0][1], got["syncs"]
+        assert got["loads"][1].sum() == got["loads"][2].sum() == 2 * 16 * 2  # the layers routed and counted
+
+
+def _collapsed_router(tmp_path) -> str:
+    """A deepseek_moe_tiny (TINY dims: layer 1 is its MoE layer, 8 experts, top 2) whose router's selection bias
+    sends every token to experts 0 and 1, both held by EP rank 0 at ep 2: that rank receives every routed row
+    of the group, 2x its balanced share."""
+    import shutil
+
+    from shardyard import data
+    from shardyard.model import build_model
+
+    cfg = compose([*TINY, "model=deepseek_moe_tiny"])
+    model = build_model(cfg.model, seed=0)
+    with torch.no_grad():
+        model.model.layers[1].mlp.gate.e_score_correction_bias[:2] = 1.0  # sigmoid scores differ by less than 1
+    model.save_pretrained(str(tmp_path / "collapsed"))
+    shutil.copytree(data.prepare(cfg).tokenizer_dir, tmp_path / "collapsed", dirs_exist_ok=True)
+    return str(tmp_path / "collapsed")
+
+
+def test_a_collapsed_routing_overflows_the_receive_bound_with_one_paragraph_and_null_trains_on(tmp_path):
+    """``backend.ep_capacity_factor=1.5`` at ep 2: the first forward's routing sends rank 0 all 1024 rows of the
+    group (4 sequences of 64 tokens x top 2 on each of 2 ranks), over 1.5 x 512; every rank stops before the
+    all-to-all, and the user reads one paragraph and exit 2. With the default (null) the same run trains on."""
+    weights = _collapsed_router(tmp_path)
+    run = [*TINY, "model=deepseek_moe_tiny", f"model.weights={weights}", "model.init_device=cpu", "train.steps=2",
+           "train.eval_every_n_steps=0", "train.global_batch_size=8", "backend=fsdp", "backend.ep=2",
+           "backend.device=cpu", "launch.nproc_per_node=2", "model.balance.bias_update_speed=0"]
+    bounded = train_py(*run, "backend.ep_capacity_factor=1.5", run_dir=tmp_path / "bounded")
+    err = bounded.stderr
+    assert bounded.returncode == 2, (bounded.returncode, err[-3000:])
+    assert "Traceback" not in err, err[-3000:]
+    assert "error in `backend.ep_capacity_factor` (value: 1.5)" in err and err.count("error in `backend.ep_cap") == 1
+    text = " ".join(err.split())
+    assert "sent 1024 token rows to rank 0" in text and "bounded to 768 rows" in text, text[-2000:]
+    assert "Raise backend.ep_capacity_factor" in text and "leave it null" in text, text[-2000:]
+    dropless = train_py(*run, run_dir=tmp_path / "dropless")
+    assert dropless.returncode == 0, dropless.stderr[-3000:]
+    logged = [json.loads(line) for line in open(tmp_path / "dropless" / "metrics.jsonl")]
+    first = next(m for m in logged if "moe/layer_1/max_over_mean" in m)
+    assert first["moe/layer_1/max_over_mean"] == 4.0  # collapsed: experts 0 and 1 took every slot (8 / 2)
+
+
+def test_an_fp32_expert_parallel_dry_run_simulates_its_step(tmp_path):
+    """The dry run's fake tensors route evenly through the same forward: in fp32 its experts take the per-group
+    loop (``fused_grouped_mm``), since torch's meta kernel for grouped_mm takes bf16 only (before: the dry run
+    died there, "Expected inputs of BF16 type")."""
+    proc = train_py("model=deepseek_moe_tiny", "backend=fsdp", "backend.ep=2", "backend.device=cpu",
+                    "launch.nproc_per_node=2", "plan.dry_run=true", "plan.hardware=2xcpu", run_dir=tmp_path)
+    out = proc.stdout + proc.stderr
+    assert "Traceback" not in out and proc.returncode in (0, 1), out[-3000:]  # 1: a figure off the plan, reported
+    assert "first shard" in proc.stdout and "last shard" in proc.stdout and "shardyard | dry run:" in proc.stdout

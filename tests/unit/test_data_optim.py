@@ -87,6 +87,13 @@ def test_text_files_corpus_and_its_caches_are_verified(tmp_path, capsys):
         out = capsys.readouterr().out
         assert f"{os.path.dirname(victim)} does not verify ({os.path.basename(victim)} has" in out and "rebuilding" in out, out
         assert again == p and len(data.open_split(p, "train", 16)) == n
+    with open(f"{p.token_dir}/train-00000.bin", "r+b") as f:  # one byte changed in place, the size kept: the
+        first = f.read(1)                                     # stamp (mtime, ctime) no longer holds
+        f.seek(0)
+        f.write(bytes([first[0] ^ 1]))
+    capsys.readouterr()
+    data.prepare(cfg)
+    assert "train-00000.bin does not match the sha256" in capsys.readouterr().out
     data.prepare(cfg)
     assert "does not verify" not in capsys.readouterr().out  # verified, used as is
 

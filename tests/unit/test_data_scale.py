@@ -248,3 +248,31 @@ def test_token_cache_build_is_bounded_resumable_and_the_same_whatever_num_proc(t
                                 "data.num_proc=1", f"data.tokenizer.path={tok}"]))
     ref = json.loads(open(f"{one.token_dir}/meta.json").read())
     assert ref["shards"] == meta["shards"] and ref["documents"] == meta["documents"]
+
+
+def test_open_descriptors_and_mappings_do_not_grow_with_the_shard_count(tmp_path):
+    """2,000 shards read across (windows that span shard boundaries, and their prefetch): the process holds at
+    most ``shards.OPEN_SHARDS`` of them mapped and open. Before issue 41 every shard kept a mapping and a
+    descriptor from the start: 2,000 of them, past a `ulimit -n` of 1,024."""
+    from shardyard import shards
+
+    n, per = 2000, 40
+    stream = (np.arange(n * per) % 65_521).astype(np.uint16)
+    for i in range(n):
+        stream[i * per:(i + 1) * per].tofile(tmp_path / f"train-{i:05d}.bin")
+    listing = [{"file": f"train-{i:05d}.bin", "tokens": per} for i in range(n)]
+
+    def held() -> tuple[int, int]:
+        maps = sum(str(tmp_path) in line for line in open("/proc/self/maps"))
+        return len(os.listdir("/proc/self/fd")), maps
+
+    fds = held()[0]
+    seqs = data.PackedSequences(shards.TokenShards(str(tmp_path), listing, "uint16"), 29)  # 29: windows cross shards
+    ids = np.arange(len(seqs))
+    seqs.prefetch(ids)
+    for chunk in np.array_split(ids, 50):
+        x, y = seqs.get(chunk)
+        want = np.stack([stream[i * 29: i * 29 + 30] for i in chunk]).astype(np.int64)
+        assert np.array_equal(x.numpy(), want[:, :-1]) and np.array_equal(y.numpy(), want[:, 1:])
+    now, maps = held()
+    assert now - fds <= shards.OPEN_SHARDS < 100 and maps <= shards.OPEN_SHARDS, (fds, now, maps)

@@ -1,6 +1,6 @@
 """MoE routing balance (shardyard.moe): the DeepSeek-V3 bias update and the balance losses against values computed
 by hand on fixed batches, the load counting through real transformers routers (activation checkpointing
-included), and validation of the keys."""
+included), no host sync in a MoE layer and one per log step for the metrics, and validation of the keys."""
 
 import math
 
@@ -13,6 +13,7 @@ from shardyard.errors import UserError
 from shardyard.model import build_model
 from shardyard.testing import compose
 from shardyard.validate import validate
+from syncs import HostSyncs, moe_step_syncs
 
 SMOKE_MOE = ["model=deepseek_moe_tiny"]
 
@@ -116,10 +117,51 @@ def test_eval_mode_counts_nothing(tiny_moe):
         model.eval()
         with torch.no_grad():
             model(torch.randint(0, 100, (1, 8)))
-        assert balancer.counts is None and balancer.pending == []
+        assert not balancer.counts.any() and balancer.pending == []
     finally:
         balancer.close()
         model.train()
+
+
+def test_moe_layers_make_the_host_wait_for_nothing_without_expert_parallelism(tiny_moe):
+    """Issue 41: a training forward + backward of the MoE layers (router, load counting, balance loss, experts)
+    reads nothing back on the host; the loads are still counted, on the device (before: one torch.bincount per
+    MoE layer, which on CUDA reads its output size on the host)."""
+    _, model = tiny_moe
+    balancer = _balancer(model, seq_aux_alpha=0.5)
+    try:
+        model.train()
+        ids = torch.randint(0, 100, (2, 16))
+        syncs = moe_step_syncs(model, ids)
+        assert syncs == [], syncs
+        assert balancer.counts[1].sum() == balancer.counts[2].sum() == 2 * 16 * 2  # tokens x top_k, per layer
+    finally:
+        balancer.close()
+        model.zero_grad()
+
+
+def test_the_load_metrics_are_read_once_per_log_step_whatever_the_layers(tiny_moe):
+    """The loads and balance losses of every layer come to the host in one transfer (before: a few per layer)."""
+    _, model = tiny_moe
+    balancer = _balancer(model, seq_aux_alpha=0.5)
+    try:
+        model.train()
+        ids = torch.randint(0, 100, (2, 16))
+        (model(ids).logits.float().mean() + moe.aux_loss(model)).backward()
+        balancer.after_step(lambda t: t)
+        want = balancer.window.clone()
+        with HostSyncs() as syncs:
+            m = balancer.metrics()
+        assert len(syncs) == 1, syncs.calls
+        for layer in (1, 2):
+            load = want[layer]
+            assert m[f"moe/layer_{layer}/max_over_mean"] == pytest.approx(float(load.max() / load.mean()))
+            assert m[f"moe/layer_{layer}/min_over_mean"] == pytest.approx(float(load.min() / load.mean()))
+        assert m["moe/max_over_mean"] == max(m["moe/layer_1/max_over_mean"], m["moe/layer_2/max_over_mean"])
+        assert "moe/layer_0/max_over_mean" not in m and m["moe/balance_loss"] > 0
+    finally:
+        balancer.close()
+        model.zero_grad()
 
 
 @pytest.mark.parametrize("overrides,key", [
@@ -177,6 +219,18 @@ def test_bad_expert_parallel_degrees_exit_2_naming_backend_ep(overrides, needle)
     with pytest.raises(UserError) as e:
         validate(compose([*SMOKE_MOE, "backend.device=cpu", *overrides]), None)
     assert e.value.key == "backend.ep" and needle in e.value.paragraph(), e.value.paragraph()
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["backend.ep=2", "backend.ep_capacity_factor=1.0"], "greater than 1"),
+    (["backend.ep=2", "backend.ep_capacity_factor=0.5"], "greater than 1"),
+    (["backend.ep=1", "backend.ep_capacity_factor=2"], "backend.ep=1 sends no token"),
+])
+def test_bad_receive_bounds_exit_2_naming_backend_ep_capacity_factor(overrides, needle):
+    with pytest.raises(UserError) as e:
+        validate(compose([*SMOKE_MOE, "backend=fsdp", "backend.device=cpu", "launch.nproc_per_node=2", *overrides]),
+                 None)
+    assert e.value.key == "backend.ep_capacity_factor" and needle in e.value.paragraph(), e.value.paragraph()
 
 
 def test_expert_parallelism_on_a_dense_model_is_refused():

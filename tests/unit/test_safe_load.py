@@ -1,11 +1,14 @@
 """Checkpoint loading never runs code named by a file: a generated corpus of hostile pickles (dotted names
 through every trusted module, plain globals, REDUCE/BUILD/INST/OBJ/NEWOBJ/NEWOBJ_EX, extension codes,
 persistent ids, payloads nested in real DCP metadata, protocols 0-5) goes through the functions the real
-``checkpoint.resume=`` path calls. Every file is refused naming it and what it asked for, and no sentinel
-appears; the same files loaded by plain ``pickle`` do create their sentinels (the corpus is live)."""
+``checkpoint.resume=`` path calls, and through both readers (``ExactUnpickler``, pure Python, and
+``FastExactUnpickler``, the C unpickler behind stand-ins). Every file is refused naming it and what it asked
+for, and no sentinel appears; the same files loaded by plain ``pickle`` do create their sentinels (the corpus
+is live). A generated 64-rank FSDP ``.metadata`` reads as ``pickle`` reads it (tests/fsdp_metadata.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import copyreg
 import pickle
 from dataclasses import dataclass
@@ -128,14 +131,22 @@ def _real(module: str, name: str):
     return getattr(importlib.import_module(module), name)
 
 
-@pytest.fixture
-def extensions():
+@contextlib.contextmanager
+def extension_codes():
     """copyreg extension codes for dangerous callables, as a library in the process could register them."""
     for code, (m, f) in EXT_CODES.items():
         copyreg.add_extension(m, f, code)
-    yield
-    for code, (m, f) in EXT_CODES.items():
-        copyreg.remove_extension(m, f, code)
+    try:
+        yield
+    finally:
+        for code, (m, f) in EXT_CODES.items():
+            copyreg.remove_extension(m, f, code)
+
+
+@pytest.fixture
+def extensions():
+    with extension_codes():
+        yield
 
 
 def _resolves(data: bytes) -> bool:
@@ -321,3 +332,159 @@ def test_every_ranks_torch_files_are_vetted_as_opcodes_without_unpickling(tmp_pa
     torch.save({"t": torch.ones(2), "evil": Payload()}, bad)
     file, name = unsafe_global_in(str(tmp_path), [_Plain])
     assert file == str(bad) and name.endswith("makedirs") and not pwned.exists()
+
+
+# ------------------------------------------------------------------- the C reader (FastExactUnpickler)
+def _refusal(reader, data: bytes, allowed) -> BaseException:
+    import io
+
+    with pytest.raises(Exception) as e:
+        reader(io.BytesIO(data), allowed).load()
+    return e.value
+
+
+def test_the_fast_reader_refuses_the_corpus_as_the_pure_python_one_does(tmp_path):
+    """What ``read_dcp_metadata`` takes while ``copyreg`` holds no extension code: the C unpickler with
+    stand-ins. Every file of the corpus is refused naming what ``ExactUnpickler`` names, through the reader
+    and through ``read_dcp_metadata``, and runs nothing. Extension codes that ``copyreg`` does not hold are
+    an error of the C unpickler itself (``ExactUnpickler`` refuses them by name)."""
+    from shardyard.safe_load import ExactUnpickler, FastExactUnpickler, Refused
+
+    cases = corpus(tmp_path)
+    with extension_codes():  # the EXT cases written as a library's codes would let them be written
+        files = [forge(c.obj, c.proto) for c in cases]
+    assert not copyreg._inverted_registry and not copyreg._extension_cache  # type: ignore[attr-defined]
+    allowed = dcp_metadata_globals()
+    for i, (c, data) in enumerate(zip(cases, files)):
+        old, new = _refusal(ExactUnpickler, data, allowed), _refusal(FastExactUnpickler, data, allowed)
+        assert isinstance(old, Refused), (c.name, old)
+        if "EXT" in c.name:
+            assert isinstance(new, ValueError) and "unregistered extension code" in str(new), (c.name, new)
+        else:
+            assert isinstance(new, Refused) and new.what == old.what and c.expect in str(new), (c.name, new, old)
+        d = tmp_path / "files" / f"{i:04d}"
+        d.mkdir(parents=True)
+        (d / ".metadata").write_bytes(data)
+        with pytest.raises(UserError) as e:
+            read_dcp_metadata(str(d))
+        assert e.value.value == str(d / ".metadata") and (c.expect if "EXT" not in c.name else "extension code") in \
+            e.value.problem, (c.name, e.value.problem)
+        assert not c.sentinel.exists(), c.name
+
+
+def _changeable_state(obj) -> tuple:
+    """What BUILD could change on an object: its attribute dict, or None where it has none."""
+    d = getattr(obj, "__dict__", None)
+    return (type(obj), None if d is None else dict(d))
+
+
+@pytest.mark.parametrize("which", ["dcp", "rendezvous"])
+def test_build_on_every_allowed_object_and_on_shared_results_is_refused_by_both_readers(which):
+    """BUILD (dict state, slot state) on each object of the exact set, and on the process-wide objects that
+    calling one returns (an enum member, a layout, the UTC timezone): both readers refuse, nothing changes."""
+    from shardyard.safe_load import ExactUnpickler, FastExactUnpickler, rendezvous_globals
+
+    allowed = dcp_metadata_globals() if which == "dcp" else rendezvous_globals()
+    targets = [G(m, n) for m, n in allowed]
+    if which == "dcp":
+        targets += [Call(G("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"), 1),
+                    Call(G("torch.serialization", "_get_layout"), "torch.strided")]
+    else:
+        targets += [Call(G("datetime", "timezone"), Call(G("datetime", "timedelta"), 0))]
+    shared = [*allowed.values(), *_memory_format_encodings(), torch.strided]
+    before = [_changeable_state(o) for o in shared]
+    for target in targets:
+        for state in ({"zz": 1}, (None, {"zz": 1}), (None, {"__reduce_ex__": None}), {"_value_": 7}):
+            for proto in (2, 4):
+                data = forge(Seq(target, state, Raw(pickle.BUILD)), proto)
+                for reader in (ExactUnpickler, FastExactUnpickler):
+                    _refusal(reader, data, allowed)
+    assert [_changeable_state(o) for o in shared] == before
+
+
+def _memory_format_encodings() -> list:
+    """DCP's one enum's members: process-wide objects with a ``__dict__``."""
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    return list(_MEM_FORMAT_ENCODING)
+
+
+def test_the_fast_reader_hands_out_nothing_it_cannot_fence():
+    """An allowed object BUILD could change, with no stand-in for it (an instance with a ``__dict__``), is a
+    programming error when the table is built, not an object handed to a hostile file."""
+    from shardyard.safe_load import _stand_ins
+
+    with pytest.raises(TypeError, match="no stand-in"):
+        _stand_ins({("tests", "plain"): _Plain(1)})
+
+
+def test_a_64_rank_fsdp_metadata_reads_as_pickle_reads_it_without_a_python_opcode_loop(tmp_path):
+    """DCP metadata of a 64-rank FSDP checkpoint (a Llama's 291 tensors and their Adam moments, 56k shards):
+    ``read_dcp_metadata`` returns exactly what ``pickle.load`` does, and no opcode of it was dispatched by
+    Python (no function of pickle.py ran: the pure-Python reader's loop is what made 1,000 ranks take
+    minutes; bench/dcp_metadata.py times it). The garbage collector is running again afterwards."""
+    import gc
+    import sys
+
+    from fsdp_metadata import write_fsdp_metadata
+
+    from shardyard.safe_load import _gc_paused
+
+    file = write_fsdp_metadata(tmp_path, world=64)
+    with _gc_paused():
+        expected = pickle.loads(file.read_bytes())
+    ran: set[str] = set()
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename == pickle.__file__:
+            ran.add(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        got = read_dcp_metadata(str(tmp_path))
+    finally:
+        sys.setprofile(None)
+    assert not ran, sorted(ran)[:10]
+    assert got == expected and len(got.storage_data) == 291 * 3 * 64 + 291 + 12  # + steps, param group
+    props = got.state_dict_metadata["model.output.weight"].properties
+    assert props.memory_format is torch.contiguous_format and props.dtype is torch.float32
+    assert gc.isenabled()
+
+
+def test_both_readers_build_the_same_objects_through_every_calling_opcode():
+    """Allowed classes through REDUCE, NEWOBJ, NEWOBJ_EX, OBJ and INST (with and without arguments), at
+    protocols 0-5: the stand-ins make what the real classes make, as ``ExactUnpickler`` does."""
+    import io
+
+    from shardyard.safe_load import ExactUnpickler, FastExactUnpickler
+
+    md = "torch.distributed.checkpoint.metadata"
+    size = Call(G("torch", "Size"), [4, 2])
+    payloads = {
+        "REDUCE": Call(G(md, "ChunkStorageMetadata"), size, size),
+        "REDUCE path": Call(G("pathlib", "PosixPath"), "/ckpt", "step-1"),
+        "NEWOBJ": Seq(G(md, "StorageMeta"), ("x",), Raw(pickle.NEWOBJ)),
+        "NEWOBJ path": Seq(G("pathlib", "PosixPath"), ("/ckpt",), Raw(pickle.NEWOBJ)),
+        "NEWOBJ_EX": Seq(G(md, "MetadataIndex"), ("w",), {"index": 3}, Raw(pickle.NEWOBJ_EX)),
+        "OBJ": Seq(Raw(pickle.MARK), G(md, "StorageMeta"), "id", Raw(pickle.OBJ)),
+        "OBJ bare": Seq(Raw(pickle.MARK), G(md, "Metadata"), Raw(pickle.OBJ)),
+        "INST": Seq(Raw(pickle.MARK), "fqn", size, Raw(f"i{md}\nMetadataIndex\n".encode())),
+        "INST bare": Seq(Raw(pickle.MARK), Raw(f"i{md}\nBytesStorageMetadata\n".encode())),
+        "layout": Call(G("torch.serialization", "_get_layout"), "torch.strided"),
+        "properties": _metadata().state_dict_metadata["w"].properties,
+    }
+
+    def same(a, b) -> bool:
+        return type(a) is type(b) and (vars(a) == vars(b) if hasattr(a, "__dict__") else a == b)
+
+    allowed = dcp_metadata_globals()
+    for name, payload in payloads.items():
+        for proto in range(6):
+            data = forge(payload, proto)
+            try:
+                old = ExactUnpickler(io.BytesIO(data), allowed).load()
+            except Exception as e:  # noqa: BLE001  NEWOBJ below protocol 2, say: the fast reader fails too
+                with pytest.raises(type(e)):
+                    FastExactUnpickler(io.BytesIO(data), allowed).load()
+                continue
+            assert same(FastExactUnpickler(io.BytesIO(data), allowed).load(), old), (name, proto)

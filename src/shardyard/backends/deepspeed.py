@@ -26,7 +26,7 @@ from shardyard.backends import (FP32, HALF, ModelStates, StepStats, deepspeed_pa
 from shardyard.backends.process_group import init_process_group, teardown
 from shardyard.backends.torch_step import pick_device
 from shardyard.errors import UserError
-from shardyard import moe
+from shardyard import moe, op_builds
 from shardyard.model import causal_lm_loss, causal_lm_loss_sum, prepare_model, wants_meta
 from shardyard.optim import build_optimizer, build_scheduler, optimizer_kwargs, param_groups
 from shardyard.safe_load import weights_only_loads
@@ -287,6 +287,9 @@ class DeepSpeedBackend:
 
         self.config = ds_config(self.cfg, self.plan)
         self._write_config()
+        # DeepSpeed compiles the ops this config needs on first use (its client optimizers when built): a build
+        # lock left by a killed compile is reported here, naming the file, instead of waited on forever.
+        op_builds.check_deepspeed_ops(op_builds.deepspeed_needs(self.config, self.cfg.optim._target_, self.bcfg.name))
         # ZeRO-3 numbers parameters with a process-wide counter (ds_id), and ZeRO-Infinity names its swap files
         # by those numbers: a resumed run finds its checkpoint's files only if it numbers its parameters as the
         # saving run did. Start from 0 as a fresh process does, also after an earlier engine in this process

@@ -16,11 +16,19 @@ Because the weights keep their global [E, ...] shapes as DTensors, checkpoints (
 the same tensors at every ``ep``: a checkpoint written at ep 2 resumes at ep 4, and the HF export is the same
 file as without EP. The router stays replicated (a non-expert weight), so routing, balancing and its
 all-reduced loads are exactly those of a run without EP.
+
+Each MoE layer's forward makes the host wait for the device once (issue 41): the all-to-all's split sizes must be
+host integers, so the group's routing counts are exchanged on the device and read to the host in one transfer
+(``routing_splits``); everything else (counting, regrouping, the grouped GEMMs, the backward) needs no host value
+that is not already there. The same numbers bound the receive buffer when ``backend.ep_capacity_factor`` is set
+(``check_capacity``): dropless by default, as DeepSeek-V3 trains.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
@@ -28,20 +36,35 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from shardyard.moe import EXPERT_WEIGHTS, expert_modules
+from shardyard.errors import UserError
+from shardyard.moe import EXPERT_WEIGHTS, count_routed, expert_modules
 
-def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """``x[rows of group g] @ w[g]`` for consecutive row groups ending at ``offs``: one grouped GEMM
-    (``torch.nn.functional.grouped_mm``), or a loop over the groups where torch has none."""
+_GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def fused_grouped_mm(w: torch.Tensor) -> bool:
+    """Whether the experts' GEMMs run as torch's grouped GEMM for weights ``w``: the one place that chooses.
+    Its fused CUDA kernel takes bf16 on SM90/SM100 only; another dtype or GPU gets torch's fallback, which
+    copies the group offsets to the host (a sync per call, the backward's two included) and loops over the
+    groups, so that loop runs here instead, on the group sizes the host already holds. On CPU bf16 takes it too (the
+    offsets are host memory there); fp32 loops, as a dry run's fake tensors must (torch's meta kernel takes
+    bf16 only)."""
+    if _GROUPED_MM is None or w.dtype != torch.bfloat16:
+        return False
+    if w.device.type == "cuda":
+        return torch.cuda.get_device_capability(w.device)[0] in (9, 10)
+    return w.device.type == "cpu"
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """``x[rows of group g] @ w[g]`` for consecutive row groups ending at ``offs`` (on the device), whose
+    ``sizes`` the host holds: one grouped GEMM where ``fused_grouped_mm`` says so, else one GEMM per group, cut
+    by the host's sizes; neither waits for the device. (``split`` and ``unbind``, not slices: their backward
+    is one concatenation, where each slice's would fill a zero tensor of the whole input or weights.)"""
     x = x.to(w.dtype)  # grouped_mm is outside autocast's cast list
-    fn = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
-    if fn is not None and x.shape[0] > 0:
-        return fn(x, w, offs=offs)
-    out, start = [], 0
-    for g, end in enumerate(offs.tolist()):
-        out.append(x[start:end] @ w[g])
-        start = end
-    return torch.cat(out) if out else x.new_zeros(0, w.shape[-1])
+    if fused_grouped_mm(w) and x.shape[0] > 0 and _GROUPED_MM is not None:
+        return _GROUPED_MM(x, w, offs=offs)
+    return torch.cat([rows @ wg for rows, wg in zip(x.split(sizes), w.unbind(0))])
 
 
 class _AllToAll(torch.autograd.Function):
@@ -62,14 +85,73 @@ class _AllToAll(torch.autograd.Function):
         return back, None, None, None
 
 
+@dataclass
+class Splits:
+    """One MoE layer's routing over its expert-parallel group, as this rank needs it."""
+
+    send: list[int]
+    """Rows this rank sends to each peer (host)."""
+    recv: list[int]
+    """Rows it receives from each peer (host)."""
+    per_expert: list[int]
+    """Rows each of its local experts gets (host): where the grouped GEMMs cut."""
+    per_rank: list[int]
+    """Rows every rank of the group receives (host, the same on every rank): the receive bound's check."""
+    received: torch.Tensor
+    """[peer, local expert] rows received (device): the regrouping's repeats."""
+
+
+def routing_splits(flat: torch.Tensor, experts: int, group: Any) -> Splits:
+    """The group's routing, from this rank's routed expert ids ``flat``: one all-gather of every rank's counts
+    per expert, then the one host read of the layer (the all-to-all takes its split sizes as host integers).
+
+    1. Count on the device (``moe.count_routed``: no host sync).
+    2. All-gather: [sender, receiver, receiver's local expert], the same table on every rank of the group, so
+       each rank also knows what the others receive (an all-to-all would tell it only its own share).
+    3. What the host needs, in one transfer of 3 ep + E / ep integers whatever the tokens."""
+    ep, me = dist.get_world_size(group), dist.get_rank(group)
+    local = experts // ep
+    counts = count_routed(torch.zeros(experts, dtype=torch.int64, device=flat.device), flat)  # 1
+    table = torch.empty(ep * experts, dtype=counts.dtype, device=counts.device)
+    dist.all_gather_single(table, counts, group=group)  # 2
+    table = table.view(ep, ep, local)
+    received = table[:, me]
+    host = torch.cat([table[me].sum(1), received.sum(1), received.sum(0), table.sum((0, 2))]).tolist()  # 3
+    return Splits(host[:ep], host[ep:2 * ep], host[2 * ep:2 * ep + local], host[2 * ep + local:], received)
+
+
+def check_capacity(s: Splits, factor: float | None, group: Any) -> None:
+    """``backend.ep_capacity_factor``: no rank of the group may receive more than ``factor`` x its balanced
+    share of rows (the group's routed slots / ep); null bounds nothing (dropless). Read from the host numbers
+    ``routing_splits`` fetched anyway, and the same on every rank of the group: all of them raise together,
+    before the all-to-all, rather than one rank leaving its peers waiting in it."""
+    if factor is None:
+        return
+    ep, rows = len(s.per_rank), sum(s.per_rank)
+    bound = math.ceil(factor * rows / ep)
+    most = max(s.per_rank)
+    if most <= bound:
+        return
+    err = UserError(
+        "backend.ep_capacity_factor", factor,
+        f"A MoE layer's router sent {most} token rows to rank {s.per_rank.index(most)} of its expert-parallel "
+        f"group of {ep}, and the receive buffer is bounded to {bound} rows: {factor:g} x the {rows / ep:g} each "
+        f"rank receives when the {rows} routed slots are balanced (tokens x top_k / ep). The routing has "
+        f"collapsed onto the experts of few ranks, as it can early in training.",
+        f"Raise backend.ep_capacity_factor (backend.ep_capacity_factor={ep} always fits: every row on one rank), "
+        f"or leave it null (the default: dropless, the buffer sized by the routing).")
+    if dist.get_world_size(group) == dist.get_world_size():
+        err.on_every_rank()  # every rank raises it: rank 0 prints it once
+    raise err
+
+
 def expert_parallel_forward(self: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                             top_k_weights: torch.Tensor) -> torch.Tensor:
     """The routed experts of one MoE layer under expert parallelism (replaces the module's ``forward``; the
     arguments are transformers' ``Experts.forward``'s: [T, H] tokens, [T, K] experts and routing weights).
 
-    1. Sort this rank's T x K routed slots by expert and count them per expert.
-    2. Exchange the counts (one small all-to-all), so each rank knows how many slots it receives from every
-       peer for each of its experts; the splits go to the host once (all_to_all needs them there).
+    1. Sort this rank's T x K routed slots by expert.
+    2. Learn the group's routing (``routing_splits``: the layer's one host sync) and check the receive bound.
     3. All-to-all the sorted token rows: each peer's slots for this rank's experts arrive, peer by peer.
     4. Regroup them by local expert and run the experts as two grouped GEMMs (gate|up, down) with SwiGLU.
     5. Undo 4, all-to-all the results back, weight them by the routing weights and add each token's K rows.
@@ -82,27 +164,23 @@ def expert_parallel_forward(self: Any, hidden_states: torch.Tensor, top_k_index:
     order = torch.argsort(flat, stable=True)  # 1
     rows = hidden_states[order // K]
     if _UNIFORM["on"]:  # a dry run's fake tensors have no values to route by
-        send, recv, received = _uniform_splits(T * K, self.num_experts, ep, dist.get_rank(group), x=flat)
+        s = _uniform_splits(T * K, self.num_experts, ep, dist.get_rank(group), x=flat)
     else:
-        counts = torch.bincount(flat, minlength=self.num_experts)
-        received = torch.empty_like(counts)  # 2: [peer, local expert]
-        dist.all_to_all_single(received, counts, group=group)
-        received = received.view(ep, local)
-        send = counts.view(ep, local).sum(1).tolist()
-        recv = received.sum(1).tolist()
-    x = _AllToAll.apply(rows, recv, send, group)  # 3
+        s = routing_splits(flat, self.num_experts, group)  # 2
+    check_capacity(s, self.ep_capacity_factor, group)
+    x = _AllToAll.apply(rows, s.recv, s.send, group)  # 3
     # 4: rows arrive as [peer][expert]; the GEMMs want [expert][peer]
-    src = torch.repeat_interleave(torch.arange(ep * local, device=x.device), received.flatten(),
-                                  output_size=x.shape[0])
+    src = torch.repeat_interleave(torch.arange(ep * local, device=x.device), s.received.flatten(),
+                                  output_size=sum(s.recv))
     by_expert = torch.argsort(src % local * ep + src // local, stable=True)
     x = x[by_expert]
-    offs = torch.cumsum(received.sum(0), 0).to(torch.int32)
+    offs = torch.cumsum(s.received.sum(0), 0).to(torch.int32)
     w_gu = self.gate_up_proj.to_local() if isinstance(self.gate_up_proj, DTensor) else self.gate_up_proj
     w_d = self.down_proj.to_local() if isinstance(self.down_proj, DTensor) else self.down_proj
-    gate, up = grouped_mm(x, w_gu.transpose(-2, -1), offs).chunk(2, dim=-1)
-    y = grouped_mm(self.act_fn(gate) * up, w_d.transpose(-2, -1), offs)
+    gate, up = grouped_mm(x, w_gu.transpose(-2, -1), offs, s.per_expert).chunk(2, dim=-1)
+    y = grouped_mm(self.act_fn(gate) * up, w_d.transpose(-2, -1), offs, s.per_expert)
     y = y[torch.argsort(by_expert)]  # 5
-    y = _AllToAll.apply(y, send, recv, group)
+    y = _AllToAll.apply(y, s.send, s.recv, group)
     y = y.float() * top_k_weights.reshape(-1)[order, None].float()
     out = torch.zeros(T, H, dtype=torch.float32, device=hidden_states.device)
     out.index_add_(0, order // K, y)
@@ -124,21 +202,22 @@ def assume_uniform_routing() -> Iterator[None]:
         _UNIFORM["on"] = False
 
 
-def _uniform_splits(slots: int, experts: int, ep: int, me: int, x: torch.Tensor) -> tuple[list, list, torch.Tensor]:
-    """Even routing of ``slots`` routed slots per rank: what this rank sends to each peer, receives from each,
-    and the [peer, local expert] counts it receives (every peer routes alike)."""
+def _uniform_splits(slots: int, experts: int, ep: int, me: int, x: torch.Tensor) -> Splits:
+    """Even routing of ``slots`` routed slots per rank (every peer routes alike), as ``routing_splits`` gives
+    it."""
     local = experts // ep
     base, extra = divmod(slots, experts)
     per_expert = [base + (e < extra) for e in range(experts)]
     mine = per_expert[me * local:(me + 1) * local]
     send = [sum(per_expert[p * local:(p + 1) * local]) for p in range(ep)]
-    recv = [sum(mine)] * ep
-    return send, recv, torch.tensor([mine] * ep, dtype=torch.long, device=x.device)
+    return Splits(send, [sum(mine)] * ep, [ep * n for n in mine], [ep * n for n in send],
+                  torch.tensor([mine] * ep, dtype=torch.long, device=x.device))
 
 
-def shard_experts(model: torch.nn.Module, ep_mesh: DeviceMesh) -> int:
+def shard_experts(model: torch.nn.Module, ep_mesh: DeviceMesh, capacity_factor: float | None = None) -> int:
     """Give every routed-experts module of ``model`` this rank's ``E / ep`` experts (dim-0 DTensor shards over
-    ``ep_mesh``) and the all-to-all forward; returns how many modules it changed. Run before FSDP."""
+    ``ep_mesh``) and the all-to-all forward, its receive buffer bounded by ``capacity_factor``
+    (``backend.ep_capacity_factor``; None: dropless); returns how many modules it changed. Run before FSDP."""
     changed = 0
     for m in expert_modules(model):
         for name in EXPERT_WEIGHTS:
@@ -147,9 +226,11 @@ def shard_experts(model: torch.nn.Module, ep_mesh: DeviceMesh) -> int:
                 DTensor.from_local(p.data.chunk(ep_mesh.size())[ep_mesh.get_local_rank()], ep_mesh, [Shard(0)],
                                    run_check=False)
             setattr(m, name, torch.nn.Parameter(shard, requires_grad=p.requires_grad))
-        # Plain attributes (not submodules, not parameters): the group and its size, read by the forward.
+        # Plain attributes (not submodules, not parameters): the group, its size and the receive bound, read by
+        # the forward.
         object.__setattr__(m, "ep_group", ep_mesh.get_group())
         object.__setattr__(m, "ep", ep_mesh.size())
+        object.__setattr__(m, "ep_capacity_factor", capacity_factor)
         m.forward = expert_parallel_forward.__get__(m)  # this instance only; its class stays transformers'
         changed += 1
     return changed

@@ -42,7 +42,9 @@ def parallelize_fsdp(model: torch.nn.Module, cfg: DictConfig, device: torch.devi
        compute), then the root, which takes what is left: embeddings, final norm and LM head; over every rank
        (with EP: the flattened edp x ep mesh).
     5. A big model was built on the meta device; only now, sharded, does each rank give its own shards
-       storage and initialise them, so no rank ever holds the full model.
+       storage and initialise them, so no rank ever holds the full model. With CPU offload the shards get
+       host memory and the buffers the compute device: the offload policy moves parameters, never buffers,
+       and the forward reads them beside its activations (a V3 router's ``e_score_correction_bias``).
     """
     b, pr = cfg.backend, cfg.precision
     prepare_model(model, cfg, device)  # 1, 2
@@ -53,7 +55,7 @@ def parallelize_fsdp(model: torch.nn.Module, cfg: DictConfig, device: torch.devi
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if b.cpu_offload else OffloadPolicy()
     dp = None
     if mesh is not None:  # 3
-        shard_experts(model, mesh["ep"])
+        shard_experts(model, mesh["ep"], b.ep_capacity_factor)
         dp = mesh["edp", "ep"]._flatten("dp")
         for experts in expert_modules(model):
             fully_shard(experts, mesh=mesh["edp"], reshard_after_forward=b.reshard_after_forward, mp_policy=mp,
@@ -63,7 +65,7 @@ def parallelize_fsdp(model: torch.nn.Module, cfg: DictConfig, device: torch.devi
                     offload_policy=offload)
     # The root is all-gathered again right at the start of backward: keeping it unsharded saves that.
     fully_shard(model, mesh=dp, reshard_after_forward=False, mp_policy=mp, offload_policy=offload)
-    materialize(model, torch.device("cpu") if b.cpu_offload else device, cfg.seed, cfg.model)  # 5
+    materialize(model, torch.device("cpu") if b.cpu_offload else device, cfg.seed, cfg.model, buffers=device)  # 5
     if not b.cpu_offload:
         model.to(device)
     return model
@@ -171,6 +173,7 @@ class FSDPBackend:
 
     checkpoint_format: ClassVar[str] = "dcp"
     save_checkpoint = forward_to("stepper", TorchStepper.save_checkpoint)
+    save_checkpoint_async = forward_to("stepper", TorchStepper.save_checkpoint_async)  # checkpoint.async_save
     load_checkpoint = forward_to("stepper", TorchStepper.load_checkpoint)
     training_state = forward_to("stepper", TorchStepper.training_state)
     load_training_state = forward_to("stepper", TorchStepper.load_training_state)

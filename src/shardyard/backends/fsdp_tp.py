@@ -208,6 +208,7 @@ class FSDPTPBackend:
     step = forward_to("stepper", TorchStepper.step)  # every gradient is a (dp, tp) DTensor: one global norm
     eval_loss = forward_to("stepper", TorchStepper.eval_loss)
     save_checkpoint = forward_to("stepper", TorchStepper.save_checkpoint)  # HF names: any dp x tp layout loads them
+    save_checkpoint_async = forward_to("stepper", TorchStepper.save_checkpoint_async)  # checkpoint.async_save
     load_checkpoint = forward_to("stepper", TorchStepper.load_checkpoint)
     training_state = forward_to("stepper", TorchStepper.training_state)
     load_training_state = forward_to("stepper", TorchStepper.load_training_state)

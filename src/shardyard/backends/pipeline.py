@@ -135,7 +135,7 @@ def parallelize_pipeline(model: Any, cfg: DictConfig, mesh: DeviceMesh, device: 
         if pr.name != "fp32" else MixedPrecisionPolicy()
     for stage in stages:  # 3
         for layer in stage.layers.values():
-            if expert_parallel and shard_experts(layer, mesh["ep"]):
+            if expert_parallel and shard_experts(layer, mesh["ep"], b.ep_capacity_factor):
                 for experts in expert_modules(layer):
                     fully_shard(experts, mesh=mesh["edp"], reshard_after_forward=b.reshard_after_forward, mp_policy=mp)
             fully_shard(layer, mesh=dp, reshard_after_forward=b.reshard_after_forward, mp_policy=mp)
@@ -446,26 +446,53 @@ class PipelineBackend:
 
     @torch.no_grad()
     def eval_loss(self, inputs, targets) -> torch.Tensor:
-        out = self._forward_whole(inputs)
-        return F.cross_entropy(out.reshape(-1, out.size(-1)), targets.reshape(-1), ignore_index=-100)
+        """The micro batch's mean cross-entropy over its labelled tokens, on every rank, outside the schedule:
+
+        1. The chunks run in order (``_run_chunks``), each stage sending its hidden states to the next only.
+        2. The last stage computes the loss from its logits, as a sum and a label count, and sends those two
+           numbers to the other stages: the logits ([B, T, V] fp32, 17 GB at B 4, T 8192, V 128k) never leave it.
+        """
+        out = self._run_chunks(inputs)  # 1
+        pair = torch.zeros(2, device=self.device)
+        if out is not None:  # 2
+            pair[0] = F.cross_entropy(out.float().reshape(-1, out.size(-1)), targets.reshape(-1), ignore_index=-100,
+                                      reduction="sum")
+            pair[1] = (targets != -100).sum()
+        dist.broadcast(pair, group=self.pp_group, group_src=(self.chunks - 1) % self.pp)
+        return pair[0] / pair[1]  # no label: 0 / 0, NaN, as the mean over none
+
+    def _run_chunks(self, ids: torch.Tensor) -> torch.Tensor | None:
+        """The whole model on ``ids`` outside the schedule: chunk by chunk, each computed by its stage's ranks
+        (FSDP over their dp) and its output sent point to point to the next chunk's stage, in the compute dtype
+        (the next stage casts its input to it anyway). The last chunk's output (the logits) on the last stage's
+        ranks; None elsewhere."""
+        c = self.model.config
+        dtype = COMPUTE_DTYPES[self.cfg.precision.name]
+        h: torch.Tensor | None = ids
+        for chunk in range(self.chunks):
+            owner, prev = chunk % self.pp, (chunk - 1) % self.pp
+            if owner != self.pp_rank:
+                continue
+            if chunk > 0 and prev != self.pp_rank:
+                h = torch.empty(*ids.shape, c.hidden_size, dtype=dtype, device=self.device)
+                dist.recv(h, group=self.pp_group, group_src=prev)
+            assert h is not None
+            h = self.stages[self.mine.index(chunk)](h)
+            if chunk < self.chunks - 1 and (chunk + 1) % self.pp != self.pp_rank:
+                dist.send(h.to(dtype).contiguous(), group=self.pp_group, group_dst=(chunk + 1) % self.pp)
+        return h if (self.chunks - 1) % self.pp == self.pp_rank else None
 
     def _forward_whole(self, ids: torch.Tensor) -> torch.Tensor:
-        """The whole model's logits on every rank, outside the schedule (evaluation, sampling): chunk by chunk,
-        each computed by its stage's ranks and broadcast over the pipeline group (fp32)."""
-        c = self.model.config
-        h = ids
-        for chunk in range(self.chunks):
-            owner = chunk % self.pp
-            width = c.vocab_size if chunk == self.chunks - 1 else c.hidden_size
-            if owner == self.pp_rank:
-                out = self.stages[self.mine.index(chunk)](h).float().contiguous()
-            else:
-                out = torch.empty(*ids.shape, width, device=self.device)
-            dist.broadcast(out, group=self.pp_group, group_src=owner)
-            h = out
-        return h
+        """The whole model's logits on every rank (fp32): the pruned model's ``forward``, for sampling through
+        ``hf_model()`` (a one-row prompt of a few tokens). Evaluation does not come here (``eval_loss``)."""
+        out = self._run_chunks(ids)
+        logits = out.float().contiguous() if out is not None else \
+            torch.empty(*ids.shape, self.model.config.vocab_size, device=self.device)
+        dist.broadcast(logits, group=self.pp_group, group_src=(self.chunks - 1) % self.pp)
+        return logits
 
     save_checkpoint = forward_to("stepper", TorchStepper.save_checkpoint)  # this rank's layers, whole-model names
+    save_checkpoint_async = forward_to("stepper", TorchStepper.save_checkpoint_async)  # checkpoint.async_save
     load_checkpoint = forward_to("stepper", TorchStepper.load_checkpoint)  # with own_param_groups (prepare)
     training_state = forward_to("stepper", TorchStepper.training_state)
     load_training_state = forward_to("stepper", TorchStepper.load_training_state)

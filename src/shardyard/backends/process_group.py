@@ -11,12 +11,37 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 
+ACCELERATOR_BACKENDS = {"cuda": "nccl"}
+"""The collective library of each accelerator's own tensors (``backend.dist_backend=auto``)."""
+
+
+def backend_string(device: torch.device, dist_backend: str = "auto") -> str:
+    """The process group's backend for each device type its collectives meet (``init_process_group``'s string).
+
+    1. A CPU run: ``cpu:gloo``, CPU tensors only.
+    2. An accelerator: its own library for its tensors, and gloo for the host's: FSDP2's CPU offload keeps the
+       gradient shards in host memory, so the gradient norm and the fp16 found-inf flags are all-reduced there
+       (NCCL alone refuses them: "No backend type associated with device type cpu"). torchtitan and torchtune
+       create ``cuda:nccl,cpu:gloo`` too. Every group made from it (``new_group``, a DeviceMesh's sub-groups,
+       split or not) inherits both.
+    """
+    if device.type == "cpu":
+        return "cpu:gloo"  # 1
+    own = ACCELERATOR_BACKENDS[device.type] if dist_backend == "auto" else dist_backend
+    return f"{device.type}:{own},cpu:gloo"  # 2
+
+
 def init_process_group(cfg: DictConfig, device: torch.device, dist_backend: str = "auto") -> None:
-    """env:// rendezvous (set by the elastic agent, torchrun, srun mapping, ...) with the recipe's timeout."""
-    if dist_backend == "auto":
-        dist_backend = "nccl" if device.type == "cuda" else "gloo"
+    """env:// rendezvous (set by the elastic agent, torchrun, srun mapping, ...) with the recipe's timeout; one
+    group for every device this run's collectives meet (``backend_string``)."""
     if dist.is_initialized():
         return
+    if device.type != "cpu":
+        # The host's gloo connects to a peer on first use: eagerly, each gloo group (the world's, every mesh
+        # sub-group's) would open a socket to each of its members at start, descriptors per rank growing with
+        # the world, for collectives that mostly talk to ring neighbours (measured: bench/gloo_groups.py). A
+        # user's own TORCH_GLOO_LAZY_INIT stays.
+        os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
     timeout = datetime.timedelta(seconds=cfg.launch.timeout_s)
     store: dict = {}
     attempt = _attempt(cfg, timeout)
@@ -28,8 +53,8 @@ def init_process_group(cfg: DictConfig, device: torch.device, dist_backend: str 
                               timeout=timeout)
         store = dict(store=dist.PrefixStore(f"shardyard/attempt-{attempt}", agent),
                      rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
-    dist.init_process_group(dist_backend, timeout=timeout, device_id=device if device.type == "cuda" else None,
-                            **store)
+    dist.init_process_group(backend_string(device, dist_backend), timeout=timeout,
+                            device_id=device if device.type == "cuda" else None, **store)
 
 
 def _attempt(cfg: DictConfig, timeout: datetime.timedelta) -> str | None:

@@ -58,6 +58,7 @@ class SingleBackend:
 
     checkpoint_format: ClassVar[str] = "dcp"
     save_checkpoint = forward_to("stepper", TorchStepper.save_checkpoint)
+    save_checkpoint_async = forward_to("stepper", TorchStepper.save_checkpoint_async)  # checkpoint.async_save
     load_checkpoint = forward_to("stepper", TorchStepper.load_checkpoint)
     training_state = forward_to("stepper", TorchStepper.training_state)
     load_training_state = forward_to("stepper", TorchStepper.load_training_state)

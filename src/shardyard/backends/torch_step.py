@@ -135,6 +135,19 @@ class TorchStepper:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_dcp_options(self.model))
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
 
+    def save_checkpoint_async(self, path: str, group: Any) -> Any:
+        """``save_checkpoint`` in the background (``checkpoint.async_save``): the state is copied to host memory
+        now (DCP's default stager: a deep copy, so the next steps cannot change what is written) and written by a
+        thread, whose collectives run over ``group`` (gloo, apart from the training's). Returns the write's
+        Future."""
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_dcp_options(self.model))
+        return dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path, process_group=group,
+                              no_dist=not dist.is_initialized())
+
     def load_checkpoint(self, path: str, meta: dict) -> None:
         """Loads into this run's layout, so a checkpoint resumes at another world size (DCP reshards; ``meta``
         is not needed). ``own_param_groups``: keep this optimizer's param groups (hyperparameters from the

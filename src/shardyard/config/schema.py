@@ -136,6 +136,11 @@ class BackendConfig:
     (``n_routed_experts / ep`` each), tokens sent to them by all-to-all. It borrows its ranks from the
     data-parallel shards (it must divide them and the experts). Engines that shard experts: ``fsdp``,
     ``fsdp_offload`` and ``pipeline`` (per stage); the others refuse ``ep > 1``."""
+    ep_capacity_factor: Optional[float] = None
+    """Expert parallelism's receive bound: a rank of an EP group may receive at most this many times its
+    balanced share of token rows (the group's tokens x top_k / ep) in a MoE layer, or the run stops with an
+    error naming it (a router collapsed onto few experts). ``null``: no bound (dropless, as DeepSeek-V3
+    trains). Greater than 1; ``ep`` or more never binds. Needs ``ep > 1``."""
 
 
 BACKEND_RANGES = {"ep": Range(1, becomes="the expert-parallel degree (ranks per expert group)")}
@@ -485,6 +490,11 @@ class TokenizerConfig:
     """How many bytes of the corpus (from the start, in document order) train the tokenizer."""
 
 
+class Verify(Choice):
+    stamp = "stamp"
+    full = "full"
+
+
 @dataclass
 class DataConfig:
     """What shardyard reads of every ``data`` option; every other key is an argument of its ``_target_``."""
@@ -518,6 +528,12 @@ class DataConfig:
     log_sample_ids: bool = False
     """Append every micro-batch's sample ids to ``<run dir>/samples/rank<r>.jsonl`` (``{step, micro, ids}``), to
     check what a run (or a resumed one) consumed."""
+    verify: Verify = Verify.stamp
+    """How a start checks the tokenizer and token caches against their manifests (every file's size and
+    sha256). ``stamp``: by ``stat`` only, against the stamp the last full check (or the build) left (every file's
+    size, mtime, ctime and inode); a cache without one that holds (copied, changed, written by an older shardyard)
+    is hashed once per node. ``full``: every file hashed at every start, once per node (its local rank 0; the
+    node's other ranks take its result). A cache that does not verify is rebuilt, saying so."""
 
 
 class Truncation(Choice):
@@ -707,8 +723,9 @@ class CheckpointConfig:
     every_n_steps: int = 0
     """Save every n optimizer steps; 0 = never during training."""
     keep_last: int = 3
-    """Checkpoints kept that verify (sha256 of every file); older ones are deleted only once a newer one is
-    published and verified, and the newest good one never is. 0 = keep all."""
+    """Checkpoints kept that look whole (meta.json intact, every file of its manifest there at its size: read by
+    ``stat`` alone; a checkpoint's sha256 are taken by the ranks that wrote it, when it is saved); older ones are
+    deleted only once a newer one is published, and the newest whole one never is. 0 = keep all."""
     save_final: bool = True
     """Export the final model as an HF directory (``<run_dir>/hf``)."""
     resume: Optional[str] = None
@@ -721,6 +738,12 @@ class CheckpointConfig:
     Without it such a run dir is refused (or continued, with ``resume``)."""
     export_hf: bool = False
     """Also write an HF export beside every periodic checkpoint."""
+    async_save: bool = False
+    """Save in the background (the DCP engines: single, ddp, fsdp, fsdp_tp, pipeline): the step resumes once the
+    state is copied to host memory (one more copy of this rank's model and optimizer state in RAM while it is
+    written); the write, the hashing and the publish follow in a thread, over a gloo group of their own. The
+    next save (and the end of the run) waits for the last one; a crash meanwhile leaves the previous checkpoint
+    the newest that verifies."""
 
 
 # -------------------------------------------------------------------------------------------- monitor
