@@ -194,11 +194,11 @@ def verify_share(path: str, rank: int, world: int) -> tuple[str | None, int]:
     try:
         with open(os.path.join(path, "meta.json")) as f:
             meta = json.load(f)
-        files = share(meta["manifest"], rank, world, int(meta.get("world_size", world)))
+        manifest = {rel: {"bytes": int(e["bytes"] if isinstance(e, dict) else e)} for rel, e in meta["manifest"].items()}
+        files = share(manifest, rank, world, int(meta.get("world_size", world)))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return verify(path), 0  # what is wrong with meta.json, said by verify
-    problem = verify(path, files)
-    return problem, sum(int(meta["manifest"][rel]["bytes"]) for rel in files)
+        return verify(path), 0  # what is wrong with meta.json (or its manifest), said by verify: every rank alike
+    return verify(path, files), sum(manifest[rel]["bytes"] for rel in files)
 
 
 def _verify(path: str, meta: dict, files: list[str] | None = None, read: bool = True) -> str | None:
@@ -346,6 +346,16 @@ class Checkpointer:
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.result()
+
+    def close(self) -> None:
+        """The end of the run, whichever way it ends (before the engine's groups are torn down): the background
+        save in flight finishes (its failure is raised), and its thread goes."""
+        try:
+            self.wait()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
 
     def _complete(self, step: int, tmp: str, final: str, write: Any, rng: dict, facts: dict, group: Any,
                   t0: float, blocked: float | None = None) -> None:

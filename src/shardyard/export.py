@@ -117,9 +117,13 @@ def _save_by_holders(backend: Backend, model: Any, state: dict, tokenizer_dir: s
     rank, world = backend.rank, backend.world_size
     parent = os.path.dirname(os.path.abspath(out_dir))
     tmp = os.path.join(parent, f".tmp-{os.path.basename(os.path.abspath(out_dir))}")
+    made: str | None = None
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # a leftover of an export that crashed
-        os.makedirs(tmp)
+        try:
+            os.makedirs(tmp)
+        except OSError as e:  # every rank still joins every collective below; each write then fails and says so
+            made = f"{type(e).__name__}: {e}"
     base = model.get_base_model() if adapters.is_peft(model) else model
     pieces = _plan(model, base, state)  # 1
     mine = [(n, shape, dtype) for p in pieces if p.owner == rank for n, (shape, dtype) in p.out.items()]
@@ -131,6 +135,7 @@ def _save_by_holders(backend: Backend, model: Any, state: dict, tokenizer_dir: s
     file_of = {name: "model.safetensors" if total == 1 else f"model-{first + i + 1:05d}-of-{total:05d}.safetensors"
                for i, entries in enumerate(files) for name, _, _ in entries}
     writer = _ShardWriter(tmp, [(file_of[n], n, shape, dtype) for n, shape, dtype in mine])
+    writer.error = made
     adapter: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for piece in pieces:  # 3
@@ -143,10 +148,13 @@ def _save_by_holders(backend: Backend, model: Any, state: dict, tokenizer_dir: s
                     adapter[name] = full.detach().cpu()
                 del full
             if piece.owner == rank:
-                out = _to_hf(model, base, kept)
+                try:  # a failure here is kept like a failed write: this rank goes on joining the gathers
+                    out = _to_hf(model, base, kept)
+                    for name in piece.out:
+                        writer.write(name, out.pop(name))
+                except Exception as e:
+                    writer.error = writer.error or f"{type(e).__name__}: {e}"
                 del kept
-                for name in piece.out:
-                    writer.write(name, out.pop(name))
     writer.close()
     info = {"weight_map": writer.written, "size": writer.size, "error": writer.error,
             "params": sum(_numel(s) for p in pieces if p.owner == rank for s, _ in p.out.values())

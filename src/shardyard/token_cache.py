@@ -43,8 +43,9 @@ EOT = "<|endoftext|>"
 STAMP = ".shardyard_verified.json"
 """A cache directory's stamp: ``{verified_at, host, files: {name: [size, mtime_ns, ctime_ns, inode]}}`` of the
 manifest and every file it lists, taken when they were hashed (or written by the build that published them)."""
-LOCKS_REFUSED = {errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP}
-"""What ``flock`` raises on a file system that does not lock: NFS without lockd, Lustre mounted noflock, FUSE."""
+LOCKS_REFUSED = {errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.EBADF}
+"""What ``flock`` raises on a file system that does not lock: NFS without lockd, Lustre mounted noflock, FUSE; and
+NFS refusing an exclusive lock on a read-only descriptor (EBADF: a lock file opened read-only)."""
 FULL_WAIT_S = 60.0
 """``data.verify=full``: how long a rank that is not its node's local rank 0 waits for that rank's stamp (it
 blocks meanwhile on the node's lock while that rank hashes) before it hashes the cache itself."""
@@ -60,10 +61,12 @@ VERIFIED_ENV = "SHARDYARD_VERIFIED_CACHES"
 def _held(path: str) -> Iterator[OSError | None]:
     """An exclusive ``flock`` on ``path`` for the block (released when its descriptor closes). Yields None, or the
     error of a file system that refuses locks (then nothing is held)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)  # a lock file another user created: flock needs no write access
-    except FileNotFoundError:
-        fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
+    try:  # read-write: NFS emulates flock with byte-range locks, whose exclusive kind needs a writable descriptor
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except (PermissionError, OSError) as e:
+        if not isinstance(e, PermissionError) and e.errno != errno.EROFS:
+            raise
+        fd = os.open(path, os.O_RDONLY)  # a lock file another user created, or a read-only mount: flock may still work
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)

@@ -180,6 +180,10 @@ def train(cfg: DictConfig, plan: Plan, backend: Backend) -> dict:
         summary = _finish(cfg, plan, backend, prepared, result, ckpt)
     except BaseException as e:  # mark wandb/mlflow runs failed, flush the event files, then re-raise
         mon.fail(e.paragraph() if isinstance(e, UserError) else f"{type(e).__name__}: {e}")
+        try:
+            ckpt.close()  # a background save in flight ends before the engine's groups go
+        except BaseException:
+            pass  # the run's first error is the one to read
         raise
     mon.close(summary)
     if rank0 and not cfg.debug.fast_dev_run and cfg.scale._target_ is None:  # no report.png for a check run
@@ -193,6 +197,7 @@ def _finish(cfg: DictConfig, plan: Plan, backend: Backend, prepared: data.Prepar
     reports what an uninterrupted run would."""
     rank0 = backend.rank == 0
     export = None
+    ckpt.close()  # the last background save published (or its failure raised) before the run reports
     if result.pruned_at is not None and rank0:
         print(f"shardyard | the sweep's pruner stopped this trial after step {result.pruned_at}'s evaluation "
               "(no export, no sample)", flush=True)

@@ -200,6 +200,13 @@ def test_each_rank_verifies_its_share_and_the_shares_cover_the_checkpoint_once(t
     _flip(ck / "__2_0.distcp")
     found = [verify_share(str(ck), r, 4)[0] for r in range(4)]
     assert [p is not None for p in found] == [False, False, True, False] and "sha256 differs" in found[2]
+    # A checkpoint from before the hashes (sizes only, no meta_sha256) and a malformed one: a verdict on every rank
+    # alike, never an exception on one (the others would wait in the all-reduce that follows)
+    (ck / "meta.json").write_text(json.dumps({"step": 1, "world_size": 4, "manifest": {
+        rel: e["bytes"] for rel, e in meta["manifest"].items()}}))
+    assert [verify_share(str(ck), r, 4) for r in range(4)] == [(None, n) for n in (1050, 1001, 1002, 1003)]
+    (ck / "meta.json").write_text(json.dumps({"step": 1, "manifest": {"__0_0.distcp": {"sha256": "x"}}}))
+    assert all("malformed" in verify_share(str(ck), r, 4)[0] for r in range(4))
 
 
 def test_meta_json_is_verified_too_and_a_malformed_one_is_a_reason_not_a_crash(tmp_path):
