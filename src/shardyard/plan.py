@@ -297,26 +297,26 @@ def _one_rank(cfg: DictConfig, batch: Plan, hw: Hardware, states: Any, accum: in
 
     shape, P, N, mbs = batch.facts.shape, batch.facts.params, hw.world, batch.micro_batch_size
     mp, dp = dims.model_parallel, dims.dp
+    quantized = batch.facts.trainable is not None and adapters.method(cfg.peft).quantized_base
     if batch.facts.trainable is not None:
-        quantized = adapters.method(cfg.peft).quantized_base
         states = frozen_base(states, P, batch.facts.trainable, shape, quantized=quantized)
     mode = checkpointing_mode(cfg.model)
     ckpt = mode != "none"
     fraction = checkpointed_fraction(cfg.model, shape["blocks"])
+    kept_share = 1 - (fraction if ckpt else 0.0)  # of the blocks, those whose activations stay until backward
     kept, transient, loss, copies = _activation_parts(shape, states.regime, mbs * batch.seq_len, mode, fraction,
                                                       int(cfg.model.get("loss_chunk", 0)))
     if batch.facts.trainable is not None:  # autocast caches the casts of weights that train only (not a frozen base)
         copies *= batch.facts.trainable / max(P, 1)
-        if states.regime == "autocast" and not adapters.method(cfg.peft).quantized_base:
+        if states.regime == "autocast" and not quantized:
             # but each frozen linear keeps its weight's bf16 cast for the backward of its input, until its
             # block's backward: every block's not checkpointed, one recomputed block's otherwise
             frozen_blocks = max(shape["block_params"] - batch.facts.trainable, 0)
-            kept_share = 1 - (fraction if mode != "none" else 0.0)
             copies += 2 * (kept_share * frozen_blocks + (1 - kept_share) * shape["max_block_params"])
     if batch.facts.adapter_activations is not None:  # what the adapters keep, less what the frozen base does not
         adapters_keep = batch.facts.adapter_activations[states.regime]["cpu" if hw.device == "cpu" else "cuda"]
         frozen_skips = shape["activation_bytes_per_token"][states.regime]["frozen_blocks"]
-        kept += (1 - (fraction if mode != "none" else 0.0)) * (adapters_keep - frozen_skips) * mbs * batch.seq_len
+        kept += kept_share * (adapters_keep - frozen_skips) * mbs * batch.seq_len
     f = states.activation_factor
     fk, ft, fl = states.activation_parts or (f, f, f)
     # The loss's logits are freed by its backward before the first block is recomputed (or backpropagated): the

@@ -100,13 +100,10 @@ class ExactUnpickler(pickle._Unpickler):
         self._ids = {id(o) for o in allowed.values()}  # alive as long as ``allowed``: ids are unique
 
     def find_class(self, module: str, name: str) -> Any:
-        try:
-            return self.allowed[(module, name)]
-        except KeyError:
-            raise Refused(f"{module}.{name}", "is a global outside the allowed set") from None
+        return _global(self.allowed, module, name)
 
     def persistent_load(self, pid: Any) -> Any:
-        raise Refused(f"persistent id {str(pid)[:60]!r}", "is refused (nothing shardyard reads uses one)")
+        return _no_persistent_id(pid)
 
     def _callable(self, func: Any, opcode: str) -> None:
         if id(func) not in self._ids:
@@ -152,6 +149,18 @@ class ExactUnpickler(pickle._Unpickler):
                 pickle.EXT4[0]: lambda self: self._load_ext(4)}
 
 
+def _global(table: Mapping[tuple[str, str], Any], module: str, name: str) -> Any:
+    """Both readers' ``find_class``: the exact (module, name) pair's entry, or a refusal."""
+    try:
+        return table[(module, name)]
+    except KeyError:
+        raise Refused(f"{module}.{name}", "is a global outside the allowed set") from None
+
+
+def _no_persistent_id(pid: Any) -> Any:
+    raise Refused(f"persistent id {str(pid)[:60]!r}", "is refused (nothing shardyard reads uses one)")
+
+
 def _describe(obj: Any) -> str:
     name = getattr(obj, "__qualname__", None)
     return f"{getattr(obj, '__module__', '?')}.{name}" if isinstance(name, str) else f"a {type(obj).__name__}"
@@ -165,13 +174,10 @@ class FastExactUnpickler(pickle.Unpickler):
         self.stand_ins = _stand_ins(allowed)
 
     def find_class(self, module: str, name: str) -> Any:
-        try:
-            return self.stand_ins[(module, name)]
-        except KeyError:
-            raise Refused(f"{module}.{name}", "is a global outside the allowed set") from None
+        return _global(self.stand_ins, module, name)
 
     def persistent_load(self, pid: Any) -> Any:
-        raise Refused(f"persistent id {str(pid)[:60]!r}", "is refused (nothing shardyard reads uses one)")
+        return _no_persistent_id(pid)
 
 
 _IMMUTABLE_TYPE = 1 << 8  # Py_TPFLAGS_IMMUTABLETYPE: no attribute of the class can be set (C classes)
