@@ -1,6 +1,7 @@
 # python bench/failure_detection.py [--timeout-s 20]
-#   How soon a job ends after it loses a worker or a node (printed, never asserted: the tests check that it
-#   ends, exits 1 and names what it lost; tests/e2e/test_fault_tolerance.py, tests/cluster/test_multinode.py):
+#   How soon a job ends after it loses a worker or a node. This is where that latency is measured: printed
+#   here, never asserted in a test. The tests (tests/e2e/test_fault_tolerance.py, tests/cluster/test_multinode.py)
+#   check that the job ends, exits non-zero and names what it lost, behind a hang guard of 600 s only.
 #   1. one host, 2 ranks (ddp): kill -9 one worker; seconds until `python train.py` exits.
 #   2. two namespace hosts (root and iproute2 only; tests/cluster/hosts.py), 1 rank each: node 1 killed
 #      (kill -9 of everything in it) or unplugged (its link down); seconds until node 0 exits, against
@@ -53,7 +54,7 @@ def one_host(tmp: Path, timeout_s: int) -> float:
         sys.exit("one host: the job was still running 120 s after the collective timeout")
     took = time.monotonic() - t
     print(f"1. one host, 2 ranks, a worker killed: the job exited {code} after {took:.1f} s "
-          f"(launch.timeout_s={timeout_s})", flush=True)
+          f"(launch.timeout_s={timeout_s}; the target: within seconds)", flush=True)
     return took
 
 

@@ -39,18 +39,84 @@ def gpu_env() -> dict:
     return env
 
 
+NO_GPU = "no GPU on this machine"
+"""The GPU tier's one skip for a machine: no driver reports a GPU (``driver_gpus``)."""
+CAPABILITY = "capability: "
+"""The prefix of the GPU tier's other allowed skip: a capability these GPUs lack, named (``capability()``)."""
+
+
+def capability(what: str) -> str:
+    """A GPU-tier skip reason the session allows: these GPUs lack ``what`` (e.g. float8 matmuls below 8.9)."""
+    return CAPABILITY + what
+
+
+def driver_gpus() -> tuple[int, str]:
+    """The GPUs the NVIDIA driver reports, asked without torch, and how it was asked: ``nvidia-smi -L`` (on PATH),
+    else the entries of /proc/driver/nvidia/gpus/. ``SHARDYARD_TEST_DRIVER_GPUS=N`` stands in for the driver
+    (tests/unit/test_gpu_tier_probe.py fakes a GPU with it); ``SHARDYARD_TEST_DRIVER_PROC`` for the /proc path."""
+    fake = os.environ.get("SHARDYARD_TEST_DRIVER_GPUS")
+    if fake is not None:
+        return int(fake), f"SHARDYARD_TEST_DRIVER_GPUS={fake}"
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60).stdout
+        listed = [line for line in out.splitlines() if line.startswith("GPU ")]
+        if listed:
+            return len(listed), f"nvidia-smi -L lists {len(listed)}"
+    except (OSError, subprocess.SubprocessError):
+        pass
+    proc = Path(os.environ.get("SHARDYARD_TEST_DRIVER_PROC", "/proc/driver/nvidia/gpus"))
+    entries = list(proc.iterdir()) if proc.is_dir() else []
+    return len(entries), f"{proc} has {len(entries)}"
+
+
 @functools.lru_cache(maxsize=None)
-def gpu_count() -> int:
-    """The GPUs the GPU tier's runs see, counted by a fresh interpreter (this process keeps CUDA hidden and
-    uninitialised); 0 at once with a CPU build of torch."""
+def torch_gpus() -> tuple[int, str | None]:
+    """The GPUs the GPU tier's runs see through torch, counted by a fresh interpreter (this process keeps CUDA
+    hidden and uninitialised), and why none when none: a CPU build of torch, a failed CUDA initialisation (its
+    error), or ``device_count() == 0``."""
     import torch
 
     if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
-        return 0
-    proc = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"], env=gpu_env(),
-                          capture_output=True, text=True, timeout=300)
+        return 0, f"torch {torch.__version__} is a CPU build (no CUDA)"
+    code = "import torch; torch.cuda.init(); print(torch.cuda.device_count())"
+    proc = subprocess.run([sys.executable, "-c", code], env=gpu_env(), capture_output=True, text=True, timeout=300)
     lines = proc.stdout.split()
-    return int(lines[-1]) if proc.returncode == 0 and lines else 0
+    if proc.returncode or not lines:
+        tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        return 0, f"CUDA does not initialise in torch {torch.__version__}: {tail}"
+    n = int(lines[-1])
+    return n, None if n else f"torch {torch.__version__}: torch.cuda.device_count() is 0"
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_tier() -> tuple[int, str | None]:
+    """(the GPUs the tier's runs use, why the tier must FAIL or None). No driver GPU: (0, None), the tier skips
+    with NO_GPU. A driver that reports GPUs torch cannot use is a broken machine, not a CPU one: the tier fails
+    with the reason (a CPU build of torch, CUDA's init error, none counted), so CI cannot pass on it by
+    skipping."""
+    listed, how = driver_gpus()
+    if listed == 0:
+        return 0, None
+    n, why = torch_gpus()
+    if n == 0:
+        return 0, f"the driver reports {listed} GPU(s) ({how}) but torch cannot use them: {why}"
+    return n, None
+
+
+def gpu_count() -> int:
+    """The GPUs the GPU tier's runs see (0 without a driver GPU, or when torch cannot use them: ``gpu_tier``)."""
+    return gpu_tier()[0]
+
+
+def need_gpus() -> int:
+    """For a GPU test outside tests/gpu: the GPU count, a skip with NO_GPU, or a failure with ``gpu_tier``'s
+    reason when the driver reports GPUs that torch cannot use."""
+    n, broken = gpu_tier()
+    if broken:
+        pytest.fail(broken, pytrace=False)
+    if n == 0:
+        pytest.skip(NO_GPU)
+    return n
 
 
 def use_gpus(monkeypatch) -> None:
@@ -64,11 +130,14 @@ def use_gpus(monkeypatch) -> None:
 
 
 def pytest_report_header(config):
-    n = gpu_count()
+    n, broken = gpu_tier()
+    if broken:
+        return f"GPU tier: FAILS: {broken}"
     if n == 0:
-        return "GPU tier: no CUDA device (tests/gpu skip); the other tiers run on CPU"
+        return f"GPU tier: {NO_GPU} (tests/gpu skip); the other tiers run on CPU"
     return (f"GPU tier: {n} visible GPU(s), every engine runs at world {n}"
-            + (" (FSDP and ZeRO shard over that one rank)" if n == 1 else "")
+            + (" (FSDP and ZeRO shard over that one rank; fsdp_tp, pipeline and expert parallelism need 2+)"
+               if n == 1 else "")
             + "; the other tiers run on CPU (CUDA_VISIBLE_DEVICES hidden)")
 
 
@@ -101,31 +170,55 @@ def one_host(tmp_path_factory):
 # session, after a list of them and why. Every requirement of those tests is installed by `make test`
 # (scripts/cluster_deps.sh as root, scripts/setup.sh), so a skip means a tier silently did not run.
 # SHARDYARD_ALLOW_SKIPS=1 lets a developer without root (or with SHARDYARD_SKIP_HOROVOD=1) pass anyway.
+# The GPU tier's skips are listed too, with their reasons; two reasons are allowed (NO_GPU, and a named
+# CAPABILITY the GPUs lack), any other fails the session whatever SHARDYARD_ALLOW_SKIPS says.
 _SKIPPED: list[tuple[str, str]] = []
+_GPU_SKIPPED: list[tuple[str, str]] = []
 
 
 def _gpu_tier(report) -> bool:
     return report.nodeid.startswith("tests/gpu/") or "gpu" in getattr(report, "keywords", {})
 
 
+def _skip_reason(report) -> str:
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
+def _gpu_skip_allowed(reason: str) -> bool:
+    return reason == NO_GPU or reason.startswith(CAPABILITY)
+
+
 def pytest_runtest_logreport(report):
-    if report.skipped and not hasattr(report, "wasxfail") and not _gpu_tier(report):
-        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
-        _SKIPPED.append((report.nodeid, reason))
+    if report.skipped and not hasattr(report, "wasxfail"):
+        (_GPU_SKIPPED if _gpu_tier(report) else _SKIPPED).append((report.nodeid, _skip_reason(report)))
 
 
 def pytest_collectreport(report):  # a module-level skip (pytest.importorskip at import) skips at collection
-    if report.skipped and not _gpu_tier(report):
-        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
-        _SKIPPED.append((report.nodeid, reason))
+    if report.skipped:
+        (_GPU_SKIPPED if _gpu_tier(report) else _SKIPPED).append((report.nodeid, _skip_reason(report)))
 
 
 def pytest_sessionfinish(session, exitstatus):
-    if _SKIPPED and exitstatus == 0 and os.environ.get("SHARDYARD_ALLOW_SKIPS") != "1":
+    bad_gpu = any(not _gpu_skip_allowed(reason) for _, reason in _GPU_SKIPPED)
+    if exitstatus == 0 and (bad_gpu or _SKIPPED and os.environ.get("SHARDYARD_ALLOW_SKIPS") != "1"):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if _GPU_SKIPPED:
+        bad = [(nodeid, reason) for nodeid, reason in _GPU_SKIPPED if not _gpu_skip_allowed(reason)]
+        terminalreporter.section("skipped in the GPU tier" + (": the session fails" if bad else ""), sep="=",
+                                 red=bool(bad))
+        reasons: dict[str, list[str]] = {}
+        for nodeid, reason in _GPU_SKIPPED:
+            reasons.setdefault(reason, []).append(nodeid)
+        for reason, ids in reasons.items():
+            verdict = "allowed" if _gpu_skip_allowed(reason) else f"NOT allowed (only {NO_GPU!r} or {CAPABILITY}...)"
+            terminalreporter.line(f"{len(ids)} skipped, {verdict}: {reason}")
+            if reason != NO_GPU:  # the capability and the refused ones, by test
+                for nodeid in ids:
+                    terminalreporter.line(f"  {nodeid}")
     if not _SKIPPED:
         return
     allowed = os.environ.get("SHARDYARD_ALLOW_SKIPS") == "1"

@@ -319,7 +319,6 @@ class Checkpointer:
                 from shardyard.export import save_hf
 
                 save_hf(self.backend, self.tokenizer_dir, os.path.join(tmp, "hf"))
-            drills.pause_in_save(step)
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # DCP's CheckpointException is a BaseException

@@ -98,6 +98,20 @@ def network_env(socket_ifname: str | None) -> None:
         os.environ.setdefault("NCCL_SOCKET_IFNAME", socket_ifname)
 
 
+DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_ALGO": "Ring", "NCCL_PROTO": "Simple"}
+"""``train.deterministic``'s environment: cuBLAS reads its workspace setting when its first handle is made, NCCL
+its algorithm and protocol when its first communicator is made, so they are set before any worker starts."""
+
+
+def deterministic_env(on: bool) -> None:
+    """``train.deterministic``: DETERMINISTIC_ENV in this process, which every worker inherits (the elastic
+    agent's, Horovod's runner's, or this very process's under an external launcher); a variable the user set
+    themselves wins."""
+    if on:
+        for key, value in DETERMINISTIC_ENV.items():
+            os.environ.setdefault(key, value)
+
+
 def slurm_master_address() -> str:
     """Where rank 0 listens: the first node of the step (or job), by name when the name resolves (the usual
     cluster), else by the address Slurm itself uses to reach that node (its ``NodeAddr``; one controller

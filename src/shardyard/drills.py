@@ -1,13 +1,15 @@
 """Fault drills for shardyard's own tests, switched on by environment variables; inert otherwise.
 
-* ``SHARDYARD_TEST_CRASH_AT_STEP=STEP[:RANK][@TEXT]``: that rank dies (exit 13) after that step, on the first
-  attempt only (a restarted worker has ``TORCHELASTIC_RESTART_COUNT`` > 0); with ``@TEXT`` only in a run whose
-  directory contains TEXT (one job of a sweep).
+* ``SHARDYARD_TEST_CRASH_AT_STEP=STEP[:RANK][@TEXT][=raise]``: that rank dies (exit 13) after that step, on the
+  first attempt only (a restarted worker has ``TORCHELASTIC_RESTART_COUNT`` > 0); with ``@TEXT`` only in a run
+  whose directory contains TEXT (one job of a sweep); with ``=raise`` by an exception (a bug's way to die: its
+  traceback must reach the user however the worker was started).
 * ``SHARDYARD_TEST_POISON_GRAD=STEP:RANK:PARAM[=VALUE]``: the gradient of parameter PARAM turns NaN (or VALUE,
   e.g. ``inf``: an fp16 overflow) on that rank during that step.
-* ``SHARDYARD_TEST_PAUSE_IN_SAVE=SECONDS[@STEP]``: every rank sleeps inside the checkpoint save (of STEP).
 * ``SHARDYARD_TEST_KILL_IN_SAVE=POINT@STEP[:RANK]``: when that rank (default 0) reaches the named point of the
-  save of STEP (``SAVE_POINTS``), the whole job dies by SIGKILL at once, as in a node failure.
+  save of STEP (``SAVE_POINTS``), the whole job dies by SIGKILL at once, as in a node failure. A kill is placed at
+  a named moment, never after a sleep: a test then knows what the moment left (a sleep-placed kill also passes
+  when it lands before any file exists).
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import time
 from typing import Callable
 
 
@@ -23,11 +24,14 @@ def crash_after(step: int, rank: int, run_dir: str = "") -> None:
     spec = os.environ.get("SHARDYARD_TEST_CRASH_AT_STEP")
     if not spec or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         return
+    spec, _, how = spec.partition("=")
     spec, _, where = spec.partition("@")
     if where and where not in os.path.basename(os.path.normpath(run_dir)):
         return
     at, _, who = spec.partition(":")
     if step == int(at) and rank == int(who or 0):
+        if how == "raise":
+            raise RuntimeError(f"SHARDYARD_TEST_CRASH_AT_STEP: rank {rank} raises after step {step}")
         print(f"shardyard | SHARDYARD_TEST_CRASH_AT_STEP: rank {rank} dies after step {step}", file=sys.stderr, flush=True)
         os._exit(13)
 
@@ -79,13 +83,6 @@ def qlora_on_cpu() -> bool:
     rule: QLoRA is a CUDA method), but bitsandbytes 0.50 has CPU kernels for its 4-bit layers, so the CPU tier
     proves the path itself: quantise, adapters, train, merge."""
     return os.environ.get("SHARDYARD_TEST_QLORA_ON_CPU") == "1"
-
-
-def pause_in_save(step: int) -> None:
-    seconds, _, at = os.environ.get("SHARDYARD_TEST_PAUSE_IN_SAVE", "").partition("@")
-    if float(seconds or 0) and (not at or int(at) == step):
-        print(f"shardyard | SHARDYARD_TEST_PAUSE_IN_SAVE: pausing {seconds}s inside the save", flush=True, file=sys.stderr)
-        time.sleep(float(seconds))
 
 
 SAVE_POINTS = ("begin", "engine_written", "rank_written", "before_hash", "before_meta", "before_fsync",

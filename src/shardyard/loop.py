@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from shardyard.facts import Plan
 from shardyard.data import TrainStream, eval_batches
 from shardyard.debug import NonFiniteGuard, anomaly_detection
 from shardyard.metrics import memory_metrics, peak_tflops
+from shardyard.model import SpeedProbe
 from shardyard.moe import Balancer
 from shardyard.monitors import Monitors
 from shardyard.profiling import StepProfiler
@@ -33,6 +35,7 @@ class LoopResult:
     stopped_early_at: int | None = None  # the step after whose evaluation train.early_stopping_patience stopped
     warnings: list = field(default_factory=list)  # what Health printed
     pruned_at: int | None = None  # the step after whose evaluation a sweep's pruner stopped the run
+    speed_options: dict = field(default_factory=dict)  # model.SpeedProbe's record of the first step trained here
 
 
 def to_device(x, device: torch.device):
@@ -203,8 +206,13 @@ def train(cfg: DictConfig, plan: Plan, backend: Backend, stream: TrainStream, va
             n = (backend.all_reduce_mean(labels) * backend.dp_size).round().clamp(min=1)
             weight = (accum * backend.dp_size / n).float()
             step_ce = torch.zeros((), device=dev)
-            for micro, (x, y) in enumerate(batches):
-                step_ce += backend.forward_backward(x, y, is_last_micro=micro == accum - 1, weight=weight).float()
+            probing = step == start_step  # one step: the options' record (debug.measure_activations: its bytes)
+            with SpeedProbe(backend.hf_model(), cfg.model, bool(cfg.debug.measure_activations)) if probing \
+                    else contextlib.nullcontext() as probe:
+                for micro, (x, y) in enumerate(batches):
+                    step_ce += backend.forward_backward(x, y, is_last_micro=micro == accum - 1, weight=weight).float()
+            if probe is not None:  # what the speed options did, measured on this engine (summary.json)
+                res.speed_options = probe.record
         # This rank's share of the step's token-weighted mean: the mean over ranks (at log steps) is sum / N.
         step_loss = step_ce * (backend.dp_size / n).float()
         with torch.profiler.record_function("optimizer_step"):

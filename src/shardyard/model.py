@@ -619,6 +619,7 @@ def float8_linears(model: torch.nn.Module) -> int:
 
 
 _LOSS_TARGETS: Any = None  # the targets of the loss being computed (a chunked head reads them): apply_chunked_loss
+_PROBED = {"loss_chunks": 0}  # chunks the chunked heads of this process computed (SpeedProbe reads the step's)
 
 
 def apply_chunked_loss(model: Any, m: DictConfig) -> None:
@@ -661,6 +662,7 @@ def apply_chunked_loss(model: Any, m: DictConfig) -> None:
         total = hidden.new_zeros((), dtype=torch.float32)
         for i in range(0, h.size(0), chunk):  # 2, 3
             total = total + checkpoint(piece, h[i:i + chunk], t[i:i + chunk], use_reentrant=False)
+            _PROBED["loss_chunks"] += 1  # what SpeedProbe reports: this head, not the plain one, computed the loss
         return total
 
     head.forward = forward
@@ -676,6 +678,121 @@ def _bare(model: Any) -> Any:
 
 def has_chunked_loss(model: Any) -> bool:
     return bool(getattr(_bare(model), "shardyard_loss_chunk", 0))
+
+
+class SpeedProbe:
+    """``summary.json``'s ``speed_options``: what the speed options did at one training step (the first this run
+    trains), measured inside the engine's own step, so an option that an engine's wrapper or sharding dropped
+    shows as nothing done. Entered around the step's forward and backward (``loop.train``); one step only, so
+    the cost of measuring (a dispatch mode over that step's ops) stays off every other step.
+
+    * ``loss_chunks``: the chunks the ``model.loss_chunk`` head computed in the step's training forwards
+      (micro-batches x ceil(tokens / loss_chunk) on every engine that takes it; null when the option is off).
+    * ``compiled_calls``: the times the step entered compiled code (``model.compile``): dynamo's cached graphs
+      that passed their guards, and the graphs it compiled then. Each block's forward once per micro-batch
+      (a pipeline stage's blocks once per pipeline micro-batch); 0: the blocks ran eagerly; null when off.
+    * ``kept_bytes`` / ``block_kept_bytes``: the bytes of the tensors the step's training forwards created
+      that are still alive when backward starts (what backward reads: the activations activation
+      checkpointing saves or drops), and of those the ones created inside the transformer blocks. The most
+      alive at the start of any backward (a pipeline stage has several micro-batches in flight). Storage
+      is counted once however many views share it; a DTensor counts its local shard. Measured only with
+      ``debug.measure_activations`` (``measure``), never under ``model.compile`` (null): a dispatch mode
+      would run the compiled blocks eagerly."""
+
+    def __init__(self, model: Any, m: DictConfig, measure: bool = True) -> None:
+        self.m, self.blocks, self.measure = m, transformer_blocks(_bare(model)), measure
+        self.record: dict[str, Any] = {}
+
+    def __enter__(self) -> SpeedProbe:
+        from torch._dynamo.utils import counters
+
+        self.chunks0, self.graphs0, self.hits = _PROBED["loss_chunks"], counters["stats"]["unique_graphs"], 0
+        self.mode = _KeptBytes(self.blocks).__enter__() if self.measure and not self.m.compile else None
+        if self.m.compile:
+            from torch._C._dynamo.eval_frame import set_guard_complete_hook
+
+            def guarded(cache_hit: bool) -> bool:  # dynamo's hook at every entry into compiled code (its guards run)
+                self.hits += cache_hit
+                return self.chained(cache_hit) if self.chained is not None else cache_hit
+
+            self.chained = set_guard_complete_hook(guarded)  # e.g. torch.compiler.set_enable_guard_collectives'
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        from torch._dynamo.utils import counters
+
+        if self.mode is not None:
+            self.mode.__exit__(*exc)
+        if self.m.compile:
+            from torch._C._dynamo.eval_frame import set_guard_complete_hook
+
+            set_guard_complete_hook(self.chained)
+        compiled = self.hits + counters["stats"]["unique_graphs"] - self.graphs0
+        mode = self.mode if self.mode is not None and self.mode.counted else None
+        self.record = {
+            "loss_chunks": _PROBED["loss_chunks"] - self.chunks0 if int(self.m.get("loss_chunk", 0)) > 0 else None,
+            "compiled_calls": compiled if self.m.compile else None,
+            "kept_bytes": mode.kept if mode else None, "block_kept_bytes": mode.block_kept if mode else None}
+
+
+class _KeptBytes(torch.utils._python_dispatch.TorchDispatchMode):
+    """``SpeedProbe``'s memory figures. Every op's outputs in a forward (autograd not running: no graph task)
+    are remembered by weak references to their storages, tagged when a transformer block is running (forward
+    hooks); at the first op of each backward the storages still alive are summed."""
+
+    def __init__(self, blocks: list[torch.nn.Module]) -> None:
+        super().__init__()
+        self.blocks, self.depth, self.kept, self.block_kept, self.counted = blocks, 0, 0, 0, True
+        self.live: dict[int, tuple[Any, int, bool]] = {}  # storage address: (weak ref, bytes, inside a block)
+        self.sampled: set[int] = set()
+
+    def __enter__(self) -> _KeptBytes:
+        def enter(*_: Any) -> None:
+            self.depth += 1
+
+        def leave(*_: Any) -> None:
+            self.depth -= 1
+
+        self.hooks = [h for b in self.blocks
+                      for h in (b.register_forward_pre_hook(enter), b.register_forward_hook(leave))]
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self.hooks:
+            h.remove()
+        self.live.clear()
+        super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        task = torch._C._current_graph_task_id()
+        if task != -1 and task not in self.sampled and self.counted:  # a backward starts: what the forwards left
+            self.sampled.add(task)
+            alive = [(n, inside) for ref, n, inside in self.live.values() if not ref.expired()]
+            self.kept = max(self.kept, sum(n for n, _ in alive))
+            self.block_kept = max(self.block_kept, sum(n for n, inside in alive if inside))
+        out = func(*args, **(kwargs or {}))
+        if task == -1 and self.counted:
+            try:  # new storages only: a view of its input (a weight's transpose) allocates nothing
+                held = {s.data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs)) for s in _storages(t)}
+                for storage in (s for t in torch.utils._pytree.tree_leaves(out) for s in _storages(t)):
+                    if storage.data_ptr() not in held and (storage.data_ptr() not in self.live
+                                                           or self.live[storage.data_ptr()][0].expired()):
+                        self.live[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes(), self.depth > 0)
+            except Exception:  # a tensor kind without storages to count: no figure rather than a failed step
+                self.counted = False
+        return out
+
+
+def _storages(t: Any) -> list[Any]:
+    """The storages a tensor holds: its own, or a wrapper subclass's inner tensors' (a DTensor's local shard,
+    a float8 tensor's data and scale)."""
+    if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+        return []
+    if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
+        return [s for name in t.__tensor_flatten__()[0] for s in _storages(getattr(t, name))]
+    return [t.untyped_storage()]
 
 
 def prepare_model(model: Any, cfg: DictConfig, device: torch.device) -> None:

@@ -60,6 +60,7 @@ def _run(cfg: DictConfig) -> None:
             print(f"shardyard | {complete} Run dir: {cfg.run_dir}", flush=True)
         return
     dist_env.network_env(cfg.launch.socket_ifname)  # before any process group exists
+    dist_env.deterministic_env(cfg.train.deterministic)  # before any worker starts CUDA or NCCL
     if env is None:
         _run_parent(cfg, plan)
     else:

@@ -58,6 +58,9 @@ def _one_run(rank: int, world: int, overrides: list[str], run_dir: str) -> None:
         # This rank's own tensors exactly as the engine holds them (a replica, or DTensor local shards).
         out["local"] = {k: local(v).detach().cpu().clone()
                         for k, v in backend.hf_model().state_dict().items()}
+        # Expert parallelism: the token rows each MoE layer's all-to-all sent each rank of its group (training).
+        out["ep_rows_sent"] = {name: list(m.ep_rows_sent) for name, m in backend.hf_model().named_modules()
+                               if hasattr(m, "ep_rows_sent")}
 
     out["summary"] = worker.main(cfg, plan, after_train=grab)
     torch.save(out, os.path.join(run_dir, f"rank{rank}.pt"))
@@ -623,7 +626,7 @@ def activation_memory(overrides: list[str], rows: int, seq: int) -> dict:
     import torch
 
     from shardyard.config import checkpointed_fraction, checkpointing_mode
-    from shardyard.model import build_model, causal_lm_loss_sum, model_shape, prepare_replica
+    from shardyard.model import SpeedProbe, build_model, causal_lm_loss_sum, model_shape, prepare_replica
     from shardyard.plan import _activations
 
     def status(field: str) -> int:
@@ -638,11 +641,12 @@ def activation_memory(overrides: list[str], rows: int, seq: int) -> dict:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current resident size
     base = status("VmRSS")
-    loss = causal_lm_loss_sum(model, x, y)
-    kept = status("VmRSS") - base
-    loss.backward()
+    with SpeedProbe(model, cfg.model) as probe:  # summary.json's figure of the same bytes, beside the system's
+        loss = causal_lm_loss_sum(model, x, y)
+        kept = status("VmRSS") - base
+        loss.backward()
     shape = model_shape(build_model(cfg.model, cfg.seed, on_meta=True))
     regime = "fp32" if cfg.precision.name == "fp32" else "autocast"
     planned = _activations(shape, regime, rows * seq, checkpointing_mode(cfg.model),
                            checkpointed_fraction(cfg.model, shape["blocks"]), int(cfg.model.get("loss_chunk", 0)))
-    return {"kept": kept, "peak": status("VmHWM") - base, "plan": planned}
+    return {"kept": kept, "peak": status("VmHWM") - base, "plan": planned, "probe": probe.record}

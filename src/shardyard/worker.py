@@ -36,10 +36,29 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def deterministic(on: bool) -> None:
+    """``train.deterministic``: deterministic kernels (an op without one raises, naming itself) and cuDNN without
+    autotuning; the environment (``dist_env.DETERMINISTIC_ENV``) was set before this worker started. Set either
+    way: the jobs of an in-process sweep share this process."""
+    torch.use_deterministic_algorithms(on)
+    torch.backends.cudnn.deterministic = on
+    if on:
+        torch.backends.cudnn.benchmark = False
+
+
+def determinism() -> dict:
+    """What this worker runs under, as ``summary.json`` records it (``deterministic``)."""
+    from shardyard.dist_env import DETERMINISTIC_ENV
+
+    return {"algorithms": torch.are_deterministic_algorithms_enabled(), "cudnn": torch.backends.cudnn.deterministic,
+            **{key: os.environ.get(key) for key in DETERMINISTIC_ENV}}
+
+
 def main(cfg: DictConfig, plan: Plan, after_train: Callable[[Backend], None] | None = None) -> dict:
     """Train one worker; ``after_train(backend)`` (a test seam) sees the engine before it closes."""
     from hydra.utils import get_object
 
+    deterministic(bool(OmegaConf.select(cfg, "train.deterministic", default=False)))  # before any kernel runs
     backend: Backend = get_object(cfg.backend._target_)(cfg, plan)
     backend.init()
     hosts = _hosts_by_rank(cfg.launch, plan)
@@ -56,6 +75,7 @@ def main(cfg: DictConfig, plan: Plan, after_train: Callable[[Backend], None] | N
         raise
     finally:
         try:
+            backend.run_failed = failed  # type: ignore[attr-defined]  # its teardown waits on no peer (teardown)
             backend.close()
         except Exception:
             if not failed:
@@ -214,7 +234,8 @@ def _finish(cfg: DictConfig, plan: Plan, backend: Backend, prepared: data.Prepar
         "median_step_s": float(np.median(result.step_wall_s)), "step_wall_s": result.step_wall_s,
         "final_eval_ppl": float(np.exp(min(eval_losses[-1][1], 50.0))), "run_dir": cfg.run_dir, "export": export,
         "skipped_steps": result.skipped_steps, "pruned_at": result.pruned_at,
-        "stopped_early_at": result.stopped_early_at, "warnings": result.warnings,
+        "stopped_early_at": result.stopped_early_at, "warnings": result.warnings, "deterministic": determinism(),
+        "speed_options": result.speed_options,  # what model.loss_chunk/compile/checkpointing did (model.SpeedProbe)
     }
     if cfg.train.sample_tokens > 0 and result.pruned_at is None:  # every rank: sharded engines all-gather inside the forward
         summary["sample"] = sample_text(backend.hf_model(), prepared.tokenizer_dir, cfg.train, seed=cfg.seed,

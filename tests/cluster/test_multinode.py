@@ -4,6 +4,7 @@ starts a node, ``python train.py launch.nnodes=2 launch.node_rank=K launch.rdzv_
 Skipped, with the reason, where namespaces cannot be made (no root, no ``ip``)."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -130,7 +131,11 @@ def test_losing_a_node_stops_the_other_naming_it(how, hosts, tmp_path):
                 os.kill(int(pid), 9)
         else:
             hosts.link(1, up=False)
-        code = procs[0].wait(timeout=timeout_s + 60)  # a hang guard: TimeoutExpired fails the test
+        try:  # a hang guard, not a latency bound (bench/failure_detection.py measures how soon node 0 exits)
+            code = procs[0].wait(timeout=600)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"hang guard: node 0 had not exited 600 s after node 1 was {how} (how soon it "
+                                 "exits is measured, never asserted: python bench/failure_detection.py)") from None
     finally:
         hosts.link(1, up=True)
         for p in procs:
@@ -167,7 +172,8 @@ def test_a_failed_node_restarts_and_all_nodes_resume_to_the_clean_result(hosts, 
     os.kill(int(workers[0]), 9)
     nodes = collect(procs, 300)
     assert [code for code, _ in nodes] == [0, 0], "\n\n".join(out[-4000:] for _, out in nodes)
-    assert all("resumed from" in out for _, out in nodes[:1]), nodes[0][1][-3000:]
+    # Rank 0 (node 0) names the checkpoint it resumed from: one of the restart's step-10/20/30 checkpoints.
+    assert re.search(r"resumed from \S+/step-0*[1-3]0\b", nodes[0][1]), nodes[0][1][-3000:]
     assert close(losses(run_dir), one_host("ddp", *RESTARTED)), (losses(run_dir), one_host("ddp", *RESTARTED))
 
 

@@ -1,6 +1,7 @@
 """Expert parallelism (``backend.ep``) on the FSDP2 family equals the single process: losses and global pre-clip
 grad norms within 1e-4 at (world 2, ep 2), (world 4, ep 2), (world 4, ep 4) with accumulation 1 and 2, with
-activation checkpointing, and for 2 pipeline stages x ep 2 at world 4; each rank holds E / ep whole experts; a
+activation checkpointing, and for 2 pipeline stages x ep 2 at world 4, each run measured to have sent token rows
+to every EP peer (equality alone would hold with ``ep`` ignored); each rank holds E / ep whole experts; a
 resume is bit for bit, and a checkpoint written at ep 2 resumes at ep 4 (and 4 -> 2) with the same losses; the HF
 export scores the eval set as the engine did. A MoE layer makes the host wait once per forward (issue 41), and
 ``backend.ep_capacity_factor`` stops a collapsed routing with one paragraph (exit 2) where null trains on."""
@@ -34,6 +35,23 @@ def assert_close(got, ref, what, rel=1e-4):
     assert len(got) == len(ref) and worst <= rel, f"{what}: {worst:.2e}\n got {got}\n ref {ref}"
 
 
+def assert_tokens_crossed(ranks, ep, steps=6, stages=1, forwards=1, placeholder=0):
+    """What the runs measured (``ep_rows_sent``: the token rows each rank's all-to-all sent each rank of its EP
+    group in training forwards): every rank that holds the MoE layer sent rows to each of its ``ep - 1`` peers,
+    and its rows, kept and sent, are exactly its routed slots: ``steps`` x its 8 x 64 / dp tokens x top 2 per
+    forward (``forwards`` 2: activation checkpointing's recomputation dispatches again), and a pipeline stage's
+    ``placeholder`` sequences (its schedule's first step runs it once on placeholder tensors). Plain FSDP
+    (``ep`` ignored) dispatches nothing: no rank has the counter."""
+    held = [rank["ep_rows_sent"] for rank in ranks if rank["ep_rows_sent"]]
+    assert len(held) == len(ranks) // stages, [rank["ep_rows_sent"] for rank in ranks]
+    slots = (steps * 8 // (len(ranks) // stages) * forwards + placeholder) * 64 * 2
+    for r, sent in enumerate(held):
+        rows = sent["model.layers.1.mlp.experts"]
+        me = r % ep
+        assert len(rows) == ep and sum(rows) == slots, (r, rows, slots)
+        assert all(n > 0 for i, n in enumerate(rows) if i != me), (r, rows)  # crossed to every peer
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("ep")
@@ -61,16 +79,23 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("run", ["w2-ep2", "w2-ep2-accum2", "w2-ep2-ckpt", "w4-ep2", "w4-ep2-accum2", "w4-ep4",
                                  "w4-ep4-accum2", "w4-pp2-ep2"])
 def test_expert_parallel_matches_single_process(run, runs):
+    """Equal to the single process, and measured to be expert parallel: tokens crossed ranks (equality alone
+    holds with ``backend.ep`` ignored)."""
     ref = runs["single"]
     for rank in runs[run]:  # every rank reports the same all-reduced numbers
         assert_close(curve([rank]), curve(ref), f"{run} loss")
         assert_close(curve([rank], "grad_norms"), curve(ref, "grad_norms"), f"{run} grad norm")
+    ep = 4 if "ep4" in run else 2
+    pp = {"stages": 2, "placeholder": 1} if "pp2" in run else {}  # one micro-batch: 1 sequence
+    assert_tokens_crossed(runs[run], ep, forwards=2 if "ckpt" in run else 1, **pp)
 
 
 @pytest.mark.parametrize("run,ep", [("w2-ep2", 2), ("w4-ep4", 4), ("w4-ep2", 2)])
 def test_each_rank_holds_its_own_whole_experts(run, ep, runs):
     """Rank r's experts are rows r % ep of the E / ep blocks (its EP index), sharded over edp by FSDP: the local
-    shards of one EP group's ranks are disjoint experts, together E / ep per EP rank, all E over the group."""
+    shards of one EP group's ranks are disjoint experts, together E / ep per EP rank, all E over the group. Only
+    (world 4, ep 2) differs from plain FSDP's dim-0 chunks; at ep = world the all-to-all counts
+    (``assert_tokens_crossed``) are what tell EP from FSDP."""
     ranks = runs[run]
     full = ranks[0]["full"][EXPERTS]  # the export's [E, 2I, H]
     per_ep_rank = full.shape[0] // ep
@@ -86,12 +111,14 @@ def test_each_rank_holds_its_own_whole_experts(run, ep, runs):
 
 def test_resume_is_bit_for_bit(runs):
     assert curve(runs["w2-ep2-resumed"]) == curve(runs["w2-ep2"])
+    assert_tokens_crossed(runs["w2-ep2-resumed"], 2, steps=3)  # steps 4-6, expert parallel again
 
 
 @pytest.mark.parametrize("resumed,full", [("w4-ep2-to-ep4", "w4-ep2"), ("w4-ep4-to-ep2", "w4-ep4")])
 def test_a_checkpoint_resumes_at_another_ep(resumed, full, runs):
     """DCP reshards the experts' global [E, ...] tensors: steps 4-6 after a change of ep equal the run that kept it."""
     assert_close(curve(runs[resumed])[3:], curve(runs[full])[3:], f"{resumed} loss", rel=1e-5)
+    assert_tokens_crossed(runs[resumed], 4 if resumed.endswith("ep4") else 2, steps=3)
 
 
 def test_export_loads_into_transformers_deepseek_v3_with_the_engines_eval_loss(runs):

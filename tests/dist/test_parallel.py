@@ -97,8 +97,11 @@ def test_resume_is_bitwise_exact(engine, world4):
 
 def test_tensor_parallel_checkpoint_resumes_in_plain_fsdp_at_another_data_parallel_size(world4, reference):
     """DCP reshards: the dp 2 x tp 2 checkpoint of step 3 loads into FSDP over 4 ranks, which trains on as the
-    single process did."""
+    single process did: it trains steps 4-6 only (a run that ignored the checkpoint trains 6, and equals the
+    single process too) and reports steps 1-3 from the checkpoint's history."""
     moved = world4[("fsdp", "from-tp")][0]
+    assert len(moved["summary"]["step_wall_s"]) == 3
+    assert [s for s, _ in moved["summary"]["train_losses"]] == [1, 2, 3, 4, 5, 6]
     assert_close(curve(moved), curve(reference), 1e-4, "fsdp x4 from the tp checkpoint, loss")
 
 

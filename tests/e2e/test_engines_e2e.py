@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from conftest import ROOT, TINY, train_py
+from shardyard.testing import compose, hf_eval_loss
 
 FAST = [*TINY, "train.steps=3", "train.eval_every_n_steps=0", "checkpoint.save_final=true"]
 
@@ -18,10 +19,11 @@ def test_sharded_engine_trains_and_exports_through_train_py(engine, tmp_path):
     proc = train_py(*FAST, f"backend={engine}", "launch.nproc_per_node=2", "backend.dump_config=true"
                     if engine == "zero3" else "backend.reshard_after_forward=true", run_dir=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True)
-    assert sum(p.numel() for p in model.parameters()) == json.load(open(tmp_path / "summary.json"))["params"]
+    # The export loads with AutoModelForCausalLM and holds the trained weights: it scores the eval set as the run
+    # did at its last step (a parameter count passes weights filled in at random, or untrained ones).
+    engine_loss = json.load(open(tmp_path / "summary.json"))["eval_losses"][-1][1]
+    got = hf_eval_loss(str(tmp_path / "hf"), compose([*FAST, f"backend={engine}"], str(tmp_path)), 2)
+    assert abs(got - engine_loss) <= 1e-4 * engine_loss, (got, engine_loss)
     if engine == "zero3":
         generated = json.load(open(tmp_path / "deepspeed_config.json"))
         assert "generated DeepSpeed config" in proc.stdout

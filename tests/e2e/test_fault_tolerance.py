@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from conftest import ROOT, TINY, train_py
-from shardyard.checkpoint import _meta_digest, verify
+from shardyard.checkpoint import _files, _meta_digest, verify, writer
 from shardyard.drills import SAVE_POINTS
 
 RUN = [*TINY, "train.eval_every_n_steps=0", "train.global_batch_size=8", "launch.nproc_per_node=2",
@@ -76,11 +76,12 @@ def test_kill_9_a_worker_then_resume_auto_at_another_world_size(tmp_path):
     proc = start(run, "train.steps=400", *mix)
     wait_for(run / "checkpoints/step-00000002/meta.json", proc)
     workers(proc)[-1].send_signal(signal.SIGKILL)
-    try:  # the survivor does not hang: it ends the job (how soon: python bench/failure_detection.py)
-        out, err = proc.communicate(timeout=120)
+    try:  # the survivor ends the job. A hang guard, not a latency bound: python bench/failure_detection.py times it
+        out, err = proc.communicate(timeout=600)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        raise AssertionError("the job still ran 120 s after one of its workers was killed") from None
+        raise AssertionError("hang guard: the job had not ended 600 s after one of its workers was killed (how "
+                             "soon it ends is measured, never asserted: python bench/failure_detection.py)") from None
     assert proc.returncode != 0 and "failed" in err and "rank" in err, err[-3000:]
     done = sorted(p for p in os.listdir(run / "checkpoints") if p.startswith("step-"))
     assert done and all(verify(str(run / "checkpoints" / d)) is None for d in done)
@@ -96,22 +97,6 @@ def test_kill_9_a_worker_then_resume_auto_at_another_world_size(tmp_path):
     final = [json.loads(line) for line in open(run / "metrics.jsonl") if "eval/loss" in line][-1]
     assert {"eval/loss/one", "eval/loss/two"} <= set(final)  # each source evaluated on its own held-out documents
     assert final["eval/loss"] == pytest.approx(0.75 * final["eval/loss/one"] + 0.25 * final["eval/loss/two"])
-
-
-def test_kill_9_during_a_save_leaves_the_previous_checkpoint(tmp_path):
-    proc = start(tmp_path, "train.steps=400", env={"SHARDYARD_TEST_PAUSE_IN_SAVE": "60@4"})
-    wait_for(tmp_path / "checkpoints/.tmp-step-00000004", proc)
-    time.sleep(2)  # the engine files of step 4 are being written / written, meta.json is not
-    for p in [*workers(proc), psutil.Process(proc.pid)]:  # the whole job, as a node failure would
-        p.send_signal(signal.SIGKILL)
-    proc.communicate()
-    ck = tmp_path / "checkpoints"
-    assert open(ck / "latest").read().strip() == "step-00000002"
-    assert not (ck / "step-00000004").exists() and verify(str(ck / ".tmp-step-00000004")) is not None
-    proc2 = train_py(*RUN, "train.steps=5", "checkpoint.resume=auto", run_dir=tmp_path)
-    assert proc2.returncode == 0, proc2.stderr[-3000:]
-    assert "resumed from" in proc2.stdout and "step-00000002" in proc2.stdout
-    assert sorted(p for p in os.listdir(ck) if p.startswith("step-")) == ["step-00000002", "step-00000004"]
 
 
 def test_damaged_checkpoints_are_skipped_back_to_the_newest_good_one(tmp_path):
@@ -180,6 +165,33 @@ DRILLS = {"single": 8, "fsdp": 6, "zero2": 6}
 killed again), so a moment costs one start of the job."""
 
 
+def left_by(ck, point: str, step: int, rank: int, world: int, files: list[str]) -> str | None:
+    """Asserts what a kill at ``point`` of the save of ``step`` (reached by ``rank``) leaves: the state that
+    point implies (``SAVE_POINTS``, in order), so a kill that fired anywhere else fails. ``files``: a whole
+    checkpoint's files (the engine writes the same names at every step). Returns the checkpoint resume=auto
+    must take next: the newest published one, or None."""
+    name, at = f"step-{step:08d}", SAVE_POINTS.index(point)
+    tmp = ck / f".tmp-{name}"
+    published = sorted(d for d in os.listdir(ck) if d.startswith("step-"))
+    assert all(verify(str(ck / d)) is None for d in published), (point, step)  # nothing half-published
+    latest = (ck / "latest").read_text().strip() if (ck / "latest").exists() else None
+    assert latest is None or latest in published, (point, step, latest)
+    if at >= SAVE_POINTS.index("before_latest"):  # renamed: published whole; `latest` names it from before_prune
+        assert name in published and not tmp.exists() and (latest == name) == (point == "before_prune"), (point, latest)
+        return published[-1]
+    assert name not in published and latest != name, (point, step, published, latest)
+    if point != "begin":  # rank 0 made the .tmp directory; from engine_written on it holds the step's files:
+        here = set(_files(str(tmp)))  # the killing rank's, and from before_hash on every rank's (the rest of the
+        want = {f for f in files if at >= SAVE_POINTS.index("before_hash") or writer(f, world) == rank}  # save: rank 0)
+        assert want and want <= here, (point, step, sorted(want - here))
+        problem = verify(str(tmp))  # meta.json comes between before_meta and before_fsync: whole, not yet published
+        if at >= SAVE_POINTS.index("before_fsync"):
+            assert problem is None, (point, step, problem)
+        else:
+            assert problem == "it has no meta.json (it was never completed)", (point, step, problem)
+    return published[-1] if published else None
+
+
 def moments(engine: str, world: int) -> list[tuple[str, int, int]]:
     """Seeded (point, step, rank) kills at steps 1, 2, ...: a kill after the rename leaves that step's
     checkpoint published, so the next moment must come later. Each engine draws distinct points; points
@@ -193,8 +205,11 @@ def moments(engine: str, world: int) -> list[tuple[str, int, int]]:
 @pytest.mark.parametrize("engine,world,background", [("single", 1, False), ("fsdp", 2, True), ("zero2", 2, False)])
 def test_kill_9_inside_saves_then_resume_auto_is_bitwise_exact(engine, world, background, tmp_path):
     """The job is killed by SIGKILL at seeded moments inside checkpoint saves (one rank reaches a named point
-    of the save and kills every process of the job); each time, every published checkpoint still verifies,
-    and resume=auto finishes with weights equal to an uninterrupted run's, byte for byte. FSDP saves in the
+    of the save and kills every process of the job); each time the directory holds what that point implies
+    (``left_by``: the step's files in its .tmp directory, meta.json or not, published or not, ``latest``), every
+    published checkpoint still verifies, the next start removes the unfinished save and resumes from the newest
+    published one, and resume=auto finishes with weights equal to an uninterrupted run's, byte for byte. This is
+    also the kill-during-a-save test of a plain job: no sleep places a kill. FSDP saves in the
     background (``checkpoint.async_save``): the points after the state is staged are reached in the save's
     thread while training goes on."""
     args = [*DRILL, f"backend={engine}", f"launch.nproc_per_node={world}", f"train.steps={DRILLS[engine] + 1}",
@@ -202,18 +217,20 @@ def test_kill_9_inside_saves_then_resume_auto_is_bitwise_exact(engine, world, ba
     clean = train_py(*args, run_dir=tmp_path / "clean")
     assert clean.returncode == 0, clean.stderr[-3000:]
     run, ck = tmp_path / "drill", tmp_path / "drill/checkpoints"
+    files = _files(str(tmp_path / "clean/checkpoints" / f"step-{DRILLS[engine] + 1:08d}"))
+    resumes, stale = None, None
     for i, (point, step, rank) in enumerate(moments(engine, world)):
         env = {"SHARDYARD_TEST_KILL_IN_SAVE": f"{point}@{step}:{rank}"}
         proc = train_py(*args, *(["checkpoint.resume=auto"] if i else []), run_dir=run, env=env)
         assert proc.returncode == -signal.SIGKILL, (point, step, proc.stderr[-3000:])
         assert f"kills the job at {point} of step {step}" in proc.stderr
-        published = sorted(d for d in os.listdir(ck) if d.startswith("step-"))
-        assert all(verify(str(ck / d)) is None for d in published), (point, step)  # nothing half-published
-        if os.path.exists(ck / "latest"):
-            assert open(ck / "latest").read().strip() in published
+        assert (f"resumed from {ck}/{resumes} " in proc.stdout) if resumes else "resumed from" not in proc.stdout
+        assert stale is None or f"removing {stale}: an unfinished save" in proc.stderr, (stale, proc.stderr[-3000:])
+        resumes = left_by(ck, point, step, rank, world, files)
+        stale = ck / f".tmp-step-{step:08d}" if (ck / f".tmp-step-{step:08d}").exists() else None
     done = train_py(*args, "checkpoint.resume=auto", run_dir=run)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "resumed from" in done.stdout and not [d for d in os.listdir(ck) if d.startswith(".tmp")]
+    assert f"resumed from {ck}/{resumes} " in done.stdout and not [d for d in os.listdir(ck) if d.startswith(".tmp")]
     assert sorted(d for d in os.listdir(ck) if d.startswith("step-")) == [f"step-{s:08d}" for s in
                                                                           (DRILLS[engine], DRILLS[engine] + 1)]
     final = [json.load(open(d / "summary.json")) for d in (tmp_path / "clean", run)]

@@ -34,12 +34,20 @@ def test_jsonl_holds_every_metric(run):
     run_dir, _ = run
     by_step = jsonl_by_step(run_dir)
     assert sorted(by_step) == [0, 2, 3, 4, 6]
+    # Training FLOPs per token counted here (PaLM's 6N + 12*L*H*Q*T): N without the input embedding (a lookup);
+    # TINY's 2 layers x 4 heads of 16, seq 64.
+    from shardyard.model import shape_model
+    from shardyard.testing import compose
+
+    n = sum(p.numel() for name, p in shape_model(compose(RUN).model).named_parameters() if "embed_tokens" not in name)
+    flops = 6 * n + 12 * 2 * 4 * 16 * 64
     assert set(by_step[0]) == {"eval/loss", "eval/ppl"} and "eval/loss" in by_step[6]
     for step in (2, 4, 6):
         m = by_step[step]
         for key in ("train/loss", "lr", "grad_norm", "tokens_per_s", "samples_per_s", "step_time_s", "data_time_s",
                     "tflops_per_device", "mfu", "memory/rss_gib"):
             assert key in m and math.isfinite(m[key]), (step, key)
+        assert m["tflops_per_device"] == pytest.approx(flops * m["tokens_per_s"] / 1e12, rel=1e-6)  # world 1
         assert m["mfu"] == pytest.approx(m["tflops_per_device"] / 0.5)  # the peak override
         assert 0.05 < m["memory/rss_gib"] < 20 and "memory/max_allocated_gib" not in m  # CPU: RSS
         assert m["tokens_seen"] == step * 4 * 64

@@ -51,10 +51,24 @@ def test_every_option_composes_and_validates(group, option, tmp_path):
         else:  # QLoRA's 4-bit kernels are CUDA-only (this tier sees no GPU: test_the_cpu_tiers_see_no_gpu)
             assert cfg.peft.name == "qlora" and "CUDA" in e.paragraph(), e.paragraph()
         return
-    tr = cfg.train  # the plan keeps what the recipe fixed and derives the rest
+    tr = cfg.train  # the plan keeps what the recipe fixed, and the batch adds up (literal cases: test_batch_plan)
     assert p.micro_batch_size == tr.micro_batch_size
-    assert p.global_batch_size == (tr.global_batch_size or p.micro_batch_size * p.grad_accum_steps * p.dp_size)
-    assert p.grad_accum_steps == (tr.grad_accum_steps or p.global_batch_size // (p.micro_batch_size * p.dp_size))
+    assert tr.global_batch_size in (None, p.global_batch_size) and tr.grad_accum_steps in (None, p.grad_accum_steps)
+    assert p.global_batch_size == p.micro_batch_size * p.grad_accum_steps * p.dp_size
+
+
+@pytest.mark.parametrize("overrides,want", [
+    # (world, data-parallel size, micro batch, accumulation, global batch), worked out by hand
+    (["backend=ddp", "launch.nproc_per_node=2", "train.micro_batch_size=8"], (2, 2, 8, 1, 16)),
+    (["backend=pipeline", "launch.nproc_per_node=2", "train.micro_batch_size=2"], (2, 1, 2, 1, 2)),  # 2 stages
+    (["backend=pipeline", "backend.stages=2", "launch.nproc_per_node=4", "train.micro_batch_size=2",
+      "train.global_batch_size=16"], (4, 2, 2, 4, 16)),  # 16 / (2 x dp 2)
+    (["backend=fsdp_tp", "backend.tp=2", "launch.nproc_per_node=4", "train.micro_batch_size=4",
+      "train.grad_accum_steps=3"], (4, 2, 4, 3, 24)),  # 4 x 3 x dp 2
+])
+def test_batch_plan(overrides, want):
+    p = plan(compose(overrides), None)
+    assert (p.world_size, p.dp_size, p.micro_batch_size, p.grad_accum_steps, p.global_batch_size) == want
 
 
 @pytest.mark.parametrize("monitors", ["[console]", "[tensorboard]", "[console,tensorboard]", "[]",

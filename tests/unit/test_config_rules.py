@@ -155,6 +155,8 @@ def test_keys_no_schema_or_plugin_reads_are_refused(overrides, key):
     (["model.loss_chunk=-1"], "model.loss_chunk"),
     (["backend=zero3", "model.compile=true"], "model.compile"),
     (["backend=zero3", "model.activation_checkpointing=selective"], "model.activation_checkpointing"),
+    (["model=deepseek_moe_tiny", "backend=fsdp", "backend.ep=2", "launch.nproc_per_node=2",
+      "model.activation_checkpointing=selective"], "model.activation_checkpointing"),  # the experts' FSDP unit
     (["backend=zero2", "precision=fp8"], "precision"),
     (["backend=pipeline", "launch.nproc_per_node=2", "model.loss_chunk=256"], "model.loss_chunk"),
     (["backend=fsdp_tp", "launch.nproc_per_node=2", "precision=fp8"], "precision"),

@@ -1,6 +1,8 @@
 """MoE routing balance (shardyard.moe): the DeepSeek-V3 bias update and the balance losses against values computed
-by hand on fixed batches, the load counting through real transformers routers (activation checkpointing
-included), no host sync in a MoE layer and one per log step for the metrics, and validation of the keys."""
+by hand on fixed batches (the sequence-wise loss on sigmoid scores, where softmax scores give another number, and
+its gradient in the router's weight), the load counting through real transformers routers (activation
+checkpointing included), no host sync in a MoE layer and one per log step for the metrics, and validation of the
+keys."""
 
 import math
 
@@ -38,13 +40,41 @@ def test_expert_level_balance_loss_by_hand():
     assert loss2.item() == pytest.approx((0.1 * 1.25 + 0.1 * 1.0) / 2)
 
 
-def test_sequence_wise_loss_normalises_sigmoid_affinities():
-    # DeepSeek-V3: s = sigmoid(logits), normalised per token. Logits 0 and ln 3 give s = 1/2 and 3/4, so the
-    # normalised affinities are [2/5, 3/5] for that token and [1/2, 1/2] for the zero one.
-    logits = torch.tensor([[0.0, math.log(3.0)], [0.0, 0.0]])
-    chosen = torch.tensor([[1], [0]])  # f = [1, 1]
-    loss = moe.balance_loss(logits, chosen, batch=1, sigmoid=True, alphas=(1.0, 0.0, 0.0))
-    assert loss.item() == pytest.approx((2 / 5 + 1 / 2) / 2 + (3 / 5 + 1 / 2) / 2)
+def test_sequence_wise_loss_takes_sigmoid_affinities_normalised_over_all_experts():
+    # DeepSeek-V3 (eqs. 17-20): s = sigmoid(u), s' = s / sum_j s_j over ALL E experts, P_i = mean_t s'_i,
+    # f_i = E / (K T) * #tokens choosing i. One sequence, T = 2, E = 3, K = 2 (each token's top 2 sigmoid scores):
+    #   token 0, u = [0, ln 3, -ln 3]: s = [1/2, 3/4, 1/4], sum 3/2, s' = [1/3, 1/2, 1/6]; chooses 1, 0
+    #   token 1, u = [ln 3, 0, 0]:     s = [3/4, 1/2, 1/2], sum 7/4, s' = [3/7, 2/7, 2/7]; chooses 0, 1
+    # f = 3/4 * [2, 2, 0] = [3/2, 3/2, 0]; P_0 = (1/3 + 3/7)/2 = 8/21, P_1 = (1/2 + 2/7)/2 = 11/28:
+    # L = 3/2 * (8/21 + 11/28) = 65/56. The f-weighting is uneven (expert 2 has no token), so the scores matter:
+    # softmax scores (V2) give 84/65 on the same logits, unnormalised sigmoid scores 15/8.
+    logits = torch.tensor([[0.0, math.log(3.0), -math.log(3.0)], [math.log(3.0), 0.0, 0.0]])
+    chosen = torch.tensor([[1, 0], [0, 1]])
+    v3 = moe.balance_loss(logits, chosen, batch=1, sigmoid=True, alphas=(1.0, 0.0, 0.0))
+    assert v3.item() == pytest.approx(65 / 56, rel=1e-6)
+    # softmax: s' = [3/13, 9/13, 1/13] and [3/5, 1/5, 1/5]; L = 3/2 * ((3/13 + 3/5) + (9/13 + 1/5)) / 2
+    v2 = moe.balance_loss(logits, chosen, batch=1, sigmoid=False, alphas=(1.0, 0.0, 0.0))
+    assert v2.item() == pytest.approx(84 / 65, rel=1e-6)
+
+
+def v3_balance_by_hand(u: torch.Tensor, chosen: torch.Tensor, batch: int, alpha: float):
+    """DeepSeek-V3's sequence-wise balance loss for router logits ``u`` [B T, E] (``chosen``: [B T, K]) and its
+    gradient with respect to ``u``, in float64, written out rather than taken from ``moe.balance_loss``:
+    L = alpha / B * sum_b sum_i f_bi P_bi = alpha / (B T) * sum_t sum_i f_i s'_ti (f of the token's sequence);
+    dL/ds_tj = alpha / (B T) * (f_j - sum_i f_i s'_ti) / S_t (S_t = sum_j s_tj); ds/du = s (1 - s)."""
+    u = u.double()
+    tokens, E = u.shape
+    K, T = chosen.shape[1], tokens // batch
+    f = torch.zeros(batch, E, dtype=torch.float64)
+    for t, experts in enumerate(chosen.tolist()):
+        for i in experts:
+            f[t // T, i] += E / (K * T)
+    f = f.repeat_interleave(T, 0)  # each token's sequence's f
+    s = u.sigmoid()
+    S = s.sum(1, keepdim=True)
+    loss = alpha / (batch * T) * (f * s / S).sum()
+    grad_s = alpha / (batch * T) * (f - (f * s / S).sum(1, keepdim=True)) / S
+    return loss, grad_s * s * (1 - s)
 
 
 def test_device_and_communication_losses_by_hand():
@@ -73,15 +103,15 @@ def _balancer(model, **keys):
     return moe.Balancer.install(model, b, experts=8)
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_loads_are_counted_once_per_forward_also_when_checkpointing_recomputes(tiny_moe, checkpointing):
+def test_loads_are_counted_once_per_forward_also_when_checkpointing_recomputes(tiny_moe):
+    """With checkpointing only: every assertion of a run without it holds here as well, the recomputed forward
+    added (a run without checkpointing counts through the same hook in the host-sync test below)."""
     cfg, model = tiny_moe
     found = moe.routers(model)
     assert [r.layer for r in found] == [1, 2] and found[0].biased and found[0].experts == 8 and found[0].top_k == 2
     chosen = []
     seen = found[0].module.register_forward_hook(lambda m, a, out: chosen.append(out[-1].clone()))
-    if checkpointing:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     balancer = _balancer(model, seq_aux_alpha=0.5)
     try:
         model.train()
@@ -91,7 +121,7 @@ def test_loads_are_counted_once_per_forward_also_when_checkpointing_recomputes(t
         (out + aux).backward()
         assert isinstance(aux, torch.Tensor) and aux.item() > 0 and moe.aux_loss(model) == 0.0  # taken once
         # One routing decision of 2 x 16 tokens; the recomputed forward (a second hook call) counts nothing.
-        assert len(chosen) == (2 if checkpointing else 1)
+        assert len(chosen) == 2
         want = torch.bincount(chosen[0].flatten(), minlength=8).double()
         assert torch.equal(balancer.counts[1], want)
         assert balancer.counts[0].sum() == 0  # layer 0 is dense
@@ -108,6 +138,52 @@ def test_loads_are_counted_once_per_forward_also_when_checkpointing_recomputes(t
         balancer.close()
         model.activation_checkpointing_disable()
         model.zero_grad()
+
+
+def test_the_sequence_wise_loss_moves_the_router_gradient_by_its_own_gradient(tiny_moe):
+    """One forward + backward of the tiny V3 model with the sequence-wise loss off and on (alpha 0.5; no bias
+    update): the last MoE layer's router weight gradients differ by exactly alpha dL/dW worked out by hand from
+    its input h and logits u = h W^T (``v3_balance_by_hand``: dL/du, then dL/dW = dL/du^T h), and the loss the
+    engines add is the hand value of both layers with sigmoid scores. (The first layer's gradient also gets the
+    second layer's loss, through the second's input: it is only shown to move.)"""
+    _, model = tiny_moe
+    found = moe.routers(model)
+    seen = {}
+
+    def keep(layer):
+        def hook(module, args, out):
+            seen[layer] = (args[0].detach().reshape(-1, args[0].shape[-1]).double(), out[-1])
+        return hook
+
+    hooks = [r.module.register_forward_hook(keep(r.layer)) for r in found]
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    grads = {}
+    try:
+        model.train()
+        for alpha in (0.0, 0.5):
+            balancer = _balancer(model, seq_aux_alpha=alpha, bias_update_speed=0.0)
+            try:
+                model.zero_grad()
+                out = model(ids).logits.float().mean()
+                aux = moe.aux_loss(model)
+                (out + aux).backward()
+                grads[alpha] = [r.module.weight.grad.double() for r in found]
+            finally:
+                balancer.close()
+    finally:
+        for h in hooks:
+            h.remove()
+        model.zero_grad()
+    by_hand = {r.layer: v3_balance_by_hand(seen[r.layer][0] @ r.module.weight.detach().double().T, seen[r.layer][1],
+                                           batch=2, alpha=0.5) for r in found}
+    assert isinstance(aux, torch.Tensor) and aux.item() == pytest.approx(sum(v[0].item() for v in by_hand.values()),
+                                                                          rel=1e-5)
+    h, _ = seen[found[-1].layer]
+    want = by_hand[found[-1].layer][1].T @ h  # dL/dW = dL/du^T h
+    got = grads[0.5][-1] - grads[0.0][-1]
+    assert want.norm() > 0.01 * grads[0.0][-1].norm()  # not lost in the cross-entropy's gradient
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item()), (got - want).abs().max()
+    assert not torch.allclose(grads[0.5][0], grads[0.0][0], rtol=1e-3, atol=0)
 
 
 def test_eval_mode_counts_nothing(tiny_moe):

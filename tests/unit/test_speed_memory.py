@@ -1,6 +1,8 @@
 """What the memory options save, measured (issue 34): chunked cross-entropy at a 32k vocabulary and selective
 activation checkpointing, each beside the plan's figure for it. One process measures every case, the resident
-size following the live tensors (``testing.activation_memory``); the losses they give are tests/dist's."""
+size following the live tensors (``testing.activation_memory``); the losses they give are tests/dist's. The run's
+own record of the same bytes (``summary.json``'s ``speed_options``, ``model.SpeedProbe``), which tests/dist reads
+on every engine, is checked here against the system's count."""
 
 import json
 import os
@@ -45,3 +47,12 @@ def test_chunked_loss_never_holds_the_full_logits(measured):
 @pytest.mark.parametrize("case", ["none", "selective", "vocab32k", "vocab32k-chunk512"])
 def test_the_plan_models_what_each_option_keeps(measured, case):
     assert measured[case]["plan"] == pytest.approx(measured[case]["peak"], rel=0.15), measured[case]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_runs_record_of_what_the_forward_keeps_is_the_memory_it_holds(measured, case):
+    """``speed_options.kept_bytes`` (storages the forward created, alive when backward starts) is what the resident
+    size grew by over the forward; its chunk count is the micro-batch's 2048 tokens in chunks of 512."""
+    m = measured[case]
+    assert m["probe"]["kept_bytes"] == pytest.approx(m["kept"], rel=0.05), m
+    assert m["probe"]["loss_chunks"] == (4 if "chunk" in case else None), m

@@ -21,7 +21,8 @@ Each MoE layer's forward makes the host wait for the device once (issue 41): the
 host integers, so the group's routing counts are exchanged on the device and read to the host in one transfer
 (``routing_splits``); everything else (counting, regrouping, the grouped GEMMs, the backward) needs no host value
 that is not already there. The same numbers bound the receive buffer when ``backend.ep_capacity_factor`` is set
-(``check_capacity``): dropless by default, as DeepSeek-V3 trains.
+(``check_capacity``): dropless by default, as DeepSeek-V3 trains, and are added up on the host per rank of the group
+(``ep_rows_sent``, training forwards), which the tests read to see that tokens crossed ranks.
 """
 
 from __future__ import annotations
@@ -168,6 +169,8 @@ def expert_parallel_forward(self: Any, hidden_states: torch.Tensor, top_k_index:
     else:
         s = routing_splits(flat, self.num_experts, group)  # 2
     check_capacity(s, self.ep_capacity_factor, group)
+    if self.training:  # host integers it holds anyway: what the all-to-all sends each rank of the group
+        self.ep_rows_sent[:] = [a + b for a, b in zip(self.ep_rows_sent, s.send)]
     x = _AllToAll.apply(rows, s.recv, s.send, group)  # 3
     # 4: rows arrive as [peer][expert]; the GEMMs want [expert][peer]
     src = torch.repeat_interleave(torch.arange(ep * local, device=x.device), s.received.flatten(),
@@ -231,6 +234,9 @@ def shard_experts(model: torch.nn.Module, ep_mesh: DeviceMesh, capacity_factor: 
         object.__setattr__(m, "ep_group", ep_mesh.get_group())
         object.__setattr__(m, "ep", ep_mesh.size())
         object.__setattr__(m, "ep_capacity_factor", capacity_factor)
+        # The token rows its training forwards dispatched to each rank of the group (its own index: kept here),
+        # counted on the host from the split sizes it holds anyway: the tests read what crossed ranks.
+        object.__setattr__(m, "ep_rows_sent", [0] * ep_mesh.size())
         m.forward = expert_parallel_forward.__get__(m)  # this instance only; its class stays transformers'
         changed += 1
     return changed

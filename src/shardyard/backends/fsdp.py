@@ -13,7 +13,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 from shardyard.facts import Plan
 from shardyard.backends import (FP32, HALF, ModelStates, expert_parallel_states, fsdp_buffers, process_group,
-                                shard_ends, smoke_degree)
+                                refuse_speed_options, shard_ends, smoke_degree)
 from shardyard.backends.expert_parallel import shard_experts, stepper_options
 from shardyard.moe import expert_modules
 from shardyard.backends.forward import forward_to
@@ -109,6 +109,11 @@ class FSDPBackend:
         if cfg.precision.name == "fp16" and plan.device_type == "cpu":
             raise UserError("precision", "fp16", "FSDP2 keeps fp16 parameters for compute, and fp16 matmuls on CPU "
                             "are emulated and unstable.", "Use precision=bf16 (or fp32) on CPU; fp16 works on CUDA.")
+        if int(cfg.backend.get("ep", 1)) > 1:  # measured: the recompute's op count differs, torch raises mid-backward
+            refuse_speed_options(cfg, f"backend={cfg.backend.name} with backend.ep={cfg.backend.ep}", {
+                "selective": "the experts are an FSDP unit of their own inside each MoE block, whose hooks run "
+                             "other ops in the recompute than in the forward, and the selective policy replays "
+                             "the forward op by op."})
 
     @staticmethod
     def model_states(cfg: DictConfig, n_params: int, world: int, shape: dict, optim_bytes: float) -> ModelStates:

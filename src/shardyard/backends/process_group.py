@@ -96,12 +96,16 @@ def teardown(backend, *attrs: str, destroy=None) -> None:
     DDP's Reducer (and FSDP's mesh, DeepSpeed's engine) hold the last reference to the gloo group. Freed
     after ``destroy_process_group``, its destructor joins gloo's worker thread while holding the GIL, and
     that thread is waiting for the GIL to drop a tensor: a deadlock at exit or between two in-process runs.
+    A failed run (``worker.main`` sets ``backend.run_failed``) skips the barrier: the other ranks are in another
+    collective, or gone, and a rank that raised would wait there for them until the group's timeout instead of
+    ending the job.
     """
     for name in attrs:
         backend.__dict__.pop(name, None)
     gc.collect()
     if dist.is_initialized():
-        dist.barrier()  # queued collectives are finished (and their work objects gone) before teardown
+        if not getattr(backend, "run_failed", False):
+            dist.barrier()  # queued collectives are finished (and their work objects gone) before teardown
         (destroy or dist.destroy_process_group)()
     _forget_meshes()
 

@@ -838,6 +838,12 @@ class DebugConfig:
     """Run forward and backward under ``torch.autograd.detect_anomaly`` (slow; names the op that made a NaN)."""
     fast_dev_run: bool = False
     """Smoke test: 2 steps and one evaluation; no checkpoints, exports or samples."""
+    measure_activations: bool = False
+    """At the first step trained, measure the bytes the training forwards keep for backward, in the engine's own
+    step (``summary.json``'s ``speed_options.kept_bytes`` and ``block_kept_bytes``: what activation
+    checkpointing saves, on this engine). A dispatch mode sees every op of that one step (Python per op: seconds
+    at 7B, nothing at later steps); off, those two figures are null. The chunk and compile counts of
+    ``speed_options`` are always recorded (counters, no cost)."""
 
 
 @dataclass
@@ -866,6 +872,15 @@ class TrainLoopConfig:
     """Stop when the eval loss has not improved for this many evaluations (``null``: train every step)."""
     warn_after_evals: int = 3
     """Warn (overfitting) when the eval loss has risen this many evaluations in a row; 0 = never."""
+    deterministic: bool = False
+    """Deterministic kernels and reduction orders, for runs that must equal each other (the GPU tier compares
+    every engine with one GPU under it): ``torch.use_deterministic_algorithms(True)`` (an op with no
+    deterministic kernel raises and names itself), cuDNN deterministic without autotuning, and, in the
+    environment of every worker before CUDA starts, ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (cuBLAS' fixed
+    workspace: deterministic matmuls), ``NCCL_ALGO=Ring`` and ``NCCL_PROTO=Simple`` (one all-reduce algorithm
+    and protocol, so the reduction order is fixed for a given topology; NCCL has no switch beyond that). A
+    variable you set yourself wins. On CPU it costs nothing measurable; on GPUs it is slower. ``summary.json``
+    records what the workers had (``deterministic``)."""
 
 
 @dataclass
