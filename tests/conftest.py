@@ -52,7 +52,7 @@ def capability(what: str) -> str:
 
 def driver_gpus() -> tuple[int, str]:
     """The GPUs the NVIDIA driver reports, asked without torch, and how it was asked: ``nvidia-smi -L`` (on PATH),
-    else the entries of /proc/driver/nvidia/gpus/. ``SHARDYARD_TEST_DRIVER_GPUS=N`` stands in for the driver
+    else the entries of /proc/driver/nvidia/gpus/ where /dev/nvidiactl exists. ``SHARDYARD_TEST_DRIVER_GPUS=N`` stands in for the driver
     (tests/unit/test_gpu_tier_probe.py fakes a GPU with it); ``SHARDYARD_TEST_DRIVER_PROC`` for the /proc path."""
     fake = os.environ.get("SHARDYARD_TEST_DRIVER_GPUS")
     if fake is not None:
@@ -65,6 +65,8 @@ def driver_gpus() -> tuple[int, str]:
     except (OSError, subprocess.SubprocessError):
         pass
     proc = Path(os.environ.get("SHARDYARD_TEST_DRIVER_PROC", "/proc/driver/nvidia/gpus"))
+    if "SHARDYARD_TEST_DRIVER_PROC" not in os.environ and not os.path.exists("/dev/nvidiactl"):
+        return 0, "no /dev/nvidiactl"  # a container on a GPU host sees the host's /proc, without its GPUs: a CPU machine
     entries = list(proc.iterdir()) if proc.is_dir() else []
     return len(entries), f"{proc} has {len(entries)}"
 

@@ -98,18 +98,24 @@ def network_env(socket_ifname: str | None) -> None:
         os.environ.setdefault("NCCL_SOCKET_IFNAME", socket_ifname)
 
 
-DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_ALGO": "Ring", "NCCL_PROTO": "Simple"}
+DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_ALGO": "Ring", "NCCL_PROTO": "Simple",
+                     "HOROVOD_FUSION_THRESHOLD": "0"}
 """``train.deterministic``'s environment: cuBLAS reads its workspace setting when its first handle is made, NCCL
-its algorithm and protocol when its first communicator is made, so they are set before any worker starts."""
+its algorithm and protocol when its first communicator is made, so they are set before any worker starts.
+Horovod fuses the tensors ready within a cycle into one buffer, so what shares a ring step depends on timing:
+without fusion every tensor is reduced on its own, in a fixed order."""
+_SET_HERE: dict[str, str] = {}  # what deterministic_env set in this process (an in-process sweep's later jobs)
 
 
 def deterministic_env(on: bool) -> None:
     """``train.deterministic``: DETERMINISTIC_ENV in this process, which every worker inherits (the elastic
     agent's, Horovod's runner's, or this very process's under an external launcher); a variable the user set
-    themselves wins."""
-    if on:
-        for key, value in DETERMINISTIC_ENV.items():
-            os.environ.setdefault(key, value)
+    themselves wins. Off, it takes back what an earlier job of this process (an in-process sweep) set."""
+    for key, value in DETERMINISTIC_ENV.items():
+        if on and key not in os.environ:
+            os.environ[key] = _SET_HERE[key] = value
+        elif not on and key in _SET_HERE and os.environ.get(key) == _SET_HERE.pop(key):
+            del os.environ[key]
 
 
 def slurm_master_address() -> str:

@@ -24,8 +24,8 @@ def crash_after(step: int, rank: int, run_dir: str = "") -> None:
     spec = os.environ.get("SHARDYARD_TEST_CRASH_AT_STEP")
     if not spec or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         return
-    spec, _, how = spec.partition("=")
-    spec, _, where = spec.partition("@")
+    how = "raise" if spec.endswith("=raise") else "exit"  # a suffix: TEXT may hold "=" (a sweep job's "lr=3e-3")
+    spec, _, where = spec.removesuffix("=raise").partition("@")
     if where and where not in os.path.basename(os.path.normpath(run_dir)):
         return
     at, _, who = spec.partition(":")

@@ -111,22 +111,12 @@ def elastic(run_dir: str, plan: Plan, cfg: DictConfig) -> None:
         node = f" (node {launch_cfg.node_rank} of {launch_cfg.nnodes})" if launch_cfg.nnodes > 1 else ""
         global LAST_FAILURE
         LAST_FAILURE = f"worker rank {first}{node} failed with exit code {real[first]} (failed ranks and codes: {codes})"
-        raised = _raised(e.failures[first])
-        if raised:  # a forked worker's exception reaches us, not its stderr: its traceback, once
-            print(f"shardyard: worker rank {first} raised:\n{raised}", file=sys.stderr, end="", flush=True)
         print(f"shardyard: {LAST_FAILURE}; its output is above. Run dir: {run_dir}", file=sys.stderr, flush=True)
         sys.exit(2 if set(real.values()) == {2} else 1)
 
 
 LAST_FAILURE: str | None = None
 """The last failed launch in this process, as the job of a sweep reports it (``shardyard.sweep``)."""
-
-
-def _raised(failure: Any) -> str:
-    """The traceback of an exception a forked worker raised (torch's elastic agent records it from the worker's
-    error file, which a worker started as its own interpreter never writes: its traceback is on its stderr)."""
-    message = getattr(failure, "message", None)
-    return str(message.get("extraInfo", {}).get("py_callstack", "")) if isinstance(message, dict) else ""
 
 
 def _without_child_failure_reports(record: logging.LogRecord) -> bool:

@@ -310,10 +310,22 @@ def from_run_dir(run_dir: str) -> None:
         main(*rundir.load(run_dir))
     except UserError as err:
         report_and_exit(err)
+    except Exception:
+        # A bug's traceback on this worker's own stderr, as it happens, on every rank that raises: a forked
+        # worker's exception otherwise reaches only the launcher, which reports one failed rank (the first it
+        # polls, not always the first to fail).
+        import traceback
+
+        traceback.print_exc()
+        sys.stderr.flush()
+        raise
 
 
 if __name__ == "__main__":
     from shardyard.errors import leave
 
-    from_run_dir(sys.argv[1])
+    try:
+        from_run_dir(sys.argv[1])
+    except Exception:
+        leave(1)  # its traceback is printed already (from_run_dir)
     leave(0)  # a spawned worker (GPU, horovodrun) skips the interpreter's teardown too

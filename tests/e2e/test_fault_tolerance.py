@@ -46,18 +46,15 @@ def workers(proc):
 
 def _consumed(run_dir, last: int, steps: int) -> list[int]:
     """The sample ids a killed-and-resumed run trained on (``data.log_sample_ids``): steps up to ``last`` from
-    the first attempt (its two ranks), the later ones from the resumed attempt (one rank), whose lines follow."""
-    ids = []
-    for rank in (0, 1):
-        attempt, previous = 0, (0, -1)
-        for line in open(run_dir / "samples" / f"rank{rank}.jsonl"):
-            rec = json.loads(line)
-            # The resumed attempt starts again after the checkpoint: at or before where the killed one was.
-            attempt += (rec["step"], rec["micro"]) <= previous
-            previous = (rec["step"], rec["micro"])
-            if (attempt == 0 and rec["step"] <= last) or (attempt == 1 and rec["step"] <= steps):
-                ids += rec["ids"]
-    return sorted(ids)
+    the first attempt's two ranks (its logs moved to ``samples-killed`` before the resume), the rest from the
+    resumed attempt's one rank. Which attempt wrote a line is known by its file, never guessed from its order
+    (the killed attempt may have stopped at the checkpoint's own step, or past it)."""
+    def ids(folder: str, ranks: tuple[int, ...], up_to: int) -> list[int]:
+        return [i for rank in ranks for line in open(run_dir / folder / f"rank{rank}.jsonl")
+                for rec in [json.loads(line)] if rec["step"] <= up_to for i in rec["ids"]]
+    resumed = ids("samples", (0,), steps)
+    assert min(json.loads(line)["step"] for line in open(run_dir / "samples/rank0.jsonl")) == last + 1
+    return sorted(ids("samples-killed", (0, 1), last) + resumed)
 
 
 def test_kill_9_a_worker_then_resume_auto_at_another_world_size(tmp_path):
@@ -86,6 +83,7 @@ def test_kill_9_a_worker_then_resume_auto_at_another_world_size(tmp_path):
     done = sorted(p for p in os.listdir(run / "checkpoints") if p.startswith("step-"))
     assert done and all(verify(str(run / "checkpoints" / d)) is None for d in done)
     last = int(done[-1].split("-")[1])
+    os.rename(run / "samples", run / "samples-killed")  # the resumed attempt logs afresh
     proc2 = train_py(*RUN, *mix, "train.steps=%d" % (last + 2), "checkpoint.resume=auto", "launch.nproc_per_node=1",
                      run_dir=run)
     assert proc2.returncode == 0, proc2.stderr[-3000:]
