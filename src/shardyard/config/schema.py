@@ -879,8 +879,9 @@ class TrainLoopConfig:
     environment of every worker before CUDA starts, ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (cuBLAS' fixed
     workspace: deterministic matmuls), ``NCCL_ALGO=Ring`` and ``NCCL_PROTO=Simple`` (one all-reduce algorithm
     and protocol, so the reduction order is fixed for a given topology; NCCL has no switch beyond that),
-    ``HOROVOD_FUSION_THRESHOLD=0`` (Horovod's fusion buffers depend on timing). A variable you set yourself wins. On CPU it costs nothing measurable; on GPUs it is slower. ``summary.json``
-    records what the workers had (``deterministic``)."""
+    ``HOROVOD_FUSION_THRESHOLD=0`` (Horovod's fusion buffers depend on timing). A variable you set yourself
+    wins. On CPU it costs nothing measurable; on GPUs it is slower. ``summary.json`` records what the workers
+    had (``deterministic``)."""
 
 
 @dataclass
