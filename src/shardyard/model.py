@@ -704,34 +704,34 @@ class SpeedProbe:
         self.record: dict[str, Any] = {}
 
     def __enter__(self) -> SpeedProbe:
-        from torch._dynamo.utils import counters
-
-        self.chunks0, self.graphs0, self.hits = _PROBED["loss_chunks"], counters["stats"]["unique_graphs"], 0
+        self.chunks0, self.hits = _PROBED["loss_chunks"], 0
         self.mode = _KeptBytes(self.blocks).__enter__() if self.measure and not self.m.compile else None
-        if self.m.compile:
+        if self.m.compile:  # dynamo is imported only by runs that compile (about a second of start-up otherwise)
             from torch._C._dynamo.eval_frame import set_guard_complete_hook
+            from torch._dynamo.utils import counters
 
             def guarded(cache_hit: bool) -> bool:  # dynamo's hook at every entry into compiled code (its guards run)
                 self.hits += cache_hit
                 return self.chained(cache_hit) if self.chained is not None else cache_hit
 
+            self.graphs0 = counters["stats"]["unique_graphs"]
             self.chained = set_guard_complete_hook(guarded)  # e.g. torch.compiler.set_enable_guard_collectives'
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        from torch._dynamo.utils import counters
-
+        compiled: int | None = None
         if self.mode is not None:
             self.mode.__exit__(*exc)
         if self.m.compile:
             from torch._C._dynamo.eval_frame import set_guard_complete_hook
+            from torch._dynamo.utils import counters
 
             set_guard_complete_hook(self.chained)
-        compiled = self.hits + counters["stats"]["unique_graphs"] - self.graphs0
+            compiled = self.hits + counters["stats"]["unique_graphs"] - self.graphs0
         mode = self.mode if self.mode is not None and self.mode.counted else None
         self.record = {
             "loss_chunks": _PROBED["loss_chunks"] - self.chunks0 if int(self.m.get("loss_chunk", 0)) > 0 else None,
-            "compiled_calls": compiled if self.m.compile else None,
+            "compiled_calls": compiled,
             "kept_bytes": mode.kept if mode else None, "block_kept_bytes": mode.block_kept if mode else None}
 
 
