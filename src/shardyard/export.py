@@ -13,6 +13,11 @@ Who writes what (docs/architecture.md, "The HF export"):
    writes its own shards. Rank 0 writes the index, the config and the tokenizer once every shard is written.
 2. The other engines (single, ddp, horovod, the ZeRO stages): rank 0 holds the whole model (ZeRO-3 gathers it
    there a parameter at a time) and writes it with ``save_pretrained``, sharded above ``MAX_SHARD_BYTES``.
+
+A DeepSeek-V3 model with multi-token prediction (``shardyard.mtp``) exports in DeepSeek's official layout: depth k
+under ``model.layers.{L + k - 1}.*`` (its parameters' own names), beside copies of the shared embedding and head
+that the official files keep there (``mtp_copies``), and ``config.json``'s ``num_nextn_predict_layers``. transformers
+loads the main model from it (it runs ``layers[:num_hidden_layers]`` and leaves the rest).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from typing import Any, BinaryIO
 
 import torch
 
+from shardyard import mtp
 from shardyard.backends import Backend
 from shardyard.data import load_tokenizer
 from shardyard.model import is_hf
@@ -72,7 +78,10 @@ def _save_on_rank0(backend: Backend, tokenizer_dir: str, out_dir: str) -> str | 
         state = adapters.merged_state(state, model)
         model = model.get_base_model()
     if is_hf(model):
-        model.save_pretrained(tmp, state_dict=state, max_shard_size=MAX_SHARD_BYTES)
+        _record_mtp(model)
+        copies = mtp_copies(model, state)  # cloned: save_pretrained drops a name whose storage another holds
+        model.save_pretrained(tmp, state_dict={**state, **{k: v.clone() for k, v in copies.items()}},
+                              max_shard_size=MAX_SHARD_BYTES)
     else:  # a plain nn.Module (shardyard.model.CausalLM): its weights, for its own builder to load
         from safetensors.torch import save_file
 
@@ -255,7 +264,41 @@ def _to_hf(model: Any, base: Any, piece: dict[str, torch.Tensor]) -> dict[str, t
         return piece
     from transformers.core_model_loading import revert_weight_conversion
 
-    return revert_weight_conversion(base, piece)
+    out = revert_weight_conversion(base, piece)
+    out.update(mtp_copies(base, out))
+    return out
+
+
+def mtp_copies(base: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The copies of the shared embedding and output head that DeepSeek-V3's official checkpoints keep in each
+    MTP layer (``model.layers.{L + k - 1}.embed_tokens.weight``, ``...shared_head.head.weight``; vLLM's and
+    SGLang's MTP loaders read the head there), made from the tensors of ``state`` (HF names) that are their
+    sources: a piece holding the embedding gets the embedding's copies, one holding the head the head's (with
+    tied embeddings the embedding is the head: ``save_pretrained`` writes only it). The same tensors, not
+    copies of the bytes; empty without MTP."""
+    d = mtp.depth(base)
+    if not d:
+        return {}
+    first = base.config.num_hidden_layers
+    emb = state.get("model.embed_tokens.weight")
+    head = state.get("lm_head.weight")
+    if head is None and getattr(base.config, "tie_word_embeddings", False):
+        head = emb
+    out = {}
+    for k in range(1, d + 1):
+        layer = f"model.layers.{first + k - 1}"
+        if emb is not None:
+            out[f"{layer}.embed_tokens.weight"] = emb
+        if head is not None:
+            out[f"{layer}.shared_head.head.weight"] = head
+    return out
+
+
+def _record_mtp(model: Any) -> None:
+    """``config.json``'s ``num_nextn_predict_layers``: the MTP depths the export holds (DeepSeek-V3's config says
+    1 by default, also for a model trained without them)."""
+    if hasattr(model.config, "num_nextn_predict_layers") or mtp.depth(model):
+        model.config.num_nextn_predict_layers = mtp.depth(model)
 
 
 def _whole(t: Any) -> torch.Tensor:
@@ -358,6 +401,7 @@ def _save_config(model: Any, out: str) -> None:
     and the architecture (an FSDP2 model's class name without its ``FSDP`` prefix) recorded first."""
     model.config.dtype = str(model.dtype).split(".")[1]
     model.config.architectures = [type(model).__name__.removeprefix("FSDP")]
+    _record_mtp(model)
     model.config.save_pretrained(out)
     if model.can_generate():
         model.generation_config.save_pretrained(out)

@@ -16,6 +16,7 @@ from shardyard.facts import Plan
 from shardyard.data import TrainStream, eval_batches
 from shardyard.debug import NonFiniteGuard, anomaly_detection
 from shardyard.metrics import memory_metrics, peak_tflops
+from shardyard import mtp
 from shardyard.model import SpeedProbe
 from shardyard.moe import Balancer
 from shardyard.monitors import Monitors
@@ -180,7 +181,9 @@ def train(cfg: DictConfig, plan: Plan, backend: Backend, stream: TrainStream, va
 
     if start_step == 0 and not cfg.debug.fast_dev_run:
         run_eval(0)  # the untrained model's loss: the baseline every later eval is compared with
-    loss_acc = torch.zeros((), device=dev)
+    mtp_cfg = cfg.model.get("mtp")
+    depths = mtp.depth(backend.hf_model())  # multi-token prediction depths: loss terms beside the main one
+    loss_acc = torch.zeros(1 + depths, device=dev)
     n_acc, step_time, data_time, interval_start = 0, 0.0, 0.0, time.perf_counter()
     t_begin = time.perf_counter()
     done = start_step
@@ -194,18 +197,20 @@ def train(cfg: DictConfig, plan: Plan, backend: Backend, stream: TrainStream, va
             batches = [(to_device(x, dev), y.to(dev, non_blocking=True)) for x, y in batches]
             data_time += time.perf_counter() - td
             # Token-weighted loss (docs/architecture.md): a step's loss is the cross-entropy summed over the label
-            # tokens of every micro-batch and rank, divided by their number N.
-            # 1. N is needed before the first backward: one small all-reduce per step of this rank's count
-            #    (float64, exact once rounded); the ranks of one replica read the same batches, so the world's
-            #    mean times dp_size is the sum over the replicas.
+            # tokens of every micro-batch and rank, divided by their number N; with multi-token prediction
+            # (model.mtp) each depth is such a term of its own, over its own label tokens, times weight / depths.
+            # 1. N (one per term) is needed before the first backward: one small all-reduce per step of this rank's
+            #    counts (float64, exact once rounded); the ranks of one replica read the same batches, so the
+            #    world's mean times dp_size is the sum over the replicas.
             # 2. Engines average the micro-batch losses they backpropagate over accumulation and data-parallel
             #    ranks; weighting each summed cross-entropy by accum x dp_size / N makes that average sum / N.
             # 3. A step without any label (N = 0) counts N as 1: its summed cross-entropy is 0, so are its
             #    gradient (MoE balance losses aside) and its logged loss, where a mean would be NaN.
-            labels = torch.stack([(y != -100).sum() for _, y in batches]).sum().double()
+            labels = torch.stack([mtp.label_counts(x, y, depths) for x, y in batches]).sum(0).double()
             n = (backend.all_reduce_mean(labels) * backend.dp_size).round().clamp(min=1)
-            weight = (accum * backend.dp_size / n).float()
-            step_ce = torch.zeros((), device=dev)
+            factors = torch.tensor(mtp.term_weights(mtp_cfg, done), device=dev) if depths else 1.0
+            weight = (accum * backend.dp_size / n).float() * factors
+            step_ce = torch.zeros(1 + depths, device=dev)
             probing = step == start_step  # one step: the options' record (debug.measure_activations: its bytes)
             with SpeedProbe(backend.hf_model(), cfg.model, bool(cfg.debug.measure_activations)) if probing \
                     else contextlib.nullcontext() as probe:
@@ -213,21 +218,22 @@ def train(cfg: DictConfig, plan: Plan, backend: Backend, stream: TrainStream, va
                     step_ce += backend.forward_backward(x, y, is_last_micro=micro == accum - 1, weight=weight).float()
             if probe is not None:  # what the speed options did, measured on this engine (summary.json)
                 res.speed_options = probe.record
-        # This rank's share of the step's token-weighted mean: the mean over ranks (at log steps) is sum / N.
+        # This rank's share of each term's token-weighted mean: the mean over ranks (at log steps) is sum / N.
         step_loss = step_ce * (backend.dp_size / n).float()
         with torch.profiler.record_function("optimizer_step"):
             stats = backend.step(guard=guard.active)
             if balancer is not None:  # one all-reduce of every MoE layer's loads, then the routers' biases
                 balancer.after_step(backend.all_reduce_mean, applied=stats.applied)
         if guard.active:  # stop (raise) or count a skipped update; one host sync per step
-            guard.check(done, step_loss, stats)
+            guard.check(done, step_loss.sum(), stats)
         loss_acc += step_loss
         n_acc += 1
         step_time += time.perf_counter() - t0
         profiler.after_step(done)
         if done % tr.log_every_n_steps == 0 or done == total:
             # One small all-reduce per log interval, not per step: the loss is the interval's mean.
-            loss = backend.all_reduce_mean(loss_acc / n_acc).item()
+            losses = backend.all_reduce_mean(loss_acc / n_acc).tolist()
+            loss = losses[0]
             wall = time.perf_counter() - interval_start
             tokens_per_s = plan.tokens_per_step * n_acc / wall
             metrics = {"train/loss": loss, "lr": stats.lr, "grad_norm": stats.grad_norm.item(),
@@ -238,6 +244,10 @@ def train(cfg: DictConfig, plan: Plan, backend: Backend, stream: TrainStream, va
                        **memory_metrics(dev)}
             if peak is not None:
                 metrics["mfu"] = metrics["tflops_per_device"] / peak
+            for k, depth_loss in enumerate(losses[1:], 1):  # each MTP depth's token-weighted mean (model.mtp)
+                metrics[f"train/mtp_loss_{k}"] = depth_loss
+            if depths:
+                metrics["train/mtp_weight"] = mtp.term_weights(mtp_cfg, done)[1] * depths
             if stats.loss_scale is not None:
                 metrics["loss_scale"] = stats.loss_scale
             if guard.policy == "skip":

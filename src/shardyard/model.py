@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import glob
 import os
 from typing import Any, Iterator, Protocol, runtime_checkable
 
@@ -22,11 +21,11 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
 
-from shardyard import moe
+from shardyard import moe, mtp
 from shardyard.config import checkpointing_mode
 from shardyard.errors import UserError
-from shardyard.adapters import checkpoint_name
 from shardyard.facts import META_INIT_ABOVE, ModelFacts
+from shardyard.weights import load_weights, weights_dir
 
 
 
@@ -54,6 +53,8 @@ def call_builder(m: DictConfig) -> torch.nn.Module:
     from shardyard.config.schema import ModelConfig
 
     model = build(m, own=[f.name for f in dataclasses.fields(ModelConfig)])
+    if m.get("mtp") is not None:  # DeepSeek-V3's multi-token prediction depths (model.mtp)
+        mtp.attach(model, m.mtp)
     if is_hf(model):
         model.config.use_cache = False  # training never decodes incrementally
     return model
@@ -135,10 +136,15 @@ def _deepseek(config_class: str, *, num_experts_per_tok: int, n_routed_experts: 
         raise UserError("model.num_experts_per_tok", num_experts_per_tok,
                         f"A token cannot be routed to more than the model.n_routed_experts={n_routed_experts} experts.",
                         f"Use model.num_experts_per_tok<={n_routed_experts}.")
-    if n_group < 1 or n_routed_experts % n_group or not 1 <= topk_group <= n_group:
-        raise UserError("model.n_group", n_group, f"Routing groups must split model.n_routed_experts={n_routed_experts} "
-                        f"evenly, and model.topk_group={topk_group} must lie in 1..n_group.",
-                        "Use model.n_group=1 model.topk_group=1 (no group-limited routing) or matching values.")
+    if n_group < 1 or n_routed_experts % n_group:
+        divisors = [d for d in range(1, n_routed_experts + 1) if n_routed_experts % d == 0]
+        raise UserError("model.n_group", n_group, f"Routing groups split the model.n_routed_experts={n_routed_experts} "
+                        "experts into equal groups of consecutive experts, so model.n_group must divide it.",
+                        f"Use one of {divisors} (1: no group-limited routing; DeepSeek-V3: 8).")
+    if not 1 <= topk_group <= n_group:
+        raise UserError("model.topk_group", topk_group, f"Each token's experts come from its model.topk_group best of "
+                        f"the model.n_group={n_group} groups, so it must lie in 1..{n_group}.",
+                        f"Use model.topk_group<={n_group} (DeepSeek-V3: 4 of 8 groups).")
     config = getattr(transformers, config_class)(
         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads or num_heads,
         num_experts_per_tok=num_experts_per_tok, n_routed_experts=n_routed_experts, n_group=n_group,
@@ -156,10 +162,6 @@ deepseek_v3.smoke_shape = deepseek_v2.smoke_shape = dict(  # type: ignore[attr-d
     num_experts_per_tok=2, moe_intermediate_size=64, first_k_dense_replace=1, n_group=1, topk_group=1)
 
 
-def has_weights(path: str) -> bool:
-    return bool(glob.glob(os.path.join(path, "*.safetensors")) or glob.glob(os.path.join(path, "*.bin")))
-
-
 def hf(path: str, attn_implementation: str = "sdpa") -> torch.nn.Module:
     """Any ``AutoModelForCausalLM`` architecture from a local directory (its ``config.json``). Its weights are
     not read here: ``model.weights`` (``auto`` for this option: the directory's own) is loaded by shardyard
@@ -172,158 +174,6 @@ def hf(path: str, attn_implementation: str = "sdpa") -> torch.nn.Module:
                         "Point it at a local directory written by save_pretrained (e.g. a run's hf/ export).")
     config = AutoConfig.from_pretrained(os.path.dirname(config_file), local_files_only=True)
     return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
-
-
-# ------------------------------------------------------------------------------------ pretrained weights
-def weights_dir(m: DictConfig) -> str | None:
-    """``model.weights``: the HF directory whose safetensors are loaded into the model, or None (fresh init).
-    ``auto`` (``model=hf``): ``model.path`` when it holds weights."""
-    w = m.get("weights")
-    if w == "auto":
-        path = m.get("path")
-        return os.path.expanduser(path) if isinstance(path, str) and has_weights(os.path.expanduser(path)) else None
-    return os.path.expanduser(w) if w else None
-
-
-def _weight_files(path: str) -> dict[str, str]:
-    """Tensor name -> the safetensors file holding it (``model.safetensors`` or a sharded index)."""
-    from safetensors import safe_open
-
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-        raise UserError("model.weights", path, "No *.safetensors files are there (PyTorch .bin pickles are not read: "
-                        "loading them would execute code from the file).",
-                        "Convert them once with transformers (from_pretrained, then save_pretrained(safe_serialization"
-                        "=True)), or point model.weights at a safetensors export.")
-    where: dict[str, str] = {}
-    for f in files:
-        with safe_open(f, framework="pt") as st:
-            where.update({k: f for k in st.keys()})
-    return where
-
-
-class _StackedExperts:
-    """A fused expert tensor (transformers 5's ``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj``
-    [E, H, I]) read from a checkpoint that stores each expert's projections apart, as ``save_pretrained`` writes
-    them (``experts.3.gate_proj.weight`` ...) and DeepSeek's own releases do: it reads like a safetensors slice,
-    and indexing reads only the experts it covers (an FSDP shard holds a range of experts)."""
-
-    PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
-
-    def __init__(self, reader: Any, prefix: str, parts: tuple[str, ...], experts: int):
-        self.reader, self.names = reader, [[f"{prefix}.{e}.{p}.weight" for p in parts] for e in range(experts)]
-        first = [reader(n) for n in self.names[0]]
-        rows = sum(f.get_shape()[0] for f in first)
-        self.shape, self.dtype = [experts, rows, first[0].get_shape()[1]], first[0].get_dtype()
-
-    @classmethod
-    def find(cls, key: str, where: dict[str, str], reader: Any) -> _StackedExperts | None:
-        import re
-
-        m = re.fullmatch(r"(.*\.experts)\.(gate_up_proj|down_proj)", key)
-        if m is None or f"{m.group(1)}.0.{cls.PARTS[m.group(2)][0]}.weight" not in where:
-            return None
-        parts = cls.PARTS[m.group(2)]
-        experts = 0
-        while all(f"{m.group(1)}.{experts}.{p}.weight" in where for p in parts):
-            experts += 1
-        return cls(reader, m.group(1), parts, experts)
-
-    def get_shape(self) -> list[int]:
-        return self.shape
-
-    def get_dtype(self) -> str:
-        return self.dtype
-
-    def __getitem__(self, index: Any) -> torch.Tensor:
-        index = index if isinstance(index, tuple) else (index,)
-        rows, rest = (index[0], index[1:]) if index else (slice(None), ())
-        full = torch.stack([torch.cat([self.reader(n)[:] for n in names])
-                            for names in self.names[rows]])  # only the experts asked for
-        return full[(slice(None), *rest)]
-
-
-@torch.no_grad()
-def load_weights(model: torch.nn.Module, path: str) -> None:
-    """Load the pretrained tensors of ``path`` into ``model`` wherever its parameters live, reading from disk
-    only what this rank keeps:
-
-    1. A DTensor (FSDP2's shards): only this rank's rows of each tensor (safetensors reads slices lazily), so
-       no rank ever materialises the full model.
-    2. A ZeRO-3 partitioned parameter: gathered one at a time, filled by rank 0 (the only reader), and
-       re-partitioned on leaving ``GatheredParameters``: at most one full tensor exists at a time.
-    3. A plain tensor (single, DDP, Horovod, ZeRO-1/2 replicas): the whole tensor.
-    Adapters (LoRA) are not in the checkpoint: they are initialised by ``adapters.init``. A checkpoint that
-    misses a tensor of the model, or holds one of another shape, is refused naming it.
-    """
-    from safetensors import safe_open
-    from torch.distributed.tensor import DTensor
-
-    where = _weight_files(path)
-    handles: dict[str, Any] = {}
-
-    def reader(name: str) -> Any:
-        f = where[name]
-        if f not in handles:
-            handles[f] = safe_open(f, framework="pt")
-        return handles[f].get_slice(name)
-
-    tensors: dict[str, torch.Tensor] = dict(model.named_parameters())
-    tensors.update((n, b) for n, b in model.named_buffers() if checkpoint_name(n) in where)
-    missing: list[str] = []
-    used: set[str] = set()
-    for name, p in tensors.items():
-        key = checkpoint_name(name)
-        if "lora_" in key:
-            continue
-        stacked = _StackedExperts.find(key, where, reader) if key not in where else None
-        if key not in where and stacked is None:
-            missing.append(key)
-            continue
-        sl: Any
-        if stacked is not None:
-            used.update(n for names in stacked.names for n in names)
-            sl = stacked
-        else:
-            used.add(key)
-            sl = reader(key)
-        if not sl.get_dtype().startswith(("F", "BF")) or sl.get_dtype().startswith("F8"):
-            raise UserError("model.weights", path, f"Its tensor {key} is stored as {sl.get_dtype()}: a quantised "
-                            "checkpoint (FP8 or integer blocks with scales), which is not loaded as plain weights.",
-                            "Use a bf16/fp16/fp32 checkpoint of the model (dequantise it once with its own tools).")
-        shape = list(getattr(p, "ds_shape", p.shape))
-        if list(sl.get_shape()) != shape:
-            raise UserError("model.weights", path, f"Its tensor {key} has shape {list(sl.get_shape())}, and the model's "
-                            f"has {shape}: the checkpoint is of another architecture or size.",
-                            "Use the checkpoint's own config (model=hf model.path=DIR), or the matching model option.")
-        if isinstance(p, DTensor):  # 1
-            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-            local_shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-            local = p.to_local()
-            if local.numel():
-                index = tuple(slice(o, o + n) for o, n in zip(offset, local_shape))
-                local.copy_(sl[index] if local.dim() else sl[()])
-        elif hasattr(p, "ds_id"):  # 2
-            import deepspeed
-            import torch.distributed as dist
-
-            with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
-                if dist.get_rank() == 0:
-                    p.data.copy_(sl[:] if p.dim() else sl[()])
-        else:  # 3
-            p.data.copy_(sl[:] if p.dim() else sl[()])
-    unused = sorted(set(where) - used)
-    if unused and int(os.environ.get("RANK", 0)) == 0:
-        import sys
-
-        print(f"shardyard | warning: model.weights={path} holds {len(unused)} tensor(s) the model does not have, "
-              f"e.g. {unused[:3]} (left unused)", file=sys.stderr, flush=True)
-    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
-    missing = [k for k in missing if not (tied and k == "lm_head.weight")]
-    if missing:
-        raise UserError("model.weights", path, f"It lacks {len(missing)} tensor(s) the model has, e.g. {missing[:3]}.",
-                        "Point model.weights at a checkpoint of this architecture (its config.json must match).")
 
 
 # ------------------------------------------------------------------------------ facts from a meta build
@@ -424,7 +274,14 @@ def flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
         q = (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim) / 2
     else:
         q = getattr(c, "head_dim", None) or c.hidden_size // heads
-    return 6 * n + 12 * layers * heads * q * seq_len
+    # Multi-token prediction (``shardyard.mtp``), D depths: N above has each depth's block, norms and eh_proj
+    # (a layer of model.layers; eh_proj 6 x 2h x h per token), and the shared head once. Each depth also runs the
+    # shared head again on every token (6 x hidden x vocab: the head's parameters once more per depth) and its
+    # block's attention (the 12*H*Q*T term once more per depth: config.num_hidden_layers counts the main layers).
+    d = mtp.depth(model)
+    head: Any = getattr(model, "get_output_embeddings", lambda: None)() if d else None
+    extra_head = d * 6.0 * sum(p.numel() for p in head.parameters()) if head is not None else 0.0
+    return 6 * n + extra_head + 12 * (layers + d) * heads * q * seq_len
 
 
 # ------------------------------------------------------------------------------- building for training
@@ -618,13 +475,13 @@ def float8_linears(model: torch.nn.Module) -> int:
     return sum(type(mod).__name__ == "Float8Linear" for mod in model.modules())
 
 
-_LOSS_TARGETS: Any = None  # the targets of the loss being computed (a chunked head reads them): apply_chunked_loss
 _PROBED = {"loss_chunks": 0}  # chunks the chunked heads of this process computed (SpeedProbe reads the step's)
 
 
 def apply_chunked_loss(model: Any, m: DictConfig) -> None:
     """``model.loss_chunk``: the LM head computes the summed cross-entropy itself, ``loss_chunk`` tokens at a
-    time, when the loss asks for it (``_cross_entropy`` hands it the targets); otherwise it is the plain head.
+    time, when the loss asks for it (the caller sets ``head.shardyard_targets``: ``_cross_entropy``, and
+    ``mtp.head_sum`` for each multi-token-prediction depth); otherwise it is the plain head.
 
     1. Inside the head's own forward, so each engine's hooks on the head (ZeRO-3's gather, FSDP's unshard)
        run as for any forward, and the parameter names do not change (only the instance's ``forward``).
@@ -645,9 +502,10 @@ def apply_chunked_loss(model: Any, m: DictConfig) -> None:
         raise UserError("model.loss_chunk", chunk, f"This model ({type(model).__name__}) {why}.",
                         "Use model.loss_chunk=0 with it.")
     plain = head.forward  # 1
+    head.shardyard_targets = None
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
-        targets = _LOSS_TARGETS
+        targets = head.shardyard_targets
         if targets is None:
             return plain(hidden)
         h = hidden.reshape(-1, hidden.size(-1))
@@ -843,20 +701,27 @@ def causal_lm_loss(model: torch.nn.Module, inputs: Any, targets: torch.Tensor) -
 
 
 def causal_lm_loss_sum(model: torch.nn.Module, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
-    """The same cross-entropy summed over the labelled tokens (fp32; 0 when none is labelled, where the mean
-    is NaN): the engines weight it so that an optimizer step's loss is the token-weighted mean over every
-    micro-batch and rank (docs/architecture.md, "Token-weighted loss")."""
+    """The training loss's terms, each the cross-entropy summed over its labelled tokens (fp32; 0 when none is
+    labelled, where the mean is NaN): the main head's (0-d), or ``[main, MTP depth 1, ..., depth D]`` for a model
+    with multi-token prediction (``shardyard.mtp``). The engines weight each term so that an optimizer step's loss is
+    its token-weighted mean over every micro-batch and rank (docs/architecture.md, "Token-weighted loss"), times
+    its factor (``mtp.term_weights``)."""
+    bare = _bare(model)
+    if mtp.depth(bare):
+        with mtp.training_targets(bare, targets):
+            return logits(_call(model, inputs))
     return _cross_entropy(model, inputs, targets, "sum")
 
 
 def _cross_entropy(model: torch.nn.Module, inputs: Any, targets: torch.Tensor, reduction: str) -> torch.Tensor:
+    bare = _bare(model)
     if has_chunked_loss(model):  # the head returns the summed cross-entropy (apply_chunked_loss)
-        global _LOSS_TARGETS
-        _LOSS_TARGETS = targets
+        head = bare.get_output_embeddings()
+        head.shardyard_targets = targets
         try:
             total = logits(_call(model, inputs))
         finally:
-            _LOSS_TARGETS = None
+            head.shardyard_targets = None
         return total if reduction == "sum" else total / (targets != -100).sum()
     out = logits(_call(model, inputs))
     return F.cross_entropy(out.float().reshape(-1, out.size(-1)), targets.reshape(-1), ignore_index=-100,
@@ -927,7 +792,21 @@ def model_shape(model: Any) -> dict:
                        "max_block_backward": max(b.get("backward", 0.0) * b[regime] for b in per_block),
                        # what the blocks do not save when their base is frozen (``peft``; the adapters' own
                        # activations are ``adapters.activation_bytes_per_token``)
-                       "frozen_blocks": sum(b["frozen_" + regime] for b in per_block)}
+                       "frozen_blocks": sum(b["frozen_" + regime] for b in per_block),
+                       # Multi-token prediction (``shardyard.mtp``), per depth and token, beside its block (one of
+                       # ``blocks`` above: it is a layer of model.layers) and kept until the depth's backward
+                       # whatever activation checkpointing does (they run outside the block): enorm, hnorm and
+                       # shared_head.norm each keep their input, normalised input and rsqrt (3 x (8h + 4) bytes;
+                       # under half parameters the input's fp32 upcast and the bf16 normalised one, 3 x (6h + 4));
+                       # eh_proj's input [enorm(Emb(x[i+k])); hnorm(h)] (2h, in the matmul dtype), the shared head's
+                       # input (h) and the depth's int64 targets (8). The embedding's second lookup is not kept
+                       # (enorm keeps its own roll). 36h/30h/24h + 20: what saved_tensors_hooks records
+                       # (tests/unit/test_plan_mtp.py).
+                       "mtp_per_depth": {"fp32": 36, "autocast": 30, "half": 24}[regime] * h + 20,
+                       # and each depth's loss keeps its fp32 log-softmax (4 bytes per vocabulary entry) until
+                       # its backward: the loss's peak (``logits``, one term's) gains that per depth, unless
+                       # model.loss_chunk recomputes it chunk by chunk
+                       "mtp_logits": 4 * vocab}
     module_params = [sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()]
     # Routed experts (what expert parallelism splits): their parameters in all and in the largest block.
     block_experts = [sum(p.numel() for m in moe.expert_modules(b) for p in m.parameters()) for b in blocks]
@@ -940,7 +819,7 @@ def model_shape(model: Any) -> dict:
                                            default=0),
             "block_param_list": block_params, "block_expert_list": block_experts,
             "moe_layers": len(found), "experts_per_token": found[0].top_k if found else 0,
-            "activation_bytes_per_token": act}
+            "activation_bytes_per_token": act, "mtp_depth": mtp.depth(model)}
 
 
 def _llama_bytes(h: int, i: int, hkv: int, heads: int) -> dict:

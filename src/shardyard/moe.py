@@ -179,7 +179,10 @@ class Balancer:
             return None
         found = routers(model)
         config = getattr(model, "config", None)
-        layers = max(getattr(config, "num_hidden_layers", 0) or 0, max((r.layer for r in found), default=-1) + 1)
+        # every layer of the whole model, the MTP depths after the main layers (config.num_nextn_predict_layers):
+        # each pipeline stage holds some of them, and all take part in one all-reduce of the same size
+        whole = (getattr(config, "num_hidden_layers", 0) or 0) + (getattr(config, "num_nextn_predict_layers", 0) or 0)
+        layers = max(whole, max((r.layer for r in found), default=-1) + 1)
         balancer = cls(found, b, layers, experts, groups, device or next(model.parameters()).device)
         object.__setattr__(model, "shardyard_balancer", balancer)
         return balancer
@@ -356,3 +359,116 @@ def imbalance(load: torch.Tensor) -> tuple[float, float, int]:
     mean = load.mean()
     return float(load.max() / mean), float(load.min() / mean), int((load == 0).sum())
 
+
+
+# ------------------------------------------------------------------------ group-limited routing x expert parallel
+@dataclass(frozen=True)
+class RoutingGroups:
+    """How group-limited routing (``model.n_group`` / ``model.topk_group``: each token's experts drawn from the
+    ``topk_group`` best of ``n_group`` groups of consecutive experts, DeepSeek-V3's node-limited routing) meets
+    the expert-parallel layout (``backend.ep``: rank j of an EP group holds the consecutive experts
+    ``j E/ep .. (j+1) E/ep - 1``, ``expert_parallel.shard_experts``; an EP group is ``ep`` consecutive ranks, so
+    ``ranks_per_node`` of them share a node).
+
+    The groups *line up* with the ranks when every group's experts sit on whole ranks of their own: ``n_group``
+    a multiple of ``ep`` (each rank holds ``n_group / ep`` whole groups; ``n_group = ep`` is the paper's
+    device-limited routing) or ``ep`` a multiple of ``n_group`` (each group fills ``ep / n_group`` ranks, no rank
+    shared by two groups; one node each is the paper's node-limited routing, Megatron's
+    ``--moe-router-num-groups`` = the nodes of the EP group). Then a token, whose experts lie in ``topk_group``
+    groups, reaches at most ``topk_group x ranks_per_group`` ranks, where without groups it may reach ``top_k``.
+    Otherwise a group straddles a rank boundary and the bound is looser (``max_ranks`` counts it exactly)."""
+
+    experts: int
+    groups: int
+    topk_group: int
+    top_k: int
+    ep: int
+    ranks_per_node: int
+
+    @property
+    def per_group(self) -> int:
+        return self.experts // self.groups
+
+    @property
+    def limited(self) -> bool:
+        """Whether the groups limit anything: more than one group and fewer kept than there are."""
+        return self.groups > 1 and self.topk_group < self.groups
+
+    @property
+    def lined_up(self) -> bool:
+        return self.groups % self.ep == 0 or self.ep % self.groups == 0
+
+    def _spans(self, per: int) -> list[set[int]]:
+        """For each group, the ranks (``per`` experts per rank) or nodes (``per`` experts per node) it touches."""
+        return [{e // per for e in range(g * self.per_group, (g + 1) * self.per_group)} for g in range(self.groups)]
+
+    def _most(self, per: int, units: int) -> int:
+        # A token's experts lie in topk_group groups: at most the units (ranks or nodes) of the topk_group groups
+        # that touch the most of them, and never more than its top_k experts or the units there are.
+        touched = sorted((len(s) for s in self._spans(per)), reverse=True)
+        return min(self.top_k, units, sum(touched[:self.topk_group]))
+
+    @property
+    def max_ranks(self) -> int:
+        """The most ranks of its EP group one token's experts lie on (under the group limit)."""
+        return self._most(self.experts // self.ep, self.ep)
+
+    @property
+    def nodes(self) -> int | None:
+        """Nodes an EP group spans (consecutive ranks from a node's first); None where ``ep`` and the ranks per
+        node do not divide one another (EP groups then straddle nodes unevenly)."""
+        if self.ranks_per_node % self.ep == 0:
+            return 1
+        return self.ep // self.ranks_per_node if self.ep % self.ranks_per_node == 0 else None
+
+    @property
+    def max_nodes(self) -> int | None:
+        """The most nodes of its EP group one token's experts lie on, or None (``nodes``)."""
+        n = self.nodes
+        return None if n is None else self._most(self.experts // n, n)
+
+    def where(self) -> str:
+        """Where a group's experts sit, in words."""
+        if self.groups % self.ep == 0:
+            return ("one per rank of the EP group (device-limited)" if self.groups == self.ep
+                    else f"{self.groups // self.ep} per rank of the EP group")
+        r = self.ep // self.groups
+        if self.nodes and self.nodes > 1 and r == self.ranks_per_node:
+            return "one per node of the EP group (node-limited)"
+        return f"each on {r} ranks of the EP group" + (" within a node" if self.ranks_per_node % r == 0 else "")
+
+    def note(self, ep_options: list[int] | None = None) -> str | None:
+        """The plan's line on it (None: no group limit, or no expert parallelism); ``ep_options``: the EP degrees
+        the layout allows, for the values that would line the groups up."""
+        if not self.limited or self.ep <= 1:
+            return None
+        head = f"routing groups: {self.groups} groups of {self.per_group} experts"
+        nodes = "" if not self.nodes or self.nodes == 1 or self.max_nodes is None else \
+            f", of its {self.nodes} nodes at most {self.max_nodes}"
+        reach = (f"each token's all-to-all reaches at most {self.max_ranks} of the {self.ep} ranks "
+                 f"(topk_group={self.topk_group}, top_k={self.top_k}){nodes}")
+        if self.lined_up:
+            return f"{head}, {self.where()}: {reach}"
+        return (f"{head} do not line up with ep={self.ep} ranks of {self.experts // self.ep} experts (groups "
+                f"straddle ranks): {reach}. They would line up with {self.fixes(ep_options)}")
+
+    def fixes(self, ep_options: list[int] | None = None) -> str:
+        """The values that would line the groups up: ``model.n_group`` (dividing the experts, groups of 2 or more,
+        ``topk_group`` of them at most) or ``backend.ep`` (of ``ep_options``, the degrees the layout allows)."""
+        groups = [g for g in range(max(self.topk_group, 2), self.experts // 2 + 1)
+                  if self.experts % g == 0 and (g % self.ep == 0 or self.ep % g == 0)]
+        eps = [e for e in (ep_options or []) if self.groups % e == 0 or e % self.groups == 0]
+        said = [f"model.n_group in {groups}" if groups else ""]
+        said.append(f"backend.ep in {eps}" if eps else "")
+        return " or ".join(s for s in said if s) or "no n_group of this model (make n_routed_experts divide evenly)"
+
+
+def routing_groups(model_cfg: Any, experts: int, top_k: int, ep: int, ranks_per_node: int) -> RoutingGroups:
+    """The ``RoutingGroups`` of a model config (``model.n_group`` / ``model.topk_group``; 1 group, no limit, for
+    a model without them or a DeepSeek-V2 router choosing greedily, ``model.topk_method=greedy``)."""
+    get = getattr(model_cfg, "get", lambda k, d=None: d)
+    groups, topk = int(get("n_group", 1) or 1), int(get("topk_group", 1) or 1)
+    method = get("topk_method", "group_limited_greedy")
+    if getattr(method, "value", method) == "greedy" or groups < 1 or experts % groups:
+        groups, topk = 1, 1
+    return RoutingGroups(experts, groups, min(topk, groups), top_k, max(ep, 1), max(ranks_per_node, 1))

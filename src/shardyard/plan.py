@@ -345,13 +345,44 @@ def _one_rank(cfg: DictConfig, batch: Plan, hw: Hardware, states: Any, accum: in
     compute = None if hw.peak_flops is None else batch.facts.flops_per_token * tokens * (1 + recompute) / (
         hw.peak_flops * cfg.plan.mfu)
     comm_bytes = states.comm_bytes(accum) * (dp - 1) / dp  # the engine's collectives run over its replicas
+    # Expert parallelism's all-to-all (``backends.expert_parallel_states`` 4): per micro-batch, moe_layers x tokens x
+    # top_k x hidden x dtype bytes x passes (4; 6 with full recompute) x (ep - 1)/ep. Group-limited routing does
+    # not shrink it: the dispatch sends one row per routed slot, and a token's top_k slots leave its rank with
+    # the same (ep - 1)/ep chance on average over the group's ranks, however few ranks its groups allow
+    # (measured against routed tokens in tests/unit/test_group_routing.py). What the groups bound is how many
+    # peers (and nodes) a token reaches, ``moe.RoutingGroups``: the routing line below.
     comm_bytes += states.all_to_all_per_micro * accum  # point to point: what leaves the rank, counted already
     bw = hw.intra_bw if hw.nodes == 1 else hw.inter_bw
     ep = int(cfg.backend.get("ep", 1))
+    notes = list(states.notes)
+    if states.all_to_all_per_micro:
+        notes += routing_notes(cfg, batch, ep, dims.dp_shard, hw.ranks_per_node)
     e = Estimate(cfg.backend.name + (f" ep={ep}" if ep > 1 else ""), N, mbs, accum, ckpt, device, host, states.nvme, comm_bytes, compute,
-                 comm_bytes / bw if N > 1 else 0.0, list(states.notes), overlap)
+                 comm_bytes / bw if N > 1 else 0.0, notes, overlap)
     _check_fit(e, hw, cfg.plan.headroom)
     return e
+
+
+ROUTING = "routing groups: "
+"""The start of the plan's note on group-limited routing under expert parallelism (``routing_notes``), which the
+line printed at every start repeats."""
+
+
+def routing_notes(cfg: DictConfig, batch: Plan, ep: int, dp_shard: int, ranks_per_node: int) -> list[str]:
+    """Whether ``model.n_group``'s routing groups line up with the ranks (or nodes) of the EP groups, as one note
+    (``moe.RoutingGroups.note``): none without a group limit. Not an error when they do not: the routing is the
+    model's, only the all-to-all reaches more peers."""
+    from shardyard.moe import routing_groups
+
+    E, K = batch.facts.routed_experts, batch.facts.experts_per_token
+    rg = routing_groups(cfg.model, E, K, ep, ranks_per_node)
+    options = [d for d in range(2, min(E, dp_shard) + 1) if E % d == 0 and dp_shard % d == 0]
+    note = rg.note(options)
+    if note is None:
+        return []
+    assert note.startswith(ROUTING)
+    return [note + ("" if rg.lined_up else " (a warning, not an error)") + "; the all-to-all's bytes stay top_k "
+            "rows per token (one per routed slot)"]
 
 
 def _accumulation(cfg: DictConfig, batch: Plan, world: int) -> int:
@@ -391,6 +422,18 @@ def _activation_parts(shape: dict, regime: str, tokens: int, mode: str = "none",
     # ends, checkpointed blocks' too: every block's and the head's are alive at the loss (the dry run measured
     # 18.5 GiB of activations for deepseek7b under DDP/Horovod where counting one block's copies said 7.9)
     copies = 2 * (shape["block_params"] + shape["root_params"] / 2) if regime == "autocast" else 0.0
+    d = int(shape.get("mtp_depth", 0))
+    if d:
+        # Multi-token prediction, D depths (``shardyard.mtp``; each depth's block is one of the blocks above). Its
+        # norms', eh_proj's and head's inputs (``mtp_per_depth``) live until the depth's backward, and without
+        # model.loss_chunk each term keeps its log-softmax (``mtp_logits``) until its own backward: at the first
+        # term's backward, loss + D x (per_depth + logits). Autograd runs the depths' backward (created last)
+        # before the main head's, so a depth's block is recomputed / backpropagated (``transient``) while the main
+        # loss's and the other depths' log-softmax and their inputs are alive: transient + loss_hidden +
+        # D x (per_depth + logits). The larger of the two stands in for the loss (it is on the last pipeline
+        # stage, with the loss).
+        saved = a["mtp_per_depth"] + (0 if loss_chunk else a["mtp_logits"])
+        loss = max(loss + d * saved * tokens, (transient + a["loss_hidden"] + d * saved) * tokens)
     return kept * tokens, transient * tokens, loss, copies
 
 
@@ -479,13 +522,14 @@ def describe(e: Estimate, hw: Hardware) -> str:
     if hw.device == "cpu":
         of = f"{hw.ranks_per_node} x {e.device_peak / GiB:.2f} GiB = {e.device_peak * hw.ranks_per_node / hw.host_bytes:.1%} " \
              f"of {hw.host_bytes / GiB:.1f} GiB host RAM available"
-        return f"plan per rank: peak {e.device_peak / GiB:.2f} GiB ({parts}); {of}"
+        return f"plan per rank: peak {e.device_peak / GiB:.2f} GiB ({parts}); {of}" + \
+            "".join(f"\nshardyard | plan: {n}" for n in e.notes if n.startswith(ROUTING))
     assert hw.device_bytes is not None
     line = (f"plan per GPU rank: peak {e.device_peak / GiB:.2f} GiB allocated ({parts}) = "
             f"{(e.device_peak + CUDA_RUNTIME_BYTES) / hw.device_bytes:.1%} of {hw.device_bytes / GiB:.1f} GiB with the CUDA runtime")
     if e.host_peak:
         line += f"\nshardyard | plan per rank in host RAM (offload): {e.host_peak / GiB:.2f} GiB"
-    return line
+    return line + "".join(f"\nshardyard | plan: {n}" for n in e.notes if n.startswith(ROUTING))
 
 # ------------------------------------------------------------------------------- before launch (run.py)
 def before_launch(cfg: DictConfig, batch: Plan, rank0: bool = True) -> tuple[Estimate, str] | None:
@@ -522,6 +566,7 @@ def plan_report(cfg: DictConfig, batch: Plan, hw: Hardware) -> str:
         f"communication dtype); comm s at {(hw.intra_bw if hw.nodes == 1 else hw.inter_bw) / 1e9:.0f} GB/s per rank; "
         f"compute s {mfu}",
     ]
+    notes += [f"{e.engine}: {n}" for e, _ in rows for n in e.notes if n.startswith(ROUTING)]
     ds = deepspeed_estimates(cfg, batch, hw)
     if ds:
         notes.append(ds)

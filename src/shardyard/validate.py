@@ -229,6 +229,7 @@ def validate(cfg: DictConfig, env: DistEnv | None) -> Plan:
     src = validate_data(cfg)
     _validate_finetune(cfg, src, facts)
     _validate_balance(m.balance, facts)
+    _validate_groups(m, facts)
     _validate_ep(cfg.backend, p.dims, facts)
     _validate_precision(cfg.precision, p.device_type)
     _validate_speed_options(cfg)
@@ -470,7 +471,7 @@ def _validate_weights_and_peft(cfg: DictConfig, device_type: str) -> None:
     from shardyard import adapters
     from shardyard.backends import engine
     from shardyard.data import has_tokenizer
-    from shardyard.model import weights_dir
+    from shardyard.weights import weights_dir
 
     m, p = cfg.model, cfg.peft
     w = m.get("weights")
@@ -573,6 +574,30 @@ def _validate_balance(b: DictConfig, facts: ModelFacts) -> None:
                         "routers are balanced by the auxiliary losses.",
                         "Use model.balance.bias_update_speed=0, and model.balance.seq_aux_alpha (with "
                         "device_aux_alpha and comm_aux_alpha under expert parallelism) to balance them.")
+
+
+def _validate_groups(m: DictConfig, facts: ModelFacts) -> None:
+    """Group-limited routing that transformers' router would run wrongly (``model.build``'s own check has refused
+    groups that do not divide the experts, and ``topk_group`` outside 1..n_group): a DeepSeek-V3 router scores a
+    group by its top-2 experts, so a group needs two; and a token's ``top_k`` experts must fit in its
+    ``topk_group`` groups, or its top-k reaches experts the mask excluded. Whether the groups line up with the
+    expert-parallel ranks is the plan's note (``plan.routing_notes``), not an error."""
+    from shardyard.moe import routing_groups
+
+    if not facts.moe_layers:
+        return
+    rg = routing_groups(m, facts.routed_experts, facts.experts_per_token, 1, 1)
+    if rg.groups > 1 and facts.router_bias and rg.per_group < 2:
+        raise UserError("model.n_group", rg.groups, f"A DeepSeek-V3 router scores each group by the sum of its 2 best "
+                        f"experts, and {rg.groups} groups of model.n_routed_experts={rg.experts} hold "
+                        f"{rg.per_group} each.", f"Use a model.n_group of at most {rg.experts // 2} that divides "
+                        f"{rg.experts} (DeepSeek-V3: 8 groups of 32), or model.n_group=1 model.topk_group=1.")
+    if rg.groups > 1 and rg.top_k > rg.topk_group * rg.per_group:
+        raise UserError("model.topk_group", rg.topk_group, f"Each token's model.num_experts_per_tok={rg.top_k} "
+                        f"experts are chosen within its topk_group best groups, which hold {rg.topk_group} x "
+                        f"{rg.per_group} = {rg.topk_group * rg.per_group} experts.",
+                        f"Use model.topk_group>={-(-rg.top_k // rg.per_group)} (at most model.n_group={rg.groups}), "
+                        "or fewer experts per token.")
 
 
 def _validate_ep(b: DictConfig, dims: ParallelDims, facts: ModelFacts) -> None:

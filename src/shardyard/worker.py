@@ -26,7 +26,8 @@ from shardyard.errors import UserError, report_and_exit
 from shardyard.metrics import reset_host_peak, run_peak_memory
 from shardyard import adapters
 from shardyard.backends.torch_step import COMPUTE_DTYPES
-from shardyard.model import build_model, load_weights, logits, wants_meta, weights_dir
+from shardyard.model import build_model, logits, wants_meta
+from shardyard.weights import load_weights, weights_dir
 from shardyard.trial import Trial
 
 

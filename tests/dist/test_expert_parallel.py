@@ -1,5 +1,6 @@
-"""Expert parallelism (``backend.ep``) on the FSDP2 family equals the single process: losses and global pre-clip
-grad norms within 1e-4 at (world 2, ep 2), (world 4, ep 2), (world 4, ep 4) with accumulation 1 and 2, with
+"""Expert parallelism (``backend.ep``) on the FSDP2 family equals the single process, with DeepSeek-V3's
+multi-token prediction on (``model.mtp.depth=1``: its MoE depth rides on the last pipeline stage; its loss is
+logged and equal too; one run with the chunked head): losses and global pre-clip grad norms within 1e-4 at (world 2, ep 2), (world 4, ep 2), (world 4, ep 4) with accumulation 1 and 2, with
 activation checkpointing, and for 2 pipeline stages x ep 2 at world 4, each run measured to have sent token rows
 to every EP peer (equality alone would hold with ``ep`` ignored); each rank holds E / ep whole experts; a
 resume is bit for bit, and a checkpoint written at ep 2 resumes at ep 4 (and 4 -> 2) with the same losses; the HF
@@ -17,7 +18,7 @@ from shardyard.testing import TINY, compose, hf_eval_loss, on_ranks, run_many
 
 # TINY's 2 layers of deepseek_moe_tiny: layer 0 dense, layer 1 MoE with 8 routed experts (top 2) + 1 shared.
 EP = [*TINY, "model=deepseek_moe_tiny", "train.steps=6", "train.eval_every_n_steps=0", "train.global_batch_size=8",
-      "backend=fsdp"]
+      "backend=fsdp", "model.mtp.depth=1"]  # MTP's depth: model.layers.2, a MoE block (issue 43)
 EXPERTS = "model.layers.1.mlp.experts.gate_up_proj"
 CKPT = "checkpoint.every_n_steps=3"
 
@@ -33,6 +34,14 @@ def curve(ranks, key="train_losses"):
 def assert_close(got, ref, what, rel=1e-4):
     worst = max(abs(a - b) / abs(b) for a, b in zip(got, ref))
     assert len(got) == len(ref) and worst <= rel, f"{what}: {worst:.2e}\n got {got}\n ref {ref}"
+
+
+def mtp_losses(run_dir):
+    """The MTP depth's logged loss at every step (metrics.jsonl, as every monitor gets it)."""
+    lines = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    got = [m["train/mtp_loss_1"] for m in lines if "train/loss" in m]
+    assert len(got) == 6, lines[:2]
+    return got
 
 
 def assert_tokens_crossed(ranks, ep, steps=6, stages=1, forwards=1, placeholder=0):
@@ -57,7 +66,7 @@ def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("ep")
     single = run_many(1, [([*EP, "backend=single"], str(d / "single"))])[0]
     w2 = {"ep2": [*EP, "backend.ep=2", CKPT, "checkpoint.save_final=true"],
-          "ep2-accum2": [*EP, "backend.ep=2", "train.micro_batch_size=2"],
+          "ep2-accum2": [*EP, "backend.ep=2", "train.micro_batch_size=2", "model.loss_chunk=48"],
           "ep2-ckpt": [*EP, "backend.ep=2", "model.activation_checkpointing=true"]}
     w2["ep2-resumed"] = [*EP, "backend.ep=2", step3(d / "w2-ep2")]
     w4 = {"ep2": [*EP, "backend.ep=2", "train.micro_batch_size=2", CKPT],
@@ -85,6 +94,7 @@ def test_expert_parallel_matches_single_process(run, runs):
     for rank in runs[run]:  # every rank reports the same all-reduced numbers
         assert_close(curve([rank]), curve(ref), f"{run} loss")
         assert_close(curve([rank], "grad_norms"), curve(ref, "grad_norms"), f"{run} grad norm")
+    assert_close(mtp_losses(runs["dir"] / run), mtp_losses(runs["dir"] / "single"), f"{run} MTP loss")
     ep = 4 if "ep4" in run else 2
     pp = {"stages": 2, "placeholder": 1} if "pp2" in run else {}  # one micro-batch: 1 sequence
     assert_tokens_crossed(runs[run], ep, forwards=2 if "ckpt" in run else 1, **pp)

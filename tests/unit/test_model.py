@@ -21,8 +21,12 @@ def test_deepseek_v3_is_671b():
     m = compose(["model=deepseek_v3"]).model
     c = shape_model(m).config
     assert (c.hidden_size, c.num_hidden_layers, c.n_routed_experts, c.kv_lora_rank, c.q_lora_rank) == (7168, 61, 256, 512, 1536)
-    n = inspect_model(m, 128).params
+    n = inspect_model(compose(["model=deepseek_v3", "model.mtp.depth=0"]).model, 128).params
     assert abs(n / 671e9 - 1) < 0.01, n
+    # with its multi-token prediction depth (the option trains with one, as the paper): the official checkpoint's
+    # 685B, which stores its own copies of the embedding and head that the depth shares here
+    with_mtp = inspect_model(m, 128).params + 2 * c.vocab_size * c.hidden_size
+    assert c.num_nextn_predict_layers == 1 and abs(with_mtp / 685e9 - 1) < 0.01, with_mtp
 
 
 def test_big_models_are_built_on_meta():

@@ -273,7 +273,7 @@ def test_family_defaults_come_from_the_papers():
 def test_an_export_with_experts_stored_apart_loads_into_the_fused_experts(tiny_moe, tmp_path):
     """transformers 5 writes a DeepSeek MoE's experts one by one (experts.3.gate_proj.weight ...), as DeepSeek's
     releases do; model.weights reads them into the fused gate_up_proj / down_proj tensors."""
-    from shardyard.model import load_weights
+    from shardyard.weights import load_weights
 
     cfg, model = tiny_moe
     model.save_pretrained(str(tmp_path))

@@ -250,13 +250,14 @@ class Backend(Protocol):
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, is_last_micro: bool,
                          weight: torch.Tensor) -> torch.Tensor:
-        """Backward of one micro-batch's summed cross-entropy times ``weight`` (a 0-d fp32 tensor on the
-        device: accumulation steps x ``dp_size`` / the step's label tokens over every data-parallel rank), as
-        one of the micro-batch losses whose mean over micro-batches and data-parallel ranks the engine's
-        gradient is: the step's gradient is then that of the token-weighted mean (docs/architecture.md,
-        "Token-weighted loss"). MoE balance losses keep the plain mean. Returns the micro-batch's summed
-        cross-entropy, unweighted and detached, on every rank; gradients are synchronised only when
-        ``is_last_micro``."""
+        """Backward of one micro-batch's loss terms (``model.causal_lm_loss_sum``: the summed cross-entropy of
+        the main head, then of each multi-token-prediction depth) times ``weight`` (fp32 on the device, one per
+        term: accumulation steps x ``dp_size`` / the term's label tokens in the step over every data-parallel
+        rank, times the term's factor), summed, as one of the micro-batch losses whose mean over micro-batches
+        and data-parallel ranks the engine's gradient is: the step's gradient is then that of the token-weighted
+        means (docs/architecture.md, "Token-weighted loss"). MoE balance losses keep the plain mean. Returns
+        the micro-batch's summed cross-entropies (``[1 + depths]``), unweighted and detached, on every rank;
+        gradients are synchronised only when ``is_last_micro``."""
 
     def step(self, guard: bool = False) -> StepStats:
         """Unscale, clip, optimizer + scheduler step, zero grads. With ``guard``, an update whose global

@@ -329,7 +329,7 @@ class DeepSpeedBackend:
         # engine.backward divides by gradient_accumulation_steps and ZeRO averages over the data-parallel ranks:
         # the mean of the weighted micro-batch losses, i.e. the token-weighted mean (the weight counts both).
         # MoE balance losses keep the plain mean. Under fp16 DeepSpeed's own loss scale multiplies this loss.
-        self.engine.backward(ce_sum * weight + moe.aux_loss(self.engine))
+        self.engine.backward((ce_sum * weight).sum() + moe.aux_loss(self.engine))
         if not is_last_micro:
             self.engine.step()  # bookkeeping only: not an accumulation boundary
         return ce_sum.detach()

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from shardyard import moe
+from shardyard import moe, mtp
 from shardyard.facts import Plan
 from shardyard.backends import FP32, HALF, ModelStates, process_group, refuse_speed_options, smoke_degree
 from shardyard.backends.expert_parallel import shard_experts, stepper_options
@@ -43,7 +43,14 @@ class Hole(torch.nn.Module):
 class Stage(torch.nn.Module):
     """One pipeline stage of an HF decoder-only model: the embedding (first stage), layers ``lo..hi-1``,
     the final norm and LM head (last stage). Positions, rotary embeddings and the causal mask are rebuilt
-    from the sequence length in every stage, exactly as the HF model builds them once."""
+    from the sequence length in every stage, exactly as the HF model builds them once.
+
+    Multi-token prediction (``shardyard.mtp``) runs on the last stage, beside the head it shares. Its depths
+    read the shared embedding of the tokens ahead, which only the first stage holds: while training
+    (``with_mtp``), every stage passes the first stage's embedding output along beside the hidden states (one
+    more hidden-sized activation per boundary), so its gradient flows back to the one embedding through the
+    pipeline itself, with no copy of the table to keep in sync. The last stage returns the logits of the main
+    head and of each depth, concatenated along the sequence (``_scaled_loss`` splits them)."""
 
     def __init__(self, hf: Any, lo: int, hi: int, first: bool, last: bool):
         super().__init__()
@@ -51,6 +58,9 @@ class Stage(torch.nn.Module):
         self.lo, self.hi, self.first, self.last = lo, hi, first, last
         self.embed: Any = inner.embed_tokens if first else None
         self.layers = torch.nn.ModuleDict({str(i): inner.layers[i] for i in range(lo, hi)})
+        self.mtp = torch.nn.ModuleList(mtp.layers(hf) if last else [])
+        self.with_mtp = mtp.depth(hf) > 0
+        """Carry the embedding and compute the MTP depths (training; ``PipelineBackend._run_chunks`` turns it off)."""
         self.norm: Any = inner.norm if last else None
         self.head: Any = hf.lm_head if last else None
         # Shared by every stage of this rank and without parameters: kept out of the module tree (and FSDP).
@@ -66,11 +76,14 @@ class Stage(torch.nn.Module):
         meta = getattr(self.pipe, "_stage_meta", None) if self.pipe is not None else None
         return meta is not None and getattr(meta, "outputs", True) is None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, emb: torch.Tensor | None = None) -> Any:
         from transformers.masking_utils import create_causal_mask
 
         inner: Any = self._hf.model  # type: ignore[union-attr]  # set with object.__setattr__, not a submodule
         h = self.embed(x) if self.embed is not None else x
+        carry = self.with_mtp
+        if carry and self.first:
+            emb = h
         pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
         mask = create_causal_mask(config=inner.config, inputs_embeds=h, attention_mask=None, past_key_values=None,
                                   position_ids=pos)
@@ -78,10 +91,33 @@ class Stage(torch.nn.Module):
         with moe.paused(self._hf) if self._infers_shapes() else contextlib.nullcontext():
             for layer in self.layers.values():
                 h = layer(h, attention_mask=mask, position_embeddings=rope, position_ids=pos)
-        if self.last:
-            h = self.head(self.norm(h))
+            if self.last:
+                h = self.norm(h)
+                heads = [self.head(h)]
+                if carry:  # the MTP depths (shardyard.mtp._forward's, on the embedding carried from the first stage)
+                    assert emb is not None
+                    heads += [self.head(n) for n in mtp.run_depths(self._hf, h, emb, attention_mask=mask,
+                                                                  position_embeddings=rope, position_ids=pos)]
+                h = torch.cat(heads, dim=1) if len(heads) > 1 else heads[0]
         # The loss function sees only the last stage: this stage's MoE balance losses ride on its output's gradient.
-        return moe.attach(h, self._hf, self.loss_scale)
+        h = moe.attach(h, self._hf, self.loss_scale)
+        if carry and not self.last:
+            assert emb is not None
+            return h, emb.view_as(emb)  # a view: the stage's own output, whose gradient goes back to its input
+        return h
+
+
+@contextlib.contextmanager
+def _without_mtp(stages: list[Stage]):
+    """The stages as the plain causal LM (evaluation, sampling): no embedding carried, no MTP depths."""
+    was = [s.with_mtp for s in stages]
+    for s in stages:
+        s.with_mtp = False
+    try:
+        yield
+    finally:
+        for s, w in zip(stages, was):
+            s.with_mtp = w
 
 
 def layer_split(layers: int, chunks: int) -> list[tuple[int, int]]:
@@ -119,9 +155,11 @@ def parallelize_pipeline(model: Any, cfg: DictConfig, mesh: DeviceMesh, device: 
     pp, expert_parallel = mesh["pp"], "ep" in (mesh.mesh_dim_names or ())
     dp = mesh["edp", "ep"]._flatten("dp") if expert_parallel else mesh["dp"]
     chunks = b.stages * (b.virtual_stages if b.schedule == "interleaved" else 1)
-    spans = layer_split(len(model.model.layers), chunks)
+    main = len(model.model.layers) - mtp.depth(model)  # the MTP depths follow the main layers: the last stage's
+    spans = layer_split(main, chunks)
     mine = list(range(pp.get_local_rank(), chunks, b.stages))  # 2
-    keep = {i for c in mine for i in range(*spans[c])}
+    keep = {i for c in mine for i in range(*spans[c])} | (set(range(main, len(model.model.layers)))
+                                                          if chunks - 1 in mine else set())
     for i in range(len(model.model.layers)):
         if i not in keep:
             model.model.layers[i] = Hole()
@@ -134,7 +172,7 @@ def parallelize_pipeline(model: Any, cfg: DictConfig, mesh: DeviceMesh, device: 
     mp = MixedPrecisionPolicy(param_dtype=COMPUTE_DTYPES[pr.name], reduce_dtype=torch.float32) \
         if pr.name != "fp32" else MixedPrecisionPolicy()
     for stage in stages:  # 3
-        for layer in stage.layers.values():
+        for layer in [*stage.layers.values(), *stage.mtp]:
             if expert_parallel and shard_experts(layer, mesh["ep"], b.ep_capacity_factor):
                 for experts in expert_modules(layer):
                     fully_shard(experts, mesh=mesh["edp"], reshard_after_forward=b.reshard_after_forward, mp_policy=mp)
@@ -154,7 +192,7 @@ def check_pipeline_model(model: Any, cfg: DictConfig) -> None:
                         f"model.layers, model.norm, model.rotary_emb, lm_head); {type(model).__name__} is not laid "
                         "out so.", "Use backend=fsdp, or an HF causal LM (LLaMA, Qwen2, Mistral, DeepSeek-V3 ...).")
     chunks = b.stages * (b.virtual_stages if b.schedule == "interleaved" else 1)
-    layers = len(inner.layers)
+    layers = len(inner.layers) - mtp.depth(model)  # the MTP depths ride on the last stage
     if layers < chunks:
         virtual = chunks // b.stages
         key, value, most = (("backend.virtual_stages", b.virtual_stages, layers // b.stages) if virtual > 1
@@ -304,12 +342,14 @@ class PipelineBackend:
         n = max(int(shape["blocks"]), 1)
         per_block = shape.get("block_param_list") or [shape["block_params"] / n] * n
         per_experts = shape.get("block_expert_list") or [0] * n
-        spans = layer_split(n, chunks)
+        d = int(shape.get("mtp_depth", 0))  # MTP depths: the last blocks, on the last stage (parallelize_pipeline)
+        spans = layer_split(n - d, chunks)
         ep = int(b.ep) if shape.get("expert_params") else 1
         c, dp = (FP32 if cfg.precision.name == "fp32" else HALF), max(world // pp, 1)
         kinds = []
         for s in range(pp):
             mine = [i for ch in range(s, chunks, pp) for i in range(*spans[ch])]  # 1
+            mine += list(range(n - d, n)) if (chunks - 1) % pp == s else []
             root = shape["root_params"] / 2 * ((s == 0) + (s == pp - 1))
             blocks, experts = sum(per_block[i] for i in mine), sum(per_experts[i] for i in mine)
             big = max(mine, key=lambda i: per_block[i], default=None)
@@ -334,9 +374,17 @@ class PipelineBackend:
             # activations' peak: its gradient (and, with every micro-batch in flight, the accumulated one) is not
             # there yet
             apart = c * root * (2 if in_flight == m else 1) if s == 0 and pp > 1 else 0.0
+            # MTP: every stage carries the embedding beside the hidden states, which doubles what a stage holds at
+            # its edges per micro-batch in flight (the received tensor, its view sent on, their gradients: measured
+            # by the dry run at deepseek_v3_pipeline's 512 ranks, stage 1 with 15 in flight: 14.98 GiB of
+            # activations, 12.18 without the depth), and the last stage's output holds each depth's logits beside the
+            # main head's (c x vocab per token). The first stage makes the embedding from its own input (the dry run:
+            # 13.84 GiB there, as without the depth).
+            carried = PIPELINE_EDGE * (2 if d and s > 0 else 1)
+            out_logits = c * shape["vocab"] * d * logits / m if s == pp - 1 else 0.0
             kinds.append(dataclasses.replace(
                 states, device=device, buffers_apart=apart, activation_factor=1 / m,
-                stage_bytes_per_token=PIPELINE_EDGE * c * shape["hidden"] * in_flight / m, stage_bytes=edge,
+                stage_bytes_per_token=carried * c * shape["hidden"] * in_flight / m + out_logits, stage_bytes=edge,
                 activation_parts=(in_flight / m * len(mine) / n, 1 / m if mine else 0.0, logits / m),
                 notes=states.notes + [f"pipeline {pp} stages ({b.schedule}, {m} micro-batches): stage {s} holds "
                                       f"{len(mine)} layers, {in_flight} micro-batches in flight, FSDP over {dp} "
@@ -356,6 +404,7 @@ class PipelineBackend:
 
         b = self.bcfg
         self.model = build(allow_meta=True)
+        self.depths = mtp.depth(self.model)  # multi-token prediction: loss terms beside the main head's
         self.stages = parallelize_pipeline(self.model, self.cfg, self.mesh, self.device)
         self.mine = list(range(self.pp_rank, self.chunks, self.pp))
         for stage in self.stages:  # MoE balance losses: the plain mean over pipeline micro-batches and accumulation
@@ -376,27 +425,34 @@ class PipelineBackend:
                                     norm_group=self.pp_group, own_param_groups=True,
                                     **stepper_options(self.model, self.plan.dims.ep))
         self.model.forward = self._forward_whole  # for sampling through hf_model(): the whole model's logits
+        self._terms: list[torch.Tensor] = []
 
     def _scaled_loss(self, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """One pipeline micro-batch's (a chunk of the micro batch) summed cross-entropy x ``weight`` / accumulation:
         over the chunks it adds up to the micro batch's ``ce_sum x weight / accum``, as ``TorchStepper``
-        backpropagates, and FSDP's mean over dp makes the step's gradient the token-weighted mean's."""
-        ce_sum = F.cross_entropy(out.float().reshape(-1, out.size(-1)), targets.reshape(-1), ignore_index=-100,
-                                 reduction="sum")
-        return ce_sum * self._weight / self.accum
+        backpropagates, and FSDP's mean over dp makes the step's gradient the token-weighted mean's. With MTP
+        depths ``out`` holds the main head's logits and each depth's, one after the other along the sequence: each
+        term is summed against its own targets (``mtp.depth_targets``) and weighted by its own ``weight``. The
+        terms are kept (``_terms``) for the log: the schedule's own losses are the weighted totals."""
+        parts = out.chunk(self.depths + 1, dim=1)
+        sums = torch.stack([F.cross_entropy(o.float().reshape(-1, o.size(-1)), mtp.depth_targets(targets, None, k)
+                                            .reshape(-1), ignore_index=-100, reduction="sum")
+                            for k, o in enumerate(parts)])
+        self._terms.append(sums.detach())
+        return (sums * self._weight).sum() / self.accum
 
     def forward_backward(self, inputs, targets, is_last_micro: bool, weight: torch.Tensor) -> torch.Tensor:
-        self._weight = weight  # read by _scaled_loss
+        self._weight, self._terms = weight, []  # read and filled by _scaled_loss
         losses: list[torch.Tensor] = []
         args = (inputs,) if 0 in self.mine else ()
         self.schedule.step(*args, target=targets, losses=losses)
-        # Only the last stage computed the loss: it sends the micro batch's summed cross-entropy to the others of
-        # its pipeline. Read off the schedule's losses (the weight undone), not counted inside _scaled_loss: the
-        # schedule's first step also calls the loss function once to infer the backward's shapes.
-        ce_sum = (torch.stack(losses).sum() * self.accum / weight).detach() if losses \
-            else torch.zeros((), device=self.device)
-        dist.broadcast(ce_sum, group=self.pp_group, group_src=self.pp - 1)
-        return ce_sum
+        # Only the last stage computed the loss: it sends the micro batch's summed cross-entropies (one per term) to
+        # the others of its pipeline. The schedule's first step also calls the loss function once to infer the
+        # backward's shapes, before the micro-batches: their terms are the last ones kept.
+        ce = torch.stack(self._terms[-self.bcfg.microbatches:]).sum(0) if losses \
+            else torch.zeros(1 + self.depths, device=self.device)
+        dist.broadcast(ce, group=self.pp_group, group_src=self.pp - 1)
+        return ce if self.depths else ce[0]
 
     def simulated_forward_backward(self, inputs, targets, is_last_micro: bool, weight: torch.Tensor) -> None:
         """The dry run's ``forward_backward`` (``shardyard.dryrun``): this rank's stages at the schedule's deepest
@@ -422,9 +478,9 @@ class PipelineBackend:
 
             def forward() -> None:
                 ids, tgt = todo.pop(0)
-                x = ids if stage.first else torch.randn(*ids.shape, self.model.config.hidden_size, dtype=dtype,
-                                                        requires_grad=True)
-                outs.append((stage(x), tgt))
+                hidden = [torch.randn(*ids.shape, self.model.config.hidden_size, dtype=dtype, requires_grad=True)
+                          for _ in range(1 + stage.with_mtp)]  # the hidden states, and the carried embedding
+                outs.append((stage(ids) if stage.first else stage(*hidden), tgt))
 
             for _ in range(in_flight):
                 forward()
@@ -436,7 +492,8 @@ class PipelineBackend:
                 if stage.last:
                     self._scaled_loss(out, tgt).backward()
                 else:
-                    out.backward(torch.ones_like(out))
+                    sent = out if isinstance(out, tuple) else (out,)
+                    torch.autograd.backward(sent, [torch.ones_like(o) for o in sent])
                 del out
                 if todo:
                     forward()
@@ -465,7 +522,11 @@ class PipelineBackend:
         """The whole model on ``ids`` outside the schedule: chunk by chunk, each computed by its stage's ranks
         (FSDP over their dp) and its output sent point to point to the next chunk's stage, in the compute dtype
         (the next stage casts its input to it anyway). The last chunk's output (the logits) on the last stage's
-        ranks; None elsewhere."""
+        ranks; None elsewhere. The main model only: multi-token prediction is a training loss."""
+        with _without_mtp(self.stages):
+            return self._run_plain_chunks(ids)
+
+    def _run_plain_chunks(self, ids: torch.Tensor) -> torch.Tensor | None:
         c = self.model.config
         dtype = COMPUTE_DTYPES[self.cfg.precision.name]
         h: torch.Tensor | None = ids

@@ -59,15 +59,16 @@ class TorchStepper:
 
     def forward_backward(self, inputs, targets, weight: torch.Tensor,
                          sync_context=contextlib.nullcontext()) -> torch.Tensor:
-        """``Backend.forward_backward``: the micro-batch's summed cross-entropy (detached, unweighted)."""
+        """``Backend.forward_backward``: the micro-batch's summed cross-entropies (detached, unweighted; one per
+        loss term: the main head's, then each MTP depth's)."""
         with sync_context:
             with self.autocast():
                 ce_sum = causal_lm_loss_sum(self.model, inputs, targets)
             # 1/accum here and the engine's mean over data-parallel ranks average the micro-batch losses; with
-            # weight = accum x dp / (the step's label tokens) that average is the token-weighted mean of the
-            # cross-entropy. MoE balance losses keep the plain mean of micro-batches. The weight is a plain
+            # weight = accum x dp / (the step's label tokens), per loss term, that average is the token-weighted
+            # mean of each term's cross-entropy. MoE balance losses keep the plain mean of micro-batches. The weight is a plain
             # factor before the fp16 loss scale, which the scaler applies (and removes) as before.
-            self.scaler.scale((ce_sum * weight + moe.aux_loss(self.model)) / self.accum).backward()
+            self.scaler.scale(((ce_sum * weight).sum() + moe.aux_loss(self.model)) / self.accum).backward()
         return ce_sum.detach()
 
     def step(self, guard: bool = False) -> StepStats:

@@ -354,6 +354,24 @@ class V2BalanceConfig(BalanceConfig):
 
 
 @dataclass
+class MTPConfig:
+    """DeepSeek-V3's multi-token prediction (``shardyard.mtp``; arXiv 2412.19437, section 2.2): ``depth`` extra
+    modules, each predicting one token further ahead through the shared embedding and output head. The loss is
+    the main loss plus ``weight / depth`` times the sum of the depths' losses. Training only: evaluation, sampling
+    and the export's main model ignore it (the export keeps the modules under DeepSeek's own names)."""
+
+    depth: int = 0
+    """MTP depths D (DeepSeek-V3: 1); 0 = off. DeepSeek-V3 models only (``model.layers.{num_layers + k - 1}``)."""
+    weight: float = 0.3
+    """lambda, the MTP losses' weight (DeepSeek-V3: 0.3 for its first 10T tokens)."""
+    final_weight: Optional[float] = None
+    """lambda from ``final_weight_from_step`` on (DeepSeek-V3: 0.1 for its last 4.8T tokens); ``null``: ``weight``
+    throughout."""
+    final_weight_from_step: Optional[int] = None
+    """The training step (counted from 1) from which ``final_weight`` applies."""
+
+
+@dataclass
 class ModelConfig:
     """What shardyard itself reads of every ``model`` option. Every other key of the option is an argument
     of its ``_target_``, a builder returning the model (``shardyard.model.CausalLM``)."""
@@ -397,6 +415,8 @@ class ModelConfig:
     ``null``: a fresh init."""
     balance: BalanceConfig = field(default_factory=BalanceConfig)
     """Routing balance of mixture-of-experts layers (``shardyard.moe``); unused by dense models."""
+    mtp: MTPConfig = field(default_factory=MTPConfig)
+    """Multi-token prediction (``shardyard.mtp``): DeepSeek-V3 models; off (depth 0) by default."""
 
 
 @dataclass

@@ -31,7 +31,8 @@ class ConsoleMonitor:
 
     def log(self, step: int, m: dict) -> None:
         if "train/loss" in m:
-            info = (f"loss {m['train/loss']:.4f} | lr {m['lr']:.2e} | grad {m['grad_norm']:.3f} | "
+            mtp = " ".join(f"{m[k]:.4f}" for k in sorted(m) if k.startswith("train/mtp_loss_"))
+            info = (f"loss {m['train/loss']:.4f}" + (f" | MTP {mtp}" if mtp else "") + f" | lr {m['lr']:.2e} | grad {m['grad_norm']:.3f} | "
                     f"{m['tokens_per_s']:,.0f} tok/s" + (f" | MFU {100 * m['mfu']:.1f}%" if "mfu" in m else "")
                     + (f" | scale {m['loss_scale']:.0f}" if "loss_scale" in m else "")
                     + (f" | skipped {m['skipped_steps']}" if m.get("skipped_steps") else "")

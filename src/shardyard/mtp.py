@@ -1,0 +1,214 @@
+"""DeepSeek-V3's multi-token prediction (MTP; arXiv 2412.19437, section 2.2): ``model.mtp``.
+
+Depth k (1..D) predicts token i+k+1 at position i:
+
+    h'_k   = eh_proj([enorm(Emb(t_{i+k})); hnorm(h_{k-1})])      (h_0: the main model's output, after its final norm)
+    h_k    = one decoder block (dense or MoE as the model's layer L would be) on h'_k
+    logits = lm_head(shared_head.norm(h_k))
+
+The embedding and the output head are the main model's (shared, as the paper says); each depth has its own norms,
+projection, block and final norm. The modules live where DeepSeek's official checkpoints keep them: depth k is
+``model.layers.{num_hidden_layers + k - 1}`` (``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm`` and a whole
+decoder layer), which transformers' own forward never runs (it iterates ``layers[:num_hidden_layers]``). So the
+official layout loads and exports by name, FSDP shards the depth like any block, and activation checkpointing,
+compile, expert parallelism and the MoE balance treat it as one more block.
+
+The training loss is ``L_main + weight / D * sum_k L_k`` with each ``L_k`` the mean over its own label tokens
+(token-weighted over micro-batches and ranks like the main loss: ``shardyard.loop``); ``weight`` follows
+``model.mtp.weight`` / ``final_weight`` (the paper: 0.3, then 0.1). The model's forward computes the depths only
+inside ``training_targets`` (the training loss): evaluation, sampling and the export see the plain causal LM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig
+
+from shardyard.errors import UserError
+
+FAMILIES = ("DeepseekV3ForCausalLM",)
+"""The model classes MTP is built for (DeepSeek-V3's layout and block)."""
+
+
+def depth(model: Any) -> int:
+    """The MTP depths attached to ``model`` (0: none)."""
+    return int(getattr(model, "shardyard_mtp_depth", 0))
+
+
+def layers(model: Any) -> list[torch.nn.Module]:
+    """The MTP depths' modules, depth 1 first (``model.layers[num_hidden_layers:]``)."""
+    d = depth(model)
+    return list(model.model.layers[len(model.model.layers) - d:]) if d else []
+
+
+def check(mtp: DictConfig, family: str) -> None:
+    """``model.mtp``'s values, and that the model family has MTP (``family``: the built model's class name)."""
+    if mtp.depth < 0:
+        raise UserError("model.mtp.depth", mtp.depth, "It counts the extra tokens predicted ahead, so it cannot be "
+                        "negative.", "Use model.mtp.depth=0 (off) or 1 (DeepSeek-V3's).")
+    if mtp.weight < 0:
+        raise UserError("model.mtp.weight", mtp.weight, "It weighs the MTP losses into the training loss, so it "
+                        "cannot be negative.", "Use model.mtp.weight>=0 (DeepSeek-V3: 0.3, then 0.1 as "
+                        "model.mtp.final_weight); model.mtp.depth=0 turns MTP off.")
+    if mtp.get("final_weight") is not None and mtp.final_weight < 0:
+        raise UserError("model.mtp.final_weight", mtp.final_weight, "It must be at least 0.",
+                        "Use model.mtp.final_weight=0.1 (the paper's) or null (model.mtp.weight throughout).")
+    if mtp.get("final_weight") is not None and (mtp.get("final_weight_from_step") is None
+                                                or mtp.final_weight_from_step < 1):
+        raise UserError("model.mtp.final_weight_from_step", mtp.get("final_weight_from_step"),
+                        "model.mtp.final_weight needs the training step (from 1) from which it replaces "
+                        "model.mtp.weight.",
+                        "Set model.mtp.final_weight_from_step to a step >= 1, or model.mtp.final_weight=null.")
+    if mtp.depth > 0 and family not in FAMILIES:
+        raise UserError("model.mtp.depth", mtp.depth, f"Multi-token prediction is built for DeepSeek-V3's layout "
+                        f"({', '.join(FAMILIES)}), and this model is a {family}.",
+                        "Use model.mtp.depth=0 with it, or a DeepSeek-V3 model (model=deepseek_moe_tiny, deepseek_v3, "
+                        "or model=hf with a DeepSeek-V3 directory).")
+
+
+def attach(model: Any, mtp: DictConfig) -> None:
+    """Append ``mtp.depth`` MTP depths to a built DeepSeek-V3 model (``model.layers.{L + k - 1}``), initialised by
+    the model's own ``_init_weights`` (so seeded builds are identical on every rank), and route its forward through
+    ``_forward``. The config records the depth as DeepSeek's does (``num_nextn_predict_layers``)."""
+    check(mtp, type(model).__name__)
+    if mtp.depth == 0:
+        return
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
+
+    c = model.config
+    h, eps, first = c.hidden_size, c.rms_norm_eps, c.num_hidden_layers
+    for k in range(mtp.depth):
+        layer = DeepseekV3DecoderLayer(c, layer_idx=first + k)
+        layer.enorm = DeepseekV3RMSNorm(h, eps=eps)
+        layer.hnorm = DeepseekV3RMSNorm(h, eps=eps)
+        layer.eh_proj = torch.nn.Linear(2 * h, h, bias=False)
+        layer.shared_head = torch.nn.Module()
+        layer.shared_head.norm = DeepseekV3RMSNorm(h, eps=eps)
+        with torch.no_grad():
+            for module in layer.modules():
+                model._init_weights(module)
+        layer.forward = _DepthForward(layer)
+        model.model.layers.append(layer)
+    c.num_nextn_predict_layers = mtp.depth
+    model.shardyard_mtp_depth = mtp.depth
+    plain = model.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return _forward(model, plain, *args, **kwargs)
+
+    model.forward = forward
+
+
+class _DepthForward:
+    """An MTP depth's forward, ``(h_{k-1}, Emb(t_{i+k}), **block kwargs) -> (h_k, shared_head.norm(h_k))``: the whole
+    depth inside its module's own call, so that an engine that shards the depth as one unit (FSDP2's per-block
+    ``fully_shard``) has gathered its norms and projection too. The block itself is the layer's class forward,
+    looked up at each call: FSDP2 swaps the module's class, and transformers' activation checkpointing wraps the
+    outermost class's forward only."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        self.layer = layer
+
+    def __call__(self, hidden: torch.Tensor, embeds: torch.Tensor, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        layer: Any = self.layer
+        x = layer.eh_proj(torch.cat([layer.enorm(embeds), layer.hnorm(hidden)], dim=-1))
+        h = type(layer).forward(layer, x, **kwargs)
+        return h, layer.shared_head.norm(h)
+
+
+def run_depths(model: Any, hidden: torch.Tensor, emb: torch.Tensor, **block: Any) -> list[torch.Tensor]:
+    """Each depth's normed output (what the shared head reads), depth 1 first, from the main model's output
+    ``hidden`` and the embedding ``emb`` of the input tokens. Position i combines its own representation with token
+    i+k's embedding (rolled: the last k positions wrap around, and have no target); causal attention keeps token
+    i+k+1 out of position i's view."""
+    out, prev = [], hidden
+    for k, layer in enumerate(layers(model), 1):
+        prev, normed = layer(prev, emb.roll(-k, dims=1), **block)
+        out.append(normed)
+    return out
+
+
+@contextlib.contextmanager
+def training_targets(model: Any, targets: torch.Tensor) -> Iterator[None]:
+    """Inside, the model's forward returns the summed cross-entropy of the main head and of every depth,
+    ``[main, depth 1, ..., depth D]`` (fp32), for these targets (the main loss's: ``targets[i]`` is token i+1)."""
+    model.shardyard_mtp_targets = targets
+    try:
+        yield
+    finally:
+        model.shardyard_mtp_targets = None
+
+
+def depth_targets(targets: torch.Tensor, position_ids: torch.Tensor | None, k: int) -> torch.Tensor:
+    """Depth k's targets at each position i: token i+k+1, i.e. the main targets shifted left by k, and -100 (no
+    loss) past the row's end and wherever token i+k+1 lies in another document than position i (packed documents
+    or conversations: ``position_ids`` restart at 0 at each), so no depth predicts across a boundary. A padded or
+    prompt token keeps the main targets' -100."""
+    t = targets.roll(-k, dims=-1).clone()
+    t[..., t.size(-1) - k:] = -100
+    if position_ids is not None and k > 0:
+        seg = (position_ids == 0).cumsum(-1)
+        after = torch.cat([seg, seg[..., -1:].expand(*seg.shape[:-1], k + 1)], -1)[..., k + 1:]  # seg of i+k+1
+        t = t.masked_fill(after != seg, -100)
+    return t
+
+
+def label_counts(inputs: Any, targets: torch.Tensor, d: int) -> torch.Tensor:
+    """The label tokens of the main loss and of each depth: ``[main, depth 1, ..., depth D]`` (int64)."""
+    pos = inputs.get("position_ids") if isinstance(inputs, dict) else None
+    return torch.stack([(depth_targets(targets, pos, k) != -100).sum() for k in range(d + 1)])
+
+
+def term_weights(mtp: DictConfig, step: int) -> list[float]:
+    """Each loss term's factor at training step ``step`` (counted from 1): 1 for the main loss, ``weight / D``
+    for each depth (``final_weight / D`` from ``final_weight_from_step`` on)."""
+    d = int(mtp.depth)
+    if d == 0:
+        return [1.0]
+    w = mtp.weight
+    if mtp.get("final_weight") is not None and step >= mtp.final_weight_from_step:
+        w = mtp.final_weight
+    return [1.0] + [float(w) / d] * d
+
+
+def head_sum(model: Any, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The output head's summed cross-entropy (fp32) of ``hidden`` against ``targets``: through the chunked head
+    (``model.loss_chunk``, which reads its targets from ``head.shardyard_targets``) or the plain one."""
+    head = model.get_output_embeddings()
+    if getattr(model, "shardyard_loss_chunk", 0):
+        head.shardyard_targets = targets
+        try:
+            return head(hidden)
+        finally:
+            head.shardyard_targets = None
+    out = head(hidden)
+    return F.cross_entropy(out.float().reshape(-1, out.size(-1)), targets.reshape(-1), ignore_index=-100,
+                           reduction="sum")
+
+
+def _forward(model: Any, plain: Any, input_ids: torch.Tensor | None = None, attention_mask: Any = None,
+             position_ids: torch.Tensor | None = None, **kwargs: Any) -> Any:
+    """The forward of a model with MTP depths. Outside ``training_targets``: the plain causal LM's. Inside: the
+    main model once, then each depth on the previous one's output, in the model's own forward (so every engine's
+    hooks, DDP's, FSDP's root, ZeRO-3's, run as for any forward); returns the summed cross-entropies."""
+    targets = getattr(model, "shardyard_mtp_targets", None)
+    if targets is None:
+        return plain(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+    from transformers.masking_utils import create_causal_mask
+
+    inner = model.model
+    hidden = inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
+    sums = [head_sum(model, hidden, targets)]
+    emb = inner.embed_tokens(input_ids)  # the shared embedding (a lookup; its gradient adds up from every use)
+    pos = position_ids if position_ids is not None else \
+        torch.arange(emb.shape[1], device=emb.device).unsqueeze(0)
+    mask = create_causal_mask(config=inner.config, inputs_embeds=emb, attention_mask=attention_mask, cache=None,
+                              position_ids=pos)
+    rope = inner.rotary_emb(emb, pos)
+    normed = run_depths(model, hidden, emb, attention_mask=mask, position_embeddings=rope, position_ids=pos)
+    sums += [head_sum(model, n, depth_targets(targets, position_ids, k)) for k, n in enumerate(normed, 1)]
+    return torch.stack(sums)
