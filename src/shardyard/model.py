@@ -173,6 +173,10 @@ def hf(path: str, attn_implementation: str = "sdpa") -> torch.nn.Module:
         raise UserError("model.path", path, "No HF model directory (with config.json) is there.",
                         "Point it at a local directory written by save_pretrained (e.g. a run's hf/ export).")
     config = AutoConfig.from_pretrained(os.path.dirname(config_file), local_files_only=True)
+    if getattr(config, "quantization_config", None) is not None:
+        # A quantised release (DeepSeek-V3's FP8 blocks): its weights are dequantised as they load
+        # (``weights.load_weights``) and train in high precision, so neither the model nor its export is quantised
+        del config.quantization_config
     return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
 
 
@@ -350,7 +354,9 @@ def _init_storage(model: Any, device: torch.device, seed: int) -> None:
     torch.manual_seed(seed)
     with torch.no_grad():
         if hasattr(model, "init_weights"):
-            model.init_weights()  # HF's own init (rotary buffers included), on whatever shards this rank holds
+            with mtp.main_only(model):  # the MTP depths after, from their own stream (mtp.init_depths)
+                model.init_weights()  # HF's own init (rotary buffers included), on whatever shards this rank holds
+            mtp.init_depths(model)
         else:
             for module in model.modules():
                 reset: Any = getattr(module, "reset_parameters", None)
@@ -545,7 +551,8 @@ class SpeedProbe:
     the cost of measuring (a dispatch mode over that step's ops) stays off every other step.
 
     * ``loss_chunks``: the chunks the ``model.loss_chunk`` head computed in the step's training forwards
-      (micro-batches x ceil(tokens / loss_chunk) on every engine that takes it; null when the option is off).
+      (micro-batches x ceil(tokens / loss_chunk) x (1 + MTP depths) on every engine that takes it; null when the
+      option is off).
     * ``compiled_calls``: the times the step entered compiled code (``model.compile``): dynamo's cached graphs
       that passed their guards, and the graphs it compiled then. Each block's forward once per micro-batch
       (a pipeline stage's blocks once per pipeline micro-batch); 0: the blocks ran eagerly; null when off.

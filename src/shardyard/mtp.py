@@ -81,26 +81,79 @@ def attach(model: Any, mtp: DictConfig) -> None:
 
     c = model.config
     h, eps, first = c.hidden_size, c.rms_norm_eps, c.num_hidden_layers
-    for k in range(mtp.depth):
-        layer = DeepseekV3DecoderLayer(c, layer_idx=first + k)
-        layer.enorm = DeepseekV3RMSNorm(h, eps=eps)
-        layer.hnorm = DeepseekV3RMSNorm(h, eps=eps)
-        layer.eh_proj = torch.nn.Linear(2 * h, h, bias=False)
-        layer.shared_head = torch.nn.Module()
-        layer.shared_head.norm = DeepseekV3RMSNorm(h, eps=eps)
-        with torch.no_grad():
-            for module in layer.modules():
-                model._init_weights(module)
-        layer.forward = _DepthForward(layer)
-        model.model.layers.append(layer)
+    # A big model under ZeRO-3 is built partitioned (transformers' deepspeed.zero.Init): the depths too, each
+    # parameter gathered to initialise it, or every rank would hold the whole depth (11.6B parameters at 671B).
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    zero3 = is_deepspeed_zero3_enabled()
+
+    def build() -> Any:
+        if not zero3:
+            return contextlib.nullcontext()
+        import deepspeed
+        from transformers.integrations import deepspeed_config
+
+        return deepspeed.zero.Init(config_dict_or_path=deepspeed_config())
+
+    def init(params: list) -> Any:
+        if not zero3:
+            return contextlib.nullcontext()
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(params, modifier_rank=0)
+    with torch.random.fork_rng(devices=[]):  # the main model's random stream stays as without MTP
+        for k in range(mtp.depth):
+            with build():
+                layer = DeepseekV3DecoderLayer(c, layer_idx=first + k)
+                layer.enorm = DeepseekV3RMSNorm(h, eps=eps)
+                layer.hnorm = DeepseekV3RMSNorm(h, eps=eps)
+                layer.eh_proj = torch.nn.Linear(2 * h, h, bias=False)
+                layer.shared_head = torch.nn.Module()
+                layer.shared_head.norm = DeepseekV3RMSNorm(h, eps=eps)
+            layer.forward = _DepthForward(layer)
+            model.model.layers.append(layer)
     c.num_nextn_predict_layers = mtp.depth
     model.shardyard_mtp_depth = mtp.depth
+    init_depths(model, init)
+    # The training targets, in a holder the forward keeps: ``training_targets`` reaches it through wrappers that
+    # forward attribute reads to the model (peft's PeftModel) but would keep an attribute set on themselves.
+    state: dict[str, Any] = {"targets": None}
+    model.shardyard_mtp_state = state
     plain = model.forward
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        return _forward(model, plain, *args, **kwargs)
+        return _forward(model, plain, state["targets"], *args, **kwargs)
 
     model.forward = forward
+
+
+def init_depths(model: Any, gathered: Any = None) -> None:
+    """Initialise the MTP depths with the model's own ``_init_weights``, from a random stream of their own (the
+    seed last set, plus 1): the same values whether the model was built on the CPU, on the meta device and
+    materialised (``model.materialize``), or partitioned under ZeRO-3 (``gathered``: each module's parameters
+    gathered to initialise them), and the main model's values as without MTP."""
+    gathered = gathered or (lambda params: contextlib.nullcontext())
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(torch.initial_seed() + 1)
+        for layer in layers(model):
+            for module in layer.modules():
+                with gathered(list(module.parameters(recurse=False))):
+                    model._init_weights(module)
+
+
+@contextlib.contextmanager
+def main_only(model: Any) -> Iterator[None]:
+    """Inside, ``model.model.layers`` holds the main layers only (the MTP depths set aside): for an initialisation
+    of the main model that draws what it draws without MTP."""
+    d = depth(model)
+    kept = layers(model)
+    if d:
+        del model.model.layers[len(model.model.layers) - d:]
+    try:
+        yield
+    finally:
+        for layer in kept:
+            model.model.layers.append(layer)
 
 
 class _DepthForward:
@@ -136,11 +189,12 @@ def run_depths(model: Any, hidden: torch.Tensor, emb: torch.Tensor, **block: Any
 def training_targets(model: Any, targets: torch.Tensor) -> Iterator[None]:
     """Inside, the model's forward returns the summed cross-entropy of the main head and of every depth,
     ``[main, depth 1, ..., depth D]`` (fp32), for these targets (the main loss's: ``targets[i]`` is token i+1)."""
-    model.shardyard_mtp_targets = targets
+    state = model.shardyard_mtp_state
+    state["targets"] = targets
     try:
         yield
     finally:
-        model.shardyard_mtp_targets = None
+        state["targets"] = None
 
 
 def depth_targets(targets: torch.Tensor, position_ids: torch.Tensor | None, k: int) -> torch.Tensor:
@@ -190,12 +244,11 @@ def head_sum(model: Any, hidden: torch.Tensor, targets: torch.Tensor) -> torch.T
                            reduction="sum")
 
 
-def _forward(model: Any, plain: Any, input_ids: torch.Tensor | None = None, attention_mask: Any = None,
-             position_ids: torch.Tensor | None = None, **kwargs: Any) -> Any:
+def _forward(model: Any, plain: Any, targets: torch.Tensor | None, input_ids: torch.Tensor | None = None,
+             attention_mask: Any = None, position_ids: torch.Tensor | None = None, **kwargs: Any) -> Any:
     """The forward of a model with MTP depths. Outside ``training_targets``: the plain causal LM's. Inside: the
     main model once, then each depth on the previous one's output, in the model's own forward (so every engine's
     hooks, DDP's, FSDP's root, ZeRO-3's, run as for any forward); returns the summed cross-entropies."""
-    targets = getattr(model, "shardyard_mtp_targets", None)
     if targets is None:
         return plain(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
     from transformers.masking_utils import create_causal_mask

@@ -346,11 +346,10 @@ def _one_rank(cfg: DictConfig, batch: Plan, hw: Hardware, states: Any, accum: in
         hw.peak_flops * cfg.plan.mfu)
     comm_bytes = states.comm_bytes(accum) * (dp - 1) / dp  # the engine's collectives run over its replicas
     # Expert parallelism's all-to-all (``backends.expert_parallel_states`` 4): per micro-batch, moe_layers x tokens x
-    # top_k x hidden x dtype bytes x passes (4; 6 with full recompute) x (ep - 1)/ep. Group-limited routing does
-    # not shrink it: the dispatch sends one row per routed slot, and a token's top_k slots leave its rank with
-    # the same (ep - 1)/ep chance on average over the group's ranks, however few ranks its groups allow
-    # (measured against routed tokens in tests/unit/test_group_routing.py). What the groups bound is how many
-    # peers (and nodes) a token reaches, ``moe.RoutingGroups``: the routing line below.
+    # R x hidden x dtype bytes x passes (4; 6 with full recompute) x (ep - 1)/ep, R the rows a token is sent as: one
+    # per rank holding any of its experts, at most min(top_k, ep) and, under group-limited routing lined up with
+    # the ranks, at most topk_group x the ranks of a group (``moe.RoutingGroups.max_ranks``; measured against routed
+    # tokens in tests/unit/test_group_routing.py). The routing line below says which bound holds.
     comm_bytes += states.all_to_all_per_micro * accum  # point to point: what leaves the rank, counted already
     bw = hw.intra_bw if hw.nodes == 1 else hw.inter_bw
     ep = int(cfg.backend.get("ep", 1))
@@ -381,8 +380,8 @@ def routing_notes(cfg: DictConfig, batch: Plan, ep: int, dp_shard: int, ranks_pe
     if note is None:
         return []
     assert note.startswith(ROUTING)
-    return [note + ("" if rg.lined_up else " (a warning, not an error)") + "; the all-to-all's bytes stay top_k "
-            "rows per token (one per routed slot)"]
+    return [note + ("" if rg.lined_up else " (a warning, not an error)") + f"; the all-to-all sends each token as "
+            f"at most {rg.max_ranks} rows (one per rank holding any of its {K} experts)"]
 
 
 def _accumulation(cfg: DictConfig, batch: Plan, world: int) -> int:

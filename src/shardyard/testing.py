@@ -637,12 +637,12 @@ def activation_memory(overrides: list[str], rows: int, seq: int) -> dict:
     model = prepare_replica(build_model(cfg.model, cfg.seed), cfg, torch.device("cpu")).train()
     x = torch.randint(0, cfg.model.vocab_size, (rows, seq), generator=torch.Generator().manual_seed(0))
     y = torch.randint(0, cfg.model.vocab_size, (rows, seq), generator=torch.Generator().manual_seed(1))
-    causal_lm_loss_sum(model, x, y).backward()  # gradients exist from here on, as in every later step
+    causal_lm_loss_sum(model, x, y).sum().backward()  # gradients exist from here on, as in every later step
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current resident size
     base = status("VmRSS")
     with SpeedProbe(model, cfg.model) as probe:  # summary.json's figure of the same bytes, beside the system's
-        loss = causal_lm_loss_sum(model, x, y)
+        loss = causal_lm_loss_sum(model, x, y).sum()
         kept = status("VmRSS") - base
         loss.backward()
     shape = model_shape(build_model(cfg.model, cfg.seed, on_meta=True))

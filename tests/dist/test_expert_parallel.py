@@ -47,17 +47,18 @@ def mtp_losses(run_dir):
 def assert_tokens_crossed(ranks, ep, steps=6, stages=1, forwards=1, placeholder=0):
     """What the runs measured (``ep_rows_sent``: the token rows each rank's all-to-all sent each rank of its EP
     group in training forwards): every rank that holds the MoE layer sent rows to each of its ``ep - 1`` peers,
-    and its rows, kept and sent, are exactly its routed slots: ``steps`` x its 8 x 64 / dp tokens x top 2 per
-    forward (``forwards`` 2: activation checkpointing's recomputation dispatches again), and a pipeline stage's
-    ``placeholder`` sequences (its schedule's first step runs it once on placeholder tensors). Plain FSDP
-    (``ep`` ignored) dispatches nothing: no rank has the counter."""
+    and its rows, kept and sent, are one per token and rank holding any of its experts: at least one per token and
+    fewer than its routed slots (``steps`` x its 8 x 64 / dp tokens x top 2 per forward; ``forwards`` 2:
+    activation checkpointing's recomputation dispatches again; a pipeline stage's ``placeholder`` sequences, its
+    schedule's first step running it once on placeholder tensors): a token whose two experts share a rank goes
+    there once. Plain FSDP (``ep`` ignored) dispatches nothing: no rank has the counter."""
     held = [rank["ep_rows_sent"] for rank in ranks if rank["ep_rows_sent"]]
     assert len(held) == len(ranks) // stages, [rank["ep_rows_sent"] for rank in ranks]
     slots = (steps * 8 // (len(ranks) // stages) * forwards + placeholder) * 64 * 2
     for r, sent in enumerate(held):
         rows = sent["model.layers.1.mlp.experts"]
         me = r % ep
-        assert len(rows) == ep and sum(rows) == slots, (r, rows, slots)
+        assert len(rows) == ep and slots / 2 <= sum(rows) < slots, (r, rows, slots)  # measured: 2406 of 3072
         assert all(n > 0 for i, n in enumerate(rows) if i != me), (r, rows)  # crossed to every peer
 
 
@@ -203,9 +204,10 @@ def _collapsed_router(tmp_path) -> str:
 
 
 def test_a_collapsed_routing_overflows_the_receive_bound_with_one_paragraph_and_null_trains_on(tmp_path):
-    """``backend.ep_capacity_factor=1.5`` at ep 2: the first forward's routing sends rank 0 all 1024 rows of the
-    group (4 sequences of 64 tokens x top 2 on each of 2 ranks), over 1.5 x 512; every rank stops before the
-    all-to-all, and the user reads one paragraph and exit 2. With the default (null) the same run trains on."""
+    """``backend.ep_capacity_factor=1.5`` at ep 2: the first forward's routing sends rank 0 all 512 rows of the
+    group (4 sequences of 64 tokens on each of 2 ranks, each token once: its top 2 experts, 0 and 1, both live
+    there), over 1.5 x 256; every rank stops before the all-to-all, and the user reads one paragraph and exit 2.
+    With the default (null) the same run trains on."""
     weights = _collapsed_router(tmp_path)
     run = [*TINY, "model=deepseek_moe_tiny", f"model.weights={weights}", "model.init_device=cpu", "train.steps=2",
            "train.eval_every_n_steps=0", "train.global_batch_size=8", "backend=fsdp", "backend.ep=2",
@@ -216,7 +218,7 @@ def test_a_collapsed_routing_overflows_the_receive_bound_with_one_paragraph_and_
     assert "Traceback" not in err, err[-3000:]
     assert "error in `backend.ep_capacity_factor` (value: 1.5)" in err and err.count("error in `backend.ep_cap") == 1
     text = " ".join(err.split())
-    assert "sent 1024 token rows to rank 0" in text and "bounded to 768 rows" in text, text[-2000:]
+    assert "sent 512 token rows to rank 0" in text and "bounded to 384 rows" in text, text[-2000:]
     assert "Raise backend.ep_capacity_factor" in text and "leave it null" in text, text[-2000:]
     dropless = train_py(*run, run_dir=tmp_path / "dropless")
     assert dropless.returncode == 0, dropless.stderr[-3000:]

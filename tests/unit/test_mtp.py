@@ -261,6 +261,14 @@ def test_the_mtp_build_is_seeded():
     pm = depths(meta)
     assert abs(pm["model.layers.3.eh_proj.weight"].std().item() - 0.02) < 2e-3
     assert torch.equal(pm["model.layers.3.shared_head.norm.weight"], torch.ones(64))
+    # ... with the same values as the CPU build (the depths draw from their own stream: mtp.init_depths), and the
+    # main model's as the meta build without MTP (the depths set aside while it initialises): engines that build
+    # on the meta device, under ZeRO-3's partitioned init, or on the CPU start from the same depths
+    assert all(torch.equal(pm[n], pa[n]) for n in pa), [n for n in pa if not torch.equal(pm[n], pa[n])][:3]
+    bare = build_model(_m(None), 0, on_meta=True)
+    materialize(bare, torch.device("cpu"), 0)
+    main = dict(bare.named_parameters())
+    assert all(torch.equal(t, main[n]) for n, t in meta.named_parameters() if n in main)
 
 
 def test_depth_zero_leaves_the_model_as_it_was():
@@ -270,3 +278,22 @@ def test_depth_zero_leaves_the_model_as_it_was():
     assert list(s) == list(z) and all(torch.equal(s[n], z[n]) for n in s)
     assert without.config.to_dict() == zero.config.to_dict()
     assert "forward" not in vars(zero)  # the plain forward, not the MTP one
+
+
+def test_lora_adapters_train_the_depths_too():
+    """``peft=lora`` wraps the model in peft's PeftModel, which forwards attribute reads to the model but keeps
+    attributes set on itself: the training loss still reaches the depths (its terms equal the hand-built
+    reference with the adapters at their zero init), and the depths' adapters get a gradient from the MTP term."""
+    from shardyard import adapters
+
+    model = tiny(1)
+    ids, y = batch()
+    want = reference(model, ids, y)
+    p = compose(["model=deepseek_moe_tiny", "peft=lora", "peft.target_modules=[q_proj,o_proj,eh_proj]"]).peft
+    wrapped = adapters.apply(model, p, 0, torch.float32)
+    sums = causal_lm_loss_sum(wrapped, ids, y)
+    assert sums.shape == (2,), sums.shape
+    close(sums.detach(), want.detach())
+    sums[1].backward()
+    depth_lora = [q for n, q in wrapped.named_parameters() if f"layers.{MAIN_LAYERS}." in n and "lora_" in n]
+    assert depth_lora and any(q.grad is not None and q.grad.abs().sum() > 0 for q in depth_lora)

@@ -327,3 +327,22 @@ def test_model_hf_of_an_export_keeps_the_users_depth(tmp_path, tokenizer_dir, ca
             assert f"loaded the MTP depth 1 from {MTP}.*" in out and "warning" not in err, err
         else:
             assert "model.mtp.depth=1 would train it" in err and "does not have, e.g." not in err, err
+
+
+def test_an_fp8_releases_config_is_not_carried_into_the_model_or_its_export(tmp_path, tokenizer_dir):
+    """DeepSeek-V3's FP8 release says ``quantization_config`` (fp8, 128 x 128 blocks) in its config.json; its weights
+    are dequantised as they load and train in high precision, so ``model=hf`` builds an unquantised model and the
+    export's config.json says nothing of FP8 (transformers or vLLM would read the bf16/fp32 tensors as FP8)."""
+    export.save_hf(_Whole(tiny(1)), tokenizer_dir, str(tmp_path / "release"))
+    cfg_file = tmp_path / "release" / "config.json"
+    config = json.loads(cfg_file.read_text())
+    config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                     "weight_block_size": [128, 128]}
+    cfg_file.write_text(json.dumps(config))
+    m = OmegaConf.create({"_target_": "shardyard.model.hf", "name": "hf", "path": str(tmp_path / "release"),
+                          "weights": "auto", "mtp": dict(depth=1, weight=0.3, final_weight=None,
+                                                         final_weight_from_step=None)})
+    model = build_model(m, seed=1)
+    assert getattr(model.config, "quantization_config", None) is None
+    export.save_hf(_Whole(model), tokenizer_dir, str(tmp_path / "out"))
+    assert "quantization_config" not in json.loads((tmp_path / "out" / "config.json").read_text())

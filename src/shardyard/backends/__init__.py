@@ -118,12 +118,19 @@ def expert_parallel_states(states: ModelStates, cfg: DictConfig, shape: dict, wo
        (two at a time: the one computing and the one prefetched) and its unsharded fp32 gradients shrink by the
        experts' (1 - 1/ep). This is what lets a DeepSeek-V3 block, 11B parameters gathered whole, fit.
     3. The experts' all-gather and reduce-scatter run over edp only: their bytes shrink by 1/ep.
-    4. All-to-all per micro-batch: every MoE layer sends each token's K rows of H values to their experts and
-       back, in forward and again in backward (twice more with activation checkpointing's recompute), the
-       (ep - 1)/ep of them that leave the rank.
-    5. Activations: the send and receive buffers of the layer being run (2 x K x H values per token).
+    4. All-to-all per micro-batch: every MoE layer sends each token once to each rank holding any of its K
+       experts (``expert_parallel_forward``), R rows of H values, and back, in forward and again in backward
+       (twice more with activation checkpointing's recompute), the (ep - 1)/ep of them that leave the rank. R is
+       at most ``min(K, ep)``, and under group-limited routing lined up with the ranks at most ``topk_group`` x
+       the ranks of a group (``moe.RoutingGroups.max_ranks``: DeepSeek-V3's device-limited routing at ep 8 sends
+       4 rows, not 8): the plan counts that bound.
+    5. Activations: the send and receive buffers of the layer being run (2 x R x H values per token), and the
+       receiver's weighted expert outputs, one per routed slot in fp32 before a row's slots are added (K x H x 4
+       bytes; the dry run of deepseek_v3_pipeline at 512 ranks measured them).
     """
     import dataclasses
+
+    from shardyard.moe import routing_groups
 
     ep = int(cfg.backend.ep)
     if ep <= 1 or not shape.get("expert_params"):
@@ -136,12 +143,14 @@ def expert_parallel_states(states: ModelStates, cfg: DictConfig, shape: dict, wo
                                             cfg.backend.reshard_after_forward)
     tokens = cfg.train.micro_batch_size * cfg.data.seq_len
     passes = 6 if checkpointing_mode(cfg.model) == "full" else 4  # 4 (selective keeps the dispatched rows' outputs)
-    a2a = shape["moe_layers"] * tokens * shape["experts_per_token"] * shape["hidden"] * c * passes * (ep - 1) / ep
+    experts = int(cfg.model.get("n_routed_experts", 0) or 0) or ep
+    rows = routing_groups(cfg.model, experts, int(shape["experts_per_token"]), ep, 1).max_ranks  # 4
+    a2a = shape["moe_layers"] * tokens * rows * shape["hidden"] * c * passes * (ep - 1) / ep
     return dataclasses.replace(
         states, device=device, buffers_apart=apart,
         comm_per_micro=max(states.comm_per_micro - (2 * c + 4) * E_all * (1 - 1 / ep), 0.0),  # 3
         all_to_all_per_micro=a2a,
-        dispatch_bytes_per_token=2 * shape["experts_per_token"] * shape["hidden"] * c,  # 5
+        dispatch_bytes_per_token=(2 * rows * c + 4 * shape["experts_per_token"]) * shape["hidden"],  # 5
         notes=states.notes + [f"expert parallel {ep}: {E_all:,} expert parameters, {1 / ep:.0%} of each MoE "
                               f"block's gathered at a time, {a2a / 2**20:.1f} MiB all-to-all per micro-batch"])
 

@@ -88,36 +88,40 @@ class _AllToAll(torch.autograd.Function):
 
 @dataclass
 class Splits:
-    """One MoE layer's routing over its expert-parallel group, as this rank needs it."""
+    """One MoE layer's routing over its expert-parallel group, as this rank needs it. A *row* is one token sent
+    to one rank (once, however many of its experts that rank holds); a *slot* is one (token, expert) choice."""
 
     send: list[int]
     """Rows this rank sends to each peer (host)."""
     recv: list[int]
     """Rows it receives from each peer (host)."""
     per_expert: list[int]
-    """Rows each of its local experts gets (host): where the grouped GEMMs cut."""
+    """Slots each of its local experts gets (host): where the grouped GEMMs cut."""
     per_rank: list[int]
     """Rows every rank of the group receives (host, the same on every rank): the receive bound's check."""
     received: torch.Tensor
-    """[peer, local expert] rows received (device): the regrouping's repeats."""
+    """[peer, local expert] slots received (device): the grouped GEMMs' offsets."""
 
 
-def routing_splits(flat: torch.Tensor, experts: int, group: Any) -> Splits:
-    """The group's routing, from this rank's routed expert ids ``flat``: one all-gather of every rank's counts
-    per expert, then the one host read of the layer (the all-to-all takes its split sizes as host integers).
+def routing_splits(flat: torch.Tensor, rows: torch.Tensor, experts: int, group: Any) -> Splits:
+    """The group's routing, from this rank's routed expert ids ``flat`` and its token rows for each rank ``rows``
+    ([ep], device): one all-gather of every rank's counts, then the one host read of the layer (the all-to-all
+    takes its split sizes as host integers).
 
-    1. Count on the device (``moe.count_routed``: no host sync).
-    2. All-gather: [sender, receiver, receiver's local expert], the same table on every rank of the group, so
+    1. Count the slots per expert on the device (``moe.count_routed``: no host sync).
+    2. All-gather [sender, slots per expert | rows per receiver], the same table on every rank of the group, so
        each rank also knows what the others receive (an all-to-all would tell it only its own share).
     3. What the host needs, in one transfer of 3 ep + E / ep integers whatever the tokens."""
     ep, me = dist.get_world_size(group), dist.get_rank(group)
     local = experts // ep
     counts = count_routed(torch.zeros(experts, dtype=torch.int64, device=flat.device), flat)  # 1
-    table = torch.empty(ep * experts, dtype=counts.dtype, device=counts.device)
-    dist.all_gather_single(table, counts, group=group)  # 2
-    table = table.view(ep, ep, local)
-    received = table[:, me]
-    host = torch.cat([table[me].sum(1), received.sum(1), received.sum(0), table.sum((0, 2))]).tolist()  # 3
+    mine = torch.cat([counts, rows.to(counts.dtype)])
+    table = torch.empty(ep * (experts + ep), dtype=counts.dtype, device=counts.device)
+    dist.all_gather_single(table, mine, group=group)  # 2
+    table = table.view(ep, experts + ep)
+    received = table[:, me * local:(me + 1) * local]
+    sent = table[:, experts:]
+    host = torch.cat([sent[me], sent[:, me], received.sum(0), sent.sum(0)]).tolist()  # 3
     return Splits(host[:ep], host[ep:2 * ep], host[2 * ep:2 * ep + local], host[2 * ep + local:], received)
 
 
@@ -137,8 +141,8 @@ def check_capacity(s: Splits, factor: float | None, group: Any) -> None:
         "backend.ep_capacity_factor", factor,
         f"A MoE layer's router sent {most} token rows to rank {s.per_rank.index(most)} of its expert-parallel "
         f"group of {ep}, and the receive buffer is bounded to {bound} rows: {factor:g} x the {rows / ep:g} each "
-        f"rank receives when the {rows} routed slots are balanced (tokens x top_k / ep). The routing has "
-        f"collapsed onto the experts of few ranks, as it can early in training.",
+        f"rank receives when the group's {rows} rows (one per token and rank holding any of its experts) are "
+        f"balanced. The routing has collapsed onto the experts of few ranks, as it can early in training.",
         f"Raise backend.ep_capacity_factor (backend.ep_capacity_factor={ep} always fits: every row on one rank), "
         f"or leave it null (the default: dropless, the buffer sized by the routing).")
     if dist.get_world_size(group) == dist.get_world_size():
@@ -151,42 +155,52 @@ def expert_parallel_forward(self: Any, hidden_states: torch.Tensor, top_k_index:
     """The routed experts of one MoE layer under expert parallelism (replaces the module's ``forward``; the
     arguments are transformers' ``Experts.forward``'s: [T, H] tokens, [T, K] experts and routing weights).
 
-    1. Sort this rank's T x K routed slots by expert.
+    1. Each token goes once to each rank that holds any of its K experts (DeepEP's dispatch), not once per expert:
+       with group-limited routing lined up with the ranks (``model.n_group``, ``moe.RoutingGroups``) that is at
+       most ``topk_group`` x the ranks of a group, e.g. 4 rows instead of 8 for DeepSeek-V3's device-limited
+       routing at ep 8. Rows go rank by rank, each rank's tokens in order.
     2. Learn the group's routing (``routing_splits``: the layer's one host sync) and check the receive bound.
-    3. All-to-all the sorted token rows: each peer's slots for this rank's experts arrive, peer by peer.
-    4. Regroup them by local expert and run the experts as two grouped GEMMs (gate|up, down) with SwiGLU.
-    5. Undo 4, all-to-all the results back, weight them by the routing weights and add each token's K rows.
+    3. All-to-all the token rows and, beside each, its K slots' local expert ids and routing weights on that
+       rank (fp32; -1 and 0 for slots held elsewhere), so the weights' gradients come back the same way.
+    4. The receiver lists the received slots by local expert (the ones it holds, first: their count is on the
+       host), runs its experts as two grouped GEMMs (gate|up, down) with SwiGLU, weights each slot, and adds a
+       row's slots into one row.
+    5. All-to-all those rows back; each token adds its rows (fp32).
     """
     group, ep = self.ep_group, self.ep
     T, H = hidden_states.shape
     K = top_k_index.shape[-1]
     local = self.num_experts // ep
-    flat = top_k_index.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # 1
-    rows = hidden_states[order // K]
+    owner = top_k_index // local  # 1: the rank holding each slot's expert
+    hit = (owner.unsqueeze(0) == torch.arange(ep, device=owner.device).view(ep, 1, 1)).any(-1)  # [ep, T]
     if _UNIFORM["on"]:  # a dry run's fake tensors have no values to route by
-        s = _uniform_splits(T * K, self.num_experts, ep, dist.get_rank(group), x=flat)
+        s = _uniform_splits(T, K, self.num_experts, ep, dist.get_rank(group), x=top_k_index)
     else:
-        s = routing_splits(flat, self.num_experts, group)  # 2
+        s = routing_splits(top_k_index.reshape(-1), hit.sum(1), self.num_experts, group)  # 2
     check_capacity(s, self.ep_capacity_factor, group)
     if self.training:  # host integers it holds anyway: what the all-to-all sends each rank of the group
         self.ep_rows_sent[:] = [a + b for a, b in zip(self.ep_rows_sent, s.send)]
-    x = _AllToAll.apply(rows, s.recv, s.send, group)  # 3
-    # 4: rows arrive as [peer][expert]; the GEMMs want [expert][peer]
-    src = torch.repeat_interleave(torch.arange(ep * local, device=x.device), s.received.flatten(),
-                                  output_size=sum(s.recv))
-    by_expert = torch.argsort(src % local * ep + src // local, stable=True)
-    x = x[by_expert]
+    pair = torch.nonzero_static(hit.flatten(), size=sum(s.send)).squeeze(1)  # rank-major; its size is on the host
+    dest, tok = pair // T, pair % T
+    on = owner[tok] == dest[:, None]  # [rows, K]: the row's slots its destination holds
+    meta = torch.cat([torch.where(on, top_k_weights[tok].float(), 0.0),
+                      torch.where(on, top_k_index[tok] % local, -1).float()], dim=1)  # ids < 2^24: exact in fp32
+    x = _AllToAll.apply(hidden_states[tok], s.recv, s.send, group)  # 3
+    meta = _AllToAll.apply(meta, s.recv, s.send, group)
+    weights, ids = meta[:, :K], meta[:, K:].detach().long()
+    # 4: the received slots by local expert (stable: by row within an expert); slots held elsewhere (-1) sort last
+    slots = torch.argsort(torch.where(ids >= 0, ids, local).flatten(), stable=True)[:sum(s.per_expert)]
+    row = slots // K
     offs = torch.cumsum(s.received.sum(0), 0).to(torch.int32)
     w_gu = self.gate_up_proj.to_local() if isinstance(self.gate_up_proj, DTensor) else self.gate_up_proj
     w_d = self.down_proj.to_local() if isinstance(self.down_proj, DTensor) else self.down_proj
-    gate, up = grouped_mm(x, w_gu.transpose(-2, -1), offs, s.per_expert).chunk(2, dim=-1)
+    gate, up = grouped_mm(x[row], w_gu.transpose(-2, -1), offs, s.per_expert).chunk(2, dim=-1)
     y = grouped_mm(self.act_fn(gate) * up, w_d.transpose(-2, -1), offs, s.per_expert)
-    y = y[torch.argsort(by_expert)]  # 5
-    y = _AllToAll.apply(y, s.send, s.recv, group)
-    y = y.float() * top_k_weights.reshape(-1)[order, None].float()
+    y = y.float() * weights.flatten()[slots, None]
+    back = torch.zeros(x.shape[0], H, dtype=torch.float32, device=x.device).index_add_(0, row, y)
+    back = _AllToAll.apply(back.to(x.dtype), s.send, s.recv, group)  # 5
     out = torch.zeros(T, H, dtype=torch.float32, device=hidden_states.device)
-    out.index_add_(0, order // K, y)
+    out.index_add_(0, tok, back.float())
     return out.to(hidden_states.dtype)
 
 
@@ -205,15 +219,16 @@ def assume_uniform_routing() -> Iterator[None]:
         _UNIFORM["on"] = False
 
 
-def _uniform_splits(slots: int, experts: int, ep: int, me: int, x: torch.Tensor) -> Splits:
-    """Even routing of ``slots`` routed slots per rank (every peer routes alike), as ``routing_splits`` gives
-    it."""
+def _uniform_splits(tokens: int, k: int, experts: int, ep: int, me: int, x: torch.Tensor) -> Splits:
+    """Even routing of ``tokens`` x ``k`` routed slots per rank (every peer routes alike), as ``routing_splits``
+    gives it: each token's slots on ``min(k, ep)`` ranks, the slots even over the experts."""
     local = experts // ep
-    base, extra = divmod(slots, experts)
+    base, extra = divmod(tokens * k, experts)
     per_expert = [base + (e < extra) for e in range(experts)]
     mine = per_expert[me * local:(me + 1) * local]
-    send = [sum(per_expert[p * local:(p + 1) * local]) for p in range(ep)]
-    return Splits(send, [sum(mine)] * ep, [ep * n for n in mine], [ep * n for n in send],
+    rows, more = divmod(tokens * min(k, ep), ep)
+    send = [rows + (p < more) for p in range(ep)]
+    return Splits(send, [send[me]] * ep, [ep * n for n in mine], [ep * n for n in send],
                   torch.tensor([mine] * ep, dtype=torch.long, device=x.device))
 
 

@@ -231,7 +231,9 @@ class PipelineBackend:
         model: Any = shape_model(cfg.model)
         is_moe = [bool(expert_modules(layer)) for layer in model.model.layers]
         chunks = int(b.stages) * (int(b.virtual_stages) if b.schedule == "interleaved" else 1)
-        spans = layer_split(len(is_moe), chunks)
+        d = mtp.depth(model)  # the MTP depths: the last layers, on the last chunk (parallelize_pipeline)
+        spans = layer_split(len(is_moe) - d, chunks)
+        spans[-1] = (spans[-1][0], len(is_moe))
         seen, roles = set(), []
         for s in range(int(b.stages)):
             mine = [spans[c] for c in range(s, chunks, int(b.stages))]
