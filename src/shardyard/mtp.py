@@ -39,10 +39,24 @@ def depth(model: Any) -> int:
     return int(getattr(model, "shardyard_mtp_depth", 0))
 
 
+def _hf(model: Any) -> Any:
+    """The transformers model itself, also inside peft's ``PeftModel`` (whose ``.model`` is the causal LM, not its
+    inner decoder)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def layers(model: Any) -> list[torch.nn.Module]:
     """The MTP depths' modules, depth 1 first (``model.layers[num_hidden_layers:]``)."""
     d = depth(model)
-    return list(model.model.layers[len(model.model.layers) - d:]) if d else []
+    inner = _hf(model).model
+    return list(inner.layers[len(inner.layers) - d:]) if d else []
+
+
+def _own_stream() -> Any:
+    """A random stream of the depths' own: every generator ``manual_seed`` reseeds (CPU, and CUDA's once it is
+    initialised) restored on leaving."""
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    return torch.random.fork_rng(devices=list(range(torch.cuda.device_count())) if cuda else [])
 
 
 def check(mtp: DictConfig, family: str) -> None:
@@ -101,7 +115,7 @@ def attach(model: Any, mtp: DictConfig) -> None:
         import deepspeed
 
         return deepspeed.zero.GatheredParameters(params, modifier_rank=0)
-    with torch.random.fork_rng(devices=[]):  # the main model's random stream stays as without MTP
+    with _own_stream():  # the main model's random stream stays as without MTP
         for k in range(mtp.depth):
             with build():
                 layer = DeepseekV3DecoderLayer(c, layer_idx=first + k)
@@ -133,12 +147,13 @@ def init_depths(model: Any, gathered: Any = None) -> None:
     materialised (``model.materialize``), or partitioned under ZeRO-3 (``gathered``: each module's parameters
     gathered to initialise them), and the main model's values as without MTP."""
     gathered = gathered or (lambda params: contextlib.nullcontext())
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
+    hf = _hf(model)
+    with _own_stream(), torch.no_grad():
         torch.manual_seed(torch.initial_seed() + 1)
         for layer in layers(model):
             for module in layer.modules():
                 with gathered(list(module.parameters(recurse=False))):
-                    model._init_weights(module)
+                    hf._init_weights(module)
 
 
 @contextlib.contextmanager
@@ -146,14 +161,14 @@ def main_only(model: Any) -> Iterator[None]:
     """Inside, ``model.model.layers`` holds the main layers only (the MTP depths set aside): for an initialisation
     of the main model that draws what it draws without MTP."""
     d = depth(model)
-    kept = layers(model)
+    kept, inner = layers(model), _hf(model).model
     if d:
-        del model.model.layers[len(model.model.layers) - d:]
+        del inner.layers[len(inner.layers) - d:]
     try:
         yield
     finally:
         for layer in kept:
-            model.model.layers.append(layer)
+            inner.layers.append(layer)
 
 
 class _DepthForward:

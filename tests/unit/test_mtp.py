@@ -297,3 +297,24 @@ def test_lora_adapters_train_the_depths_too():
     sums[1].backward()
     depth_lora = [q for n, q in wrapped.named_parameters() if f"layers.{MAIN_LAYERS}." in n and "lora_" in n]
     assert depth_lora and any(q.grad is not None and q.grad.abs().sum() > 0 for q in depth_lora)
+
+
+def test_lora_on_a_meta_build_materialises_the_depths():
+    """``model.weights`` builds on the meta device and peft wraps the model before the engine materialises it
+    (``worker.build``): the depths, reached through the PeftModel, get storage and their initialisation (norms 1,
+    projections of std 0.02), the same for the same seed."""
+    from shardyard import adapters
+
+    p = compose(["model=deepseek_moe_tiny", "peft=lora", "peft.target_modules=[q_proj,o_proj,eh_proj]"]).peft
+
+    def depths():
+        wrapped = adapters.apply(build_model(_m(1), 0, on_meta=True), p, 0, torch.float32)
+        materialize(wrapped, torch.device("cpu"), 0)
+        assert not any(q.is_meta for q in wrapped.parameters())
+        return {n: q for n, q in wrapped.named_parameters() if f"layers.{MAIN_LAYERS}." in n and "lora_" not in n}
+
+    a, b = depths(), depths()
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    eh = next(q for n, q in a.items() if n.endswith("eh_proj.base_layer.weight"))
+    enorm = next(q for n, q in a.items() if n.endswith("enorm.weight"))
+    assert abs(eh.std().item() - 0.02) < 2e-3 and torch.equal(enorm, torch.ones(64))

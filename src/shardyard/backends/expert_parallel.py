@@ -174,7 +174,7 @@ def expert_parallel_forward(self: Any, hidden_states: torch.Tensor, top_k_index:
     owner = top_k_index // local  # 1: the rank holding each slot's expert
     hit = (owner.unsqueeze(0) == torch.arange(ep, device=owner.device).view(ep, 1, 1)).any(-1)  # [ep, T]
     if _UNIFORM["on"]:  # a dry run's fake tensors have no values to route by
-        s = _uniform_splits(T, K, self.num_experts, ep, dist.get_rank(group), x=top_k_index)
+        s = _uniform_splits(T, K, self.ep_rows_per_token, self.num_experts, ep, dist.get_rank(group), x=top_k_index)
     else:
         s = routing_splits(top_k_index.reshape(-1), hit.sum(1), self.num_experts, group)  # 2
     check_capacity(s, self.ep_capacity_factor, group)
@@ -219,15 +219,21 @@ def assume_uniform_routing() -> Iterator[None]:
         _UNIFORM["on"] = False
 
 
-def _uniform_splits(tokens: int, k: int, experts: int, ep: int, me: int, x: torch.Tensor) -> Splits:
+def _uniform_splits(tokens: int, k: int, rows_per_token: int, experts: int, ep: int, me: int,
+                    x: torch.Tensor) -> Splits:
     """Even routing of ``tokens`` x ``k`` routed slots per rank (every peer routes alike), as ``routing_splits``
-    gives it: each token's slots on ``min(k, ep)`` ranks, the slots even over the experts."""
+    gives it: the slots even over the experts, each token on ``rows_per_token`` ranks (the plan's bound:
+    ``moe.RoutingGroups.max_ranks``), and never fewer rows to a rank than its slots need (k per row at most) nor
+    more than it has slots or there are tokens."""
     local = experts // ep
     base, extra = divmod(tokens * k, experts)
     per_expert = [base + (e < extra) for e in range(experts)]
     mine = per_expert[me * local:(me + 1) * local]
-    rows, more = divmod(tokens * min(k, ep), ep)
-    send = [rows + (p < more) for p in range(ep)]
+    rows, more = divmod(tokens * rows_per_token, ep)
+    send = []
+    for p in range(ep):
+        slots = sum(per_expert[p * local:(p + 1) * local])
+        send.append(min(tokens, slots, max(-(-slots // k), rows + (p < more))))
     return Splits(send, [send[me]] * ep, [ep * n for n in mine], [ep * n for n in send],
                   torch.tensor([mine] * ep, dtype=torch.long, device=x.device))
 
@@ -236,6 +242,17 @@ def shard_experts(model: torch.nn.Module, ep_mesh: DeviceMesh, capacity_factor: 
     """Give every routed-experts module of ``model`` this rank's ``E / ep`` experts (dim-0 DTensor shards over
     ``ep_mesh``) and the all-to-all forward, its receive buffer bounded by ``capacity_factor``
     (``backend.ep_capacity_factor``; None: dropless); returns how many modules it changed. Run before FSDP."""
+    from shardyard.moe import RoutingGroups, routers
+
+    found = routers(model)
+    router: Any = found[0].module if found else None
+    top_k = found[0].top_k if found else 1
+    experts = found[0].experts if found else 1
+    groups, topk_group = int(getattr(router, "num_group", 1) or 1), int(getattr(router, "topk_group", 1) or 1)
+    if getattr(router, "topk_method", "group_limited_greedy") == "greedy" or experts % groups:  # DeepSeek-V2 greedy
+        groups, topk_group = 1, 1
+    rows_per_token = RoutingGroups(experts, groups, min(topk_group, groups), top_k, ep_mesh.size(), 1).max_ranks \
+        if found and experts >= ep_mesh.size() else top_k  # a dense block: no experts to split
     changed = 0
     for m in expert_modules(model):
         for name in EXPERT_WEIGHTS:
@@ -249,6 +266,9 @@ def shard_experts(model: torch.nn.Module, ep_mesh: DeviceMesh, capacity_factor: 
         object.__setattr__(m, "ep_group", ep_mesh.get_group())
         object.__setattr__(m, "ep", ep_mesh.size())
         object.__setattr__(m, "ep_capacity_factor", capacity_factor)
+        # The rows a token is sent as, at most (one per rank holding any of its experts, under the routing
+        # groups' limit): what a dry run's uniform routing assumes, as the plan counts it.
+        object.__setattr__(m, "ep_rows_per_token", rows_per_token)
         # The token rows its training forwards dispatched to each rank of the group (its own index: kept here),
         # counted on the host from the split sizes it holds anyway: the tests read what crossed ranks.
         object.__setattr__(m, "ep_rows_sent", [0] * ep_mesh.size())
