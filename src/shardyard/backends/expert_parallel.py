@@ -127,9 +127,9 @@ def routing_splits(flat: torch.Tensor, rows: torch.Tensor, experts: int, group: 
 
 def check_capacity(s: Splits, factor: float | None, group: Any) -> None:
     """``backend.ep_capacity_factor``: no rank of the group may receive more than ``factor`` x its balanced
-    share of rows (the group's routed slots / ep); null bounds nothing (dropless). Read from the host numbers
-    ``routing_splits`` fetched anyway, and the same on every rank of the group: all of them raise together,
-    before the all-to-all, rather than one rank leaving its peers waiting in it."""
+    share of rows (the group's rows / ep, a row one token sent to one rank); null bounds nothing (dropless). Read
+    from the host numbers ``routing_splits`` fetched anyway, and the same on every rank of the group: all of them
+    raise together, before the all-to-all, rather than one rank leaving its peers waiting in it."""
     if factor is None:
         return
     ep, rows = len(s.per_rank), sum(s.per_rank)

@@ -138,9 +138,10 @@ class BackendConfig:
     ``fsdp_offload`` and ``pipeline`` (per stage); the others refuse ``ep > 1``."""
     ep_capacity_factor: Optional[float] = None
     """Expert parallelism's receive bound: a rank of an EP group may receive at most this many times its
-    balanced share of token rows (the group's tokens x top_k / ep) in a MoE layer, or the run stops with an
-    error naming it (a router collapsed onto few experts). ``null``: no bound (dropless, as DeepSeek-V3
-    trains). Greater than 1; ``ep`` or more never binds. Needs ``ep > 1``."""
+    balanced share of token rows (the group's rows / ep; a row is a token sent to one rank holding any of its
+    experts) in a MoE layer, or the run stops with an error naming it (a router collapsed onto few experts).
+    ``null``: no bound (dropless, as DeepSeek-V3 trains). Greater than 1; ``ep`` or more never binds. Needs
+    ``ep > 1``."""
 
 
 BACKEND_RANGES = {"ep": Range(1, becomes="the expert-parallel degree (ranks per expert group)")}
