@@ -184,10 +184,7 @@ def train(cfg: DictConfig, plan: Plan, backend: Backend, stream: TrainStream, va
     mtp_cfg = cfg.model.get("mtp")
     depths = mtp.depth(backend.hf_model())  # multi-token prediction depths: loss terms beside the main one
     loss_acc = torch.zeros(1 + depths, device=dev)
-    # each term's factor (1, then weight / depths), one device vector per value the schedule takes, made once: a
-    # host-to-device copy every step would make the host wait for the step before
-    factors = {w[-1]: torch.tensor(w, device=dev) for w in (mtp.term_weights(mtp_cfg, s) for s in (1, total))} \
-        if depths else {1.0: torch.ones((), device=dev)}
+    factors = mtp.term_factors(mtp_cfg, dev)  # each term's factor at a step: 1, then weight / depths
     n_acc, step_time, data_time, interval_start = 0, 0.0, 0.0, time.perf_counter()
     t_begin = time.perf_counter()
     done = start_step
@@ -212,8 +209,7 @@ def train(cfg: DictConfig, plan: Plan, backend: Backend, stream: TrainStream, va
             #    gradient (MoE balance losses aside) and its logged loss, where a mean would be NaN.
             labels = torch.stack([mtp.label_counts(x, y, depths) for x, y in batches]).sum(0).double()
             n = (backend.all_reduce_mean(labels) * backend.dp_size).round().clamp(min=1)
-            weight = (accum * backend.dp_size / n).float() * factors[mtp.term_weights(mtp_cfg, done)[-1] if depths
-                                                                     else 1.0]
+            weight = (accum * backend.dp_size / n).float() * factors(done)
             step_ce = torch.zeros(1 + depths, device=dev)
             probing = step == start_step  # one step: the options' record (debug.measure_activations: its bytes)
             with SpeedProbe(backend.hf_model(), cfg.model, bool(cfg.debug.measure_activations)) if probing \

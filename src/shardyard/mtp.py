@@ -229,19 +229,35 @@ def depth_targets(targets: torch.Tensor, position_ids: torch.Tensor | None, k: i
 def label_counts(inputs: Any, targets: torch.Tensor, d: int) -> torch.Tensor:
     """The label tokens of the main loss and of each depth: ``[main, depth 1, ..., depth D]`` (int64)."""
     pos = inputs.get("position_ids") if isinstance(inputs, dict) else None
-    return torch.stack([(depth_targets(targets, pos, k) != -100).sum() for k in range(d + 1)])
+    return torch.stack([(targets != -100).sum()] +
+                       [(depth_targets(targets, pos, k) != -100).sum() for k in range(1, d + 1)])
 
 
-def term_weights(mtp: DictConfig, step: int) -> list[float]:
+def term_weights(mtp: DictConfig | None, step: int) -> list[float]:
     """Each loss term's factor at training step ``step`` (counted from 1): 1 for the main loss, ``weight / D``
-    for each depth (``final_weight / D`` from ``final_weight_from_step`` on)."""
-    d = int(mtp.depth)
-    if d == 0:
+    for each depth (``final_weight / D`` from ``final_weight_from_step`` on). ``None`` (a model option without
+    the key): the main loss alone."""
+    if mtp is None or int(mtp.depth) == 0:
         return [1.0]
+    d = int(mtp.depth)
     w = mtp.weight
     if mtp.get("final_weight") is not None and step >= mtp.final_weight_from_step:
         w = mtp.final_weight
     return [1.0] + [float(w) / d] * d
+
+
+def term_factors(mtp: DictConfig | None, device: torch.device) -> Any:
+    """``step -> term_weights(mtp, step)`` as a tensor on ``device``, each value the schedule takes copied there
+    once: a host-to-device copy at every step would make the host wait for the step before."""
+    made: dict[tuple[float, ...], torch.Tensor] = {}
+
+    def at(step: int) -> torch.Tensor:
+        w = tuple(term_weights(mtp, step))
+        if w not in made:
+            made[w] = torch.tensor(w, device=device)
+        return made[w]
+
+    return at
 
 
 def head_sum(model: Any, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -13,8 +13,8 @@ from shardyard.backends.pipeline import PIPELINE_EDGE
 from shardyard.testing import compose
 
 
-def saved_bytes(model, x, autocast=False):
-    """Bytes of the tensors autograd saves for backward in one forward + loss, each storage once,
+def saved_by(model, run):
+    """Bytes of the tensors autograd saves for backward while ``run()`` computes, each storage once, ``model``'s
     parameters excluded (they are model states)."""
     seen = {p.untyped_storage().data_ptr() for p in model.parameters()}
     total = [0]
@@ -27,9 +27,16 @@ def saved_bytes(model, x, autocast=False):
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return total[0]
+
+
+def saved_bytes(model, x, autocast=False):
+    """Bytes of the tensors autograd saves for backward in one forward + loss (``saved_by``)."""
+    def run():
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             causal_lm_loss(model, x, x)
-    return total[0]
+    return saved_by(model, run)
 
 
 def block_bytes(build, regime):

@@ -11,7 +11,7 @@ from shardyard import plan as memory_plan
 from shardyard.model import call_builder, causal_lm_loss_sum, flops_per_token, model_shape, param_count
 from shardyard.testing import compose
 from shardyard.validate import validate
-from test_plan import V3
+from test_plan import V3, saved_by
 
 L = 2  # main layers: the depth is model.layers.2
 
@@ -86,21 +86,9 @@ def test_flops_add_the_depth_block_its_attention_and_the_second_head_pass():
 
 
 def saved_bytes(model, x, y):
-    """Bytes of the tensors autograd saves for backward in one training forward (every loss term), each storage
-    once, parameters excluded (test_plan.saved_bytes, for ``causal_lm_loss_sum``: the MTP depths run only there)."""
-    seen = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    total = [0]
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in seen and st.nbytes() > 0:
-            seen.add(st.data_ptr())
-            total[0] += st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        causal_lm_loss_sum(model, x, y)
-    return total[0]
+    """Bytes autograd saves in one training forward, every loss term (``test_plan.saved_by``, for
+    ``causal_lm_loss_sum``: the MTP depths run only there)."""
+    return saved_by(model, lambda: causal_lm_loss_sum(model, x, y))
 
 
 @pytest.mark.parametrize("regime", ["fp32", "half"])
