@@ -253,12 +253,13 @@ def _os_error(e: BaseException) -> OSError | None:
 
 class Checkpointer:
     def __init__(self, checkpoint: DictConfig, backend: Backend, plan: Plan, *, run_dir: str, tokenizer_dir: str,
-                 engine: str, model_name: str, restarted: bool):
+                 engine: str, model_name: str, restarted: bool, objective: Any = None):
         """``checkpoint``: the run's ``checkpoint`` section. The rest come from other concerns, by name:
         ``engine`` (``backend.name``) and ``model_name`` (``model.name``) are recorded in ``meta.json``;
         ``restarted``: this start is a restart of the workers (``launch.max_restarts``), which resumes from the
-        run's own newest good checkpoint whatever ``checkpoint.resume`` says."""
-        self.backend, self.plan, self.tokenizer_dir = backend, plan, tokenizer_dir
+        run's own newest good checkpoint whatever ``checkpoint.resume`` says. ``objective``: the run's objective
+        (``shardyard.objectives``), whose own state (GRPO's batch of rollouts in use) goes into each checkpoint."""
+        self.backend, self.plan, self.tokenizer_dir, self.objective = backend, plan, tokenizer_dir, objective
         self.c, self.run_dir, self.engine, self.model_name, self.restarted = (checkpoint, run_dir, engine,
                                                                               model_name, restarted)
         self.dir = self.c.dir or os.path.join(run_dir, "checkpoints")
@@ -314,6 +315,8 @@ class Checkpointer:
             else:
                 self.backend.save_checkpoint(tmp)  # collective: every rank writes its own part
                 drills.save_point("engine_written", step, rank)
+            if self.objective is not None:  # e.g. GRPO's rollouts in use, rank r's in rollouts/rank<r>/
+                self.objective.save(tmp, rank, step)
             rng = rng_state()
             if self.c.export_hf:
                 from shardyard.export import save_hf
@@ -600,6 +603,8 @@ class Checkpointer:
             try:
                 self.backend.load_checkpoint(path, meta)
                 self.backend.load_training_state(meta["training_state"])
+                if self.objective is not None:
+                    self.objective.load(path, self.backend.rank, meta["world_size"] == self.backend.world_size)
             except (KeyboardInterrupt, SystemExit):
                 raise
             except BaseException as e:  # DCP's CheckpointException is a BaseException

@@ -9,7 +9,16 @@ most ``PIECE_CHARS`` characters cut at line ends, so one huge file never sits in
 
 Parquet and Arrow go through HF ``datasets`` in streaming mode (local files, record batches, no Arrow copy in
 ``~/.cache/huggingface``); JSONL, JSON, CSV and text are read line by line here, because the error messages need
-the line and ``datasets`` reports none."""
+the line and ``datasets`` reports none.
+
+A directory written by HF ``datasets``' ``save_to_disk`` is read as that dataset (``datasets.load_from_disk``:
+its Arrow files memory-mapped, rows read in batches of ``SAVED_BATCH``, never the whole dataset at once). A
+``Dataset``'s rows are split into train and val by ``data.val_fraction`` like any file's. A ``DatasetDict``'s
+splits (``SAVED_SPLITS``): ``train`` is the training data, and the first of ``validation``, ``valid``, ``val``,
+``dev``, ``test`` it has is the held-out data, whole (``data.val_fraction`` does not apply); without such a split
+``train`` is split by ``data.val_fraction``; a dict without ``train`` but with one split reads that one, split by
+``data.val_fraction``. Any other split is left out, saying so; to read one, name its own directory
+(``DIR/<split>``: a saved ``Dataset`` of its own)."""
 
 from __future__ import annotations
 
@@ -36,6 +45,16 @@ PIECE_CHARS = 1 << 20
 """A ``.txt`` document is handed out in pieces of at most this many characters, cut at line ends."""
 KNOWN = "/".join(FORMATS) + " (text-like ones also .gz/.zst)"
 
+SAVED = "saved"
+"""The format of a directory written by HF ``datasets``' ``save_to_disk``."""
+SAVED_BATCH = 1024
+"""Rows read at once from a saved dataset."""
+VAL_SPLITS = ("validation", "valid", "val", "dev", "test")
+"""A saved ``DatasetDict``'s splits that hold out data, in order of preference (the first one present is used)."""
+HELD_OUT, TRAINING = "\0val\0", "\0train\0"
+"""Prefixes of a document name whose split is fixed by the data (a saved ``DatasetDict``'s ``train`` and
+validation splits), not by the hash of ``sources.is_val``."""
+
 JSON_TYPES = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
               type(None): "null"}
 
@@ -49,8 +68,28 @@ class Piece(NamedTuple):
     last: bool
 
 
+def saved_dataset(path: Path) -> str | None:
+    """``"dict"`` for a directory written by ``DatasetDict.save_to_disk``, ``"dataset"`` for one written by
+    ``Dataset.save_to_disk``, else None."""
+    if (path / "dataset_dict.json").is_file():
+        return "dict"
+    if (path / "state.json").is_file() and (path / "dataset_info.json").is_file():
+        return "dataset"
+    return None
+
+
+def path_bytes(path: Path) -> int:
+    """Size of a file, or of every file under a directory (a saved dataset)."""
+    if not path.is_dir():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
 def file_format(path: Path) -> tuple[str, str | None] | None:
-    """``(format, compression)`` of a file by its suffixes (``a.jsonl.gz`` -> ``("jsonl", "gzip")``), or None."""
+    """``(format, compression)`` of a file by its suffixes (``a.jsonl.gz`` -> ``("jsonl", "gzip")``), or None.
+    A directory written by ``save_to_disk``: ``(SAVED, None)``."""
+    if path.is_dir():
+        return (SAVED, None) if saved_dataset(path) else None
     name, codec = path.name, None
     for suffix, c in COMPRESSIONS.items():
         if name.endswith(suffix):
@@ -167,13 +206,30 @@ class Records:
     def _pieces(self) -> Iterator[Piece]:
         if self.format == "text":
             yield from self._text()
-        elif self.format in ("jsonl", "json"):
-            for ordinal, line, record in self._json():
-                yield Piece(f"{self.name}:{ordinal}", self.text_of(record, f"{self.path}:{line}"), True)
         elif self.format == "csv":
             yield from self._csv()
         else:
-            yield from self._datasets()
+            for name, where, record in self._rows(text=True):
+                yield Piece(name, self.text_of(record, where), True)
+
+    def rows(self) -> Iterator[tuple[str, str, dict]]:
+        """``(name, where, record)`` of every record of a JSONL / JSON / Parquet / Arrow file or saved dataset:
+        its stable name (``<name>:<ordinal>``; it decides the train/val split), where it is for messages
+        (``file:line``, ``file row N``, ``DIR/<split> row N``), and the record."""
+        if self.format in ("text", "csv"):
+            raise UserError(f"{self.key}.paths", str(self.path), "It holds text, not records with named fields.",
+                            "Give .jsonl, .json, .parquet or .arrow files or save_to_disk directories.")
+        yield from self._guarded(self._rows(text=False))
+
+    def _rows(self, text: bool) -> Iterator[tuple[str, str, dict]]:
+        """``text``: the records' text is read (``text_field`` must be a column of a table)."""
+        if self.format in ("jsonl", "json"):
+            for ordinal, line, record in self._json():
+                yield f"{self.name}:{ordinal}", f"{self.path}:{line}", record
+        elif self.format == SAVED:
+            yield from self._saved(text)
+        else:
+            yield from self._datasets(text)
 
     def _guarded(self, items: Iterator) -> Iterator:
         """``items``, with text that is not UTF-8 and a file that does not decompress as exit-2 paragraphs."""
@@ -261,7 +317,7 @@ class Records:
                 raise UserError(f"{self.key}.paths", f"{self.path}:{reader.line_num + 1}", f"The CSV cannot be parsed "
                                 f"there ({e}).", "Correct that line, or leave the file out of the paths.") from None
 
-    def _datasets(self) -> Iterator[Piece]:
+    def _datasets(self, text: bool) -> Iterator[tuple[str, str, dict]]:
         import datasets  # lazy: heavy, and only for Parquet / Arrow
 
         datasets.disable_progress_bars()
@@ -273,9 +329,7 @@ class Records:
             raise UserError(f"{self.key}.paths", str(self.path), f"The file cannot be read as {self.format} "
                             f"({type(e).__name__}: {str(e).splitlines()[0][:200]}).",
                             "Copy it again or convert it, or leave it out of data.paths.") from None
-        if self.template is None and self.text_field not in columns:
-            raise UserError(f"{self.key}.text_field", self.text_field, f"{self.path} has no such column (it has {columns}).",
-                            f"Use {self.key}.text_field=<one of {columns}>, or {self.key}.template.")
+        self._check_columns(text, str(self.path), columns)
         row = 0
         batches = iter(ds.iter(batch_size=1024))
         while True:
@@ -290,11 +344,61 @@ class Records:
             keys = list(batch)
             n = len(batch[keys[0]]) if keys else 0
             for i in range(n):
-                record = {k: batch[k][i] for k in keys}
-                yield Piece(f"{self.name}:{row}", self.text_of(record, f"{self.path} row {row}"), True)
+                yield f"{self.name}:{row}", f"{self.path} row {row}", {k: batch[k][i] for k in keys}
                 row += 1
             self.done = min(size, self.done + size // 64)  # rows are not known up front: an estimate
         self.done = size
+
+    def _check_columns(self, text: bool, where: str, columns: list) -> None:
+        if text and self.template is None and self.text_field not in columns:
+            raise UserError(f"{self.key}.text_field", self.text_field, f"{where} has no such column (it has {columns}).",
+                            f"Use {self.key}.text_field=<one of {columns}>, or {self.key}.template.")
+
+    def _saved(self, text: bool) -> Iterator[tuple[str, str, dict]]:
+        """The rows of a ``save_to_disk`` directory (module doc: which splits, and where they go)."""
+        import datasets  # lazy: heavy
+
+        datasets.disable_progress_bars()
+        try:
+            loaded = datasets.load_from_disk(str(self.path))
+        except Exception as e:
+            raise UserError(f"{self.key}.paths", str(self.path), f"The directory looks written by HF datasets' "
+                            f"save_to_disk, but it cannot be loaded ({type(e).__name__}: "
+                            f"{str(e).splitlines()[0][:200] if str(e) else ''}).", "Save it again (dataset.save_to_disk"
+                            "(DIR)), or leave it out of the paths.") from None
+        parts = self._saved_splits(loaded) if isinstance(loaded, datasets.DatasetDict) else [(None, "", loaded)]
+        total = sum(len(ds) for _, _, ds in parts) or 1
+        size, seen = path_bytes(self.path), 0
+        for split, tag, ds in parts:
+            label = self.path if split is None else self.path / split
+            self._check_columns(text, str(label), list(ds.column_names))
+            name = self.name if split is None else f"{self.name}/{split}"
+            for start in range(0, len(ds), SAVED_BATCH):
+                batch = ds[start:start + SAVED_BATCH]  # a slice of the memory-mapped table, as Python objects
+                keys = list(batch)
+                for i in range(len(batch[keys[0]]) if keys else 0):
+                    yield f"{tag}{name}:{start + i}", f"{label} row {start + i}", {k: batch[k][i] for k in keys}
+                seen += len(batch[keys[0]]) if keys else 0
+                self.done = size * seen // total
+        self.done = size
+
+    def _saved_splits(self, dd) -> list[tuple[str, str, Any]]:
+        """``(split, name prefix, Dataset)`` of the splits of a saved ``DatasetDict`` that are read."""
+        names = list(dd)
+        val = next((s for s in VAL_SPLITS if s in dd), None)
+        if "train" in dd:
+            parts = [("train", TRAINING if val else "", dd["train"])] + ([(val, HELD_OUT, dd[val])] if val else [])
+        elif len(names) == 1:
+            parts = [(names[0], "", dd[names[0]])]
+        else:
+            raise UserError(f"{self.key}.paths", str(self.path), f"The saved DatasetDict has no `train` split (its "
+                            f"splits: {names}), so which split trains is not clear.", f"Name one split's own "
+                            f"directory, e.g. {self.path / names[0]} (its rows are split by data.val_fraction).")
+        left = [s for s in names if s not in {p[0] for p in parts}]
+        if left:
+            print(f"shardyard | {self.path}: reading the saved DatasetDict's split(s) {[p[0] for p in parts]}, "
+                  f"leaving out {left} (name {self.path}/<split> to read one of those)", flush=True)
+        return parts
 
 
 def _prepend(first: str, f: IO[str]) -> Iterable[str]:

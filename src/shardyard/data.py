@@ -97,9 +97,11 @@ def prepare(cfg: DictConfig, embedding_rows: int | None = None) -> Prepared:
 
 # --------------------------------------------------------------------------------------------- batches
 def open_split(prepared: Prepared, split: str, seq_len: int, document_mask: bool = False, part: int = 0):
-    """The rows of one source's ``split``: packed text windows (``PackedSequences``) or a source's own rows
-    (``SFTRows``)."""
+    """The rows of one source's ``split``: packed text windows (``PackedSequences``), a source's own rows
+    (``SFTRows``: SFT, preference pairs) or prompts (``PromptRows``)."""
     tdir = prepared.parts[part].token_dir if prepared.parts else prepared.token_dir
+    if os.path.exists(os.path.join(tdir, f"{split}.prompt_ids.npy")):
+        return PromptRows(os.path.join(tdir, split))
     if os.path.exists(os.path.join(tdir, f"{split}.input_ids.npy")):
         return SFTRows(os.path.join(tdir, split))
     meta = json.loads(Path(tdir, "meta.json").read_text())
@@ -192,6 +194,44 @@ class SFTRows:
         inputs = {"input_ids": torch.from_numpy(self.input_ids[idx].astype(np.int64)),
                   "position_ids": torch.from_numpy(self.position_ids[idx].astype(np.int64))}
         return inputs, torch.from_numpy(self.targets[idx].astype(np.int64))
+
+
+@dataclass
+class PromptRows:
+    """Prompts of one split (``data=prompts``, ``shardyard.prompts``): ``get(indices)`` returns the left-padded
+    prompts (``prompt_ids``, ``prompt_mask``) and each row's other fields (a dict per row)."""
+
+    prefix: str
+    """``<token dir>/<split>``: ``<prefix>.prompt_ids.npy``, ``.prompt_mask.npy``, ``.fields.npy``, ``.where.npy``."""
+
+    def __post_init__(self):
+        def load(name: str) -> np.ndarray:
+            return np.load(f"{self.prefix}.{name}.npy", mmap_mode="r")
+
+        self.prompt_ids, self.prompt_mask = load("prompt_ids"), load("prompt_mask")
+        self.fields, self.wheres = load("fields"), load("where")
+        self.n = len(self.prompt_ids)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def get(self, indices):
+        import torch
+
+        idx = np.asarray(indices, dtype=np.int64)
+        inputs = {"prompt_ids": torch.from_numpy(self.prompt_ids[idx].astype(np.int64)),
+                  "prompt_mask": torch.from_numpy(self.prompt_mask[idx].astype(np.int64))}
+        return inputs, [json.loads(str(self.fields[i])) for i in idx]
+
+    def where(self, indices) -> list[str]:
+        """Where each row came from: ``file:line`` (``DIR row N`` for a saved dataset), or ``generated:<i>``."""
+        return [str(self.wheres[int(i)]) for i in indices]
+
+    def fields_all(self) -> list[dict]:
+        return [json.loads(str(f)) for f in self.fields]
+
+    def where_all(self) -> list[str]:
+        return [str(w) for w in self.wheres]
 
 
 def permute(i: np.ndarray, n: int, key: list[int]) -> np.ndarray:

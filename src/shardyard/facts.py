@@ -138,6 +138,10 @@ class Plan:
     dims: ParallelDims
     """How the ranks are laid out (data-parallel replicate/shard, tensor, pipeline ...)."""
     nnodes: int = 1
+    sequences_per_sample: int = 1
+    """Sequences the model runs per sample of the batch: 1, DPO's 2 (chosen and rejected), GRPO's G completions."""
+    sequence_len: int = 0
+    """Tokens of each of them; 0: ``seq_len`` (GRPO: the prompt's ``seq_len`` plus ``max_new_tokens``)."""
     model: ModelFacts | None = None
     """What one meta-device build (parameters, FLOPs/token, ...)."""
     memory: MemoryPlan | None = None
@@ -155,8 +159,13 @@ class Plan:
         return self.memory["line"] if self.memory else ""
 
     @property
+    def tokens_per_sample(self) -> int:
+        """Tokens the model runs per sample of the batch (``sequences_per_sample`` x ``sequence_len``)."""
+        return self.sequences_per_sample * (self.sequence_len or self.seq_len)
+
+    @property
     def tokens_per_step(self) -> int:
-        return self.global_batch_size * self.seq_len
+        return self.global_batch_size * self.tokens_per_sample
 
     @property
     def dp_size(self) -> int:

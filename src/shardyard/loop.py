@@ -20,6 +20,7 @@ from shardyard import mtp
 from shardyard.model import SpeedProbe
 from shardyard.moe import Balancer
 from shardyard.monitors import Monitors
+from shardyard.objectives import Objective, to_device
 from shardyard.profiling import StepProfiler
 
 
@@ -27,6 +28,7 @@ from shardyard.profiling import StepProfiler
 class LoopResult:
     final_train_loss: float = float("nan")
     eval_losses: list = field(default_factory=list)  # [(step, loss)]
+    final_eval: dict = field(default_factory=dict)  # the last evaluation's metrics (eval/ppl only for objective=lm)
     train_losses: list = field(default_factory=list)  # [(step, loss)] at every log step
     grad_norms: list = field(default_factory=list)  # [(step, global pre-clip grad norm)] at every log step
     step_wall_s: list = field(default_factory=list)  # wall time of each step, logging included, eval not
@@ -37,13 +39,6 @@ class LoopResult:
     warnings: list = field(default_factory=list)  # what Health printed
     pruned_at: int | None = None  # the step after whose evaluation a sweep's pruner stopped the run
     speed_options: dict = field(default_factory=dict)  # model.SpeedProbe's record of the first step trained here
-
-
-def to_device(x, device: torch.device):
-    """A batch's inputs: token ids, or the model's keyword arguments (``data=sft``: ids and positions)."""
-    if isinstance(x, dict):
-        return {k: v.to(device, non_blocking=True) for k, v in x.items()}
-    return x.to(device, non_blocking=True)
 
 
 class Health:
@@ -152,11 +147,13 @@ def evaluate(backend: Backend, val: dict, batches: int, plan: Plan, weights: dic
 def train(cfg: DictConfig, plan: Plan, backend: Backend, stream: TrainStream, val: dict,
           monitors: Monitors, start_step: int = 0, after_step: Callable[[int], None] | None = None,
           after_eval: Callable[[int, dict], bool] | None = None, history: dict | None = None,
-          balancer: Balancer | None = None) -> LoopResult:
+          balancer: Balancer | None = None, *, objective: Objective) -> LoopResult:
     """Steps ``start_step .. train.steps``; ``after_step(done)`` runs after each (checkpointing), and
     ``after_eval(step, metrics)`` after each evaluation: True stops the run there (a sweep's pruner; every
-    rank must return the same). ``balancer``: a MoE model's routing balance, stepped after every update. The plan's FLOPs per token turn throughput into TFLOP/s and MFU. The loop is
-    where the step's parts meet, so it reads the whole ``cfg``; each part it builds gets only its sections."""
+    rank must return the same). ``balancer``: a MoE model's routing balance, stepped after every update.
+    ``objective``: what the step optimises (``shardyard.objectives``, set up already).
+    The plan's FLOPs per token turn throughput into TFLOP/s and MFU. The loop is where the step's parts meet, so
+    it reads the whole ``cfg``; each part it builds gets only its sections."""
     tr = cfg.train
     flops_per_token = plan.facts.flops_per_token
     total, accum, dev = tr.steps, plan.grad_accum_steps, backend.device
@@ -169,10 +166,13 @@ def train(cfg: DictConfig, plan: Plan, backend: Backend, stream: TrainStream, va
     res.warnings = health.warnings
 
     def run_eval(step: int) -> bool:
-        metrics = evaluate(backend, val, tr.eval_batches, plan, weights=stream.weights())
+        metrics = objective.evaluate(backend, val, tr.eval_batches, plan.micro_batch_size)
+        if metrics is None:  # the held-out cross-entropy (objective=lm) and its perplexity
+            metrics = evaluate(backend, val, tr.eval_batches, plan, weights=stream.weights())
+            metrics["eval/ppl"] = math.exp(min(metrics["eval/loss"], 50.0))
         loss = metrics["eval/loss"]
         res.eval_losses.append((step, loss))
-        metrics["eval/ppl"] = math.exp(min(loss, 50.0))
+        res.final_eval = metrics
         monitors.log(step, metrics)
         if health.on_eval(step, loss) and step < total:
             res.stopped_early_at = step
@@ -182,9 +182,8 @@ def train(cfg: DictConfig, plan: Plan, backend: Backend, stream: TrainStream, va
     if start_step == 0 and not cfg.debug.fast_dev_run:
         run_eval(0)  # the untrained model's loss: the baseline every later eval is compared with
     mtp_cfg = cfg.model.get("mtp")
-    depths = mtp.depth(backend.hf_model())  # multi-token prediction depths: loss terms beside the main one
+    depths = objective.terms() - 1  # multi-token prediction depths (objective=lm): loss terms beside the main one
     loss_acc = torch.zeros(1 + depths, device=dev)
-    factors = mtp.term_factors(mtp_cfg, dev)  # each term's factor at a step: 1, then weight / depths
     n_acc, step_time, data_time, interval_start = 0, 0.0, 0.0, time.perf_counter()
     t_begin = time.perf_counter()
     done = start_step
@@ -194,12 +193,12 @@ def train(cfg: DictConfig, plan: Plan, backend: Backend, stream: TrainStream, va
         t0 = time.perf_counter()
         with anomaly_detection(cfg.debug), torch.profiler.record_function("forward_backward"):
             td = time.perf_counter()
-            batches = [stream.micro_batch(step, micro) for micro in range(accum)]
-            batches = [(to_device(x, dev), y.to(dev, non_blocking=True)) for x, y in batches]
+            batches = objective.micro_batches(step, accum, stream, backend)  # GRPO: its rollouts (generated here)
             data_time += time.perf_counter() - td
             # Token-weighted loss (docs/architecture.md): a step's loss is the cross-entropy summed over the label
             # tokens of every micro-batch and rank, divided by their number N; with multi-token prediction
             # (model.mtp) each depth is such a term of its own, over its own label tokens, times weight / depths.
+            # Other objectives count their own units (objective.counts: DPO's pairs, GRPO's completion tokens).
             # 1. N (one per term) is needed before the first backward: one small all-reduce per step of this rank's
             #    counts (float64, exact once rounded); the ranks of one replica read the same batches, so the
             #    world's mean times dp_size is the sum over the replicas.
@@ -207,9 +206,9 @@ def train(cfg: DictConfig, plan: Plan, backend: Backend, stream: TrainStream, va
             #    ranks; weighting each summed cross-entropy by accum x dp_size / N makes that average sum / N.
             # 3. A step without any label (N = 0) counts N as 1: its summed cross-entropy is 0, so are its
             #    gradient (MoE balance losses aside) and its logged loss, where a mean would be NaN.
-            labels = torch.stack([mtp.label_counts(x, y, depths) for x, y in batches]).sum(0).double()
+            labels = torch.stack([objective.counts(x, y) for x, y in batches]).sum(0).double()
             n = (backend.all_reduce_mean(labels) * backend.dp_size).round().clamp(min=1)
-            weight = (accum * backend.dp_size / n).float() * factors(done)
+            weight = (accum * backend.dp_size / n).float() * objective.factors(done)
             step_ce = torch.zeros(1 + depths, device=dev)
             probing = step == start_step  # one step: the options' record (debug.measure_activations: its bytes)
             with SpeedProbe(backend.hf_model(), cfg.model, bool(cfg.debug.measure_activations)) if probing \
@@ -248,6 +247,7 @@ def train(cfg: DictConfig, plan: Plan, backend: Backend, stream: TrainStream, va
                 metrics[f"train/mtp_loss_{k}"] = depth_loss
             if depths:
                 metrics["train/mtp_weight"] = mtp.term_weights(mtp_cfg, done)[1] * depths
+            metrics.update(objective.train_metrics(backend.all_reduce_mean))
             if stats.loss_scale is not None:
                 metrics["loss_scale"] = stats.loss_scale
             if guard.policy == "skip":
@@ -257,7 +257,8 @@ def train(cfg: DictConfig, plan: Plan, backend: Backend, stream: TrainStream, va
                 health.on_moe(done, metrics)
             monitors.log(done, metrics)
             res.train_losses.append((done, loss))
-            health.on_train(done, loss)
+            if objective.loss_falls:
+                health.on_train(done, loss)
             res.grad_norms.append((done, metrics["grad_norm"]))
             res.final_train_loss = loss
             loss_acc.zero_()

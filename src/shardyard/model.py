@@ -703,7 +703,11 @@ def causal_lm_loss(model: torch.nn.Module, inputs: Any, targets: torch.Tensor) -
     """Mean next-token cross-entropy over the tokens with a target (-100 marks the others: prompts, padding);
     logits upcast to fp32 for a stable softmax under autocast. ``inputs``: token ids, or the model's keyword
     arguments (``input_ids`` and ``position_ids`` of packed rows, ``data=sft``). Evaluation's form; training
-    backpropagates ``causal_lm_loss_sum``."""
+    backpropagates ``causal_lm_loss_sum``. Under an installed objective (``shardyard.objectives.install``: DPO,
+    GRPO), that objective's held-out loss."""
+    objective = _objective(model)
+    if objective is not None:
+        return objective.eval_loss(model, inputs, targets)
     return _cross_entropy(model, inputs, targets, "mean")
 
 
@@ -712,12 +716,21 @@ def causal_lm_loss_sum(model: torch.nn.Module, inputs: Any, targets: torch.Tenso
     labelled, where the mean is NaN): the main head's (0-d), or ``[main, MTP depth 1, ..., depth D]`` for a model
     with multi-token prediction (``shardyard.mtp``). The engines weight each term so that an optimizer step's loss is
     its token-weighted mean over every micro-batch and rank (docs/architecture.md, "Token-weighted loss"), times
-    its factor (``mtp.term_weights``)."""
+    its factor (``mtp.term_weights``). Under an installed objective (``shardyard.objectives.install``: DPO, GRPO),
+    that objective's terms, summed over what it averages over (``Objective.counts``)."""
+    objective = _objective(model)
+    if objective is not None:
+        return objective.loss_sum(model, inputs, targets)
     bare = _bare(model)
     if mtp.depth(bare):
         with mtp.training_targets(bare, targets):
             return logits(_call(model, inputs))
     return _cross_entropy(model, inputs, targets, "sum")
+
+
+def _objective(model: Any) -> Any:
+    """The objective installed on the model the engine trains (``shardyard.objectives.install``), or None (``lm``)."""
+    return getattr(_bare(model), "__dict__", {}).get("shardyard_objective")
 
 
 def _cross_entropy(model: torch.nn.Module, inputs: Any, targets: torch.Tensor, reduction: str) -> torch.Tensor:

@@ -191,8 +191,8 @@ class Balancer:
         layer, sigmoid = router.layer, router.biased
 
         def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
-            if not module.training:
-                return
+            if not module.training or not torch.is_grad_enabled():
+                return  # evaluation, generation (GRPO's rollouts), a reference forward: not a training token
             logits, chosen = output[0], output[-1]
             hidden = args[0]
             # A forward that is recomputed in backward (activation checkpointing) or that does not train (paused)

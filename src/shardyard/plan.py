@@ -304,7 +304,7 @@ def _one_rank(cfg: DictConfig, batch: Plan, hw: Hardware, states: Any, accum: in
     ckpt = mode != "none"
     fraction = checkpointed_fraction(cfg.model, shape["blocks"])
     kept_share = 1 - (fraction if ckpt else 0.0)  # of the blocks, those whose activations stay until backward
-    kept, transient, loss, copies = _activation_parts(shape, states.regime, mbs * batch.seq_len, mode, fraction,
+    kept, transient, loss, copies = _activation_parts(shape, states.regime, mbs * batch.tokens_per_sample, mode, fraction,
                                                       int(cfg.model.get("loss_chunk", 0)))
     if batch.facts.trainable is not None:  # autocast caches the casts of weights that train only (not a frozen base)
         copies *= batch.facts.trainable / max(P, 1)
@@ -316,18 +316,30 @@ def _one_rank(cfg: DictConfig, batch: Plan, hw: Hardware, states: Any, accum: in
     if batch.facts.adapter_activations is not None:  # what the adapters keep, less what the frozen base does not
         adapters_keep = batch.facts.adapter_activations[states.regime]["cpu" if hw.device == "cpu" else "cuda"]
         frozen_skips = shape["activation_bytes_per_token"][states.regime]["frozen_blocks"]
-        kept += kept_share * (adapters_keep - frozen_skips) * mbs * batch.seq_len
+        kept += kept_share * (adapters_keep - frozen_skips) * mbs * batch.tokens_per_sample
     f = states.activation_factor
     fk, ft, fl = states.activation_parts or (f, f, f)
     # The loss's logits are freed by its backward before the first block is recomputed (or backpropagated): the
     # two never coexist (the dry run: a DeepSeek-V3 last stage 9.2 GiB, not 14 as their sum; deepseek7b 11.5).
     acts = (kept * fk + max(transient * ft, loss * fl)
-            + (copies + states.dispatch_bytes_per_token * mbs * batch.seq_len) * f
-            + states.stage_bytes_per_token * mbs * batch.seq_len + states.stage_bytes)
+            + (copies + states.dispatch_bytes_per_token * mbs * batch.tokens_per_sample) * f
+            + states.stage_bytes_per_token * mbs * batch.tokens_per_sample + states.stage_bytes)
     device = dict(states.device)
     if accum > 1 and states.accumulation_bytes:
         device["grads"] = device.get("grads", 0.0) + states.accumulation_bytes
     device["activations"] = acts
+    # Post-training (objective=dpo|grpo): the frozen reference is held as the engine holds the policy's parameters
+    # (a replica, or its shards: Backend.reference_model) unless adapters are disabled instead (LoRA); GRPO keeps its
+    # round of rollouts (ids, mask, positions, targets, the sampling policy's and the reference's log-probs).
+    from shardyard.objectives import held
+
+    reference, kept_per_token = held(cfg.objective)
+    if reference and batch.facts.trainable is None:
+        device["reference"] = states.device.get("params", 0.0)
+        if states.host.get("params"):
+            states = dataclasses.replace(states, host={**states.host, "reference": states.host["params"]})
+    if kept_per_token:
+        device["rollouts"] = kept_per_token * mbs * batch.tokens_per_sample * accum
     # Without accumulation, gradients freed by each step grow in backward as the activations shrink.
     overlap = min(device.get("grads", 0.0), acts) if states.grads_freed_each_step and accum == 1 else 0.0
     # Buffers alive only once the activations are freed (FSDP's root reduced after the whole backward).
@@ -339,7 +351,7 @@ def _one_rank(cfg: DictConfig, batch: Plan, hw: Hardware, states: Any, accum: in
         host: dict[str, float] = {}
     else:
         host = dict(states.host)
-    tokens = mbs * batch.seq_len * accum / mp  # a tensor-parallel or pipeline rank computes its part of each token
+    tokens = mbs * batch.tokens_per_sample * accum / mp  # a tensor-parallel or pipeline rank computes its part of each token
     recompute = {"none": 0.0, "full": 1 / 3, "selective": 1 / 30}[mode] * fraction  # a block's forward is 1/3 of its
     # training FLOPs; selective recomputes only the ops between matmuls (a few % of them)
     compute = None if hw.peak_flops is None else batch.facts.flops_per_token * tokens * (1 + recompute) / (

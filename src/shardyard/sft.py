@@ -8,7 +8,7 @@ conversation). The restart is what keeps packed conversations apart: ``model.pac
 positions into a block-diagonal causal mask (sdpa, eager), and FlashAttention-2 reads them as varlen
 boundaries, so position and attention never cross a conversation.
 
-Sources: ``.jsonl``/``.json`` files of chat conversations (``{"messages": [{"role", "content"}, ...]}``)
+Sources: ``.jsonl``/``.json``/``.parquet``/``.arrow`` files or HF ``save_to_disk`` directories of chat conversations (``{"messages": [{"role", "content"}, ...]}``)
 or instruction pairs (``instruction``/``input``/``output``, ``prompt``/``response``, ``question``/``answer``);
 without ``data.paths`` (and only then), an embedded instruction set the project makes from data it has:
 questions about the standard library's functions and classes (their signatures), answered by the first
@@ -141,8 +141,19 @@ def _json_type(value) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ source
-SUFFIXES = (".jsonl", ".json")
-"""What ``data.paths`` may name: JSONL files, and JSON files holding an array of records or one per line."""
+SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow")
+"""What ``data.paths`` may name: JSONL files, JSON files holding an array of records or one per line, Parquet and
+Arrow files (and directories written by HF ``datasets``' ``save_to_disk``, ``shardyard.corpus``)."""
+
+
+def user_rows(files: list[Path]) -> Iterator[tuple[str, str, dict]]:
+    """``(stable name, where, record)`` of every record of ``files`` (``corpus.Records.rows``), named relative to
+    the files' common directory (a copied corpus keeps its train/val split)."""
+    from shardyard.corpus import Records
+
+    root = os.path.commonpath([str(p.parent) for p in files])
+    for p in files:
+        yield from Records(p, os.path.relpath(p, root)).rows()
 
 
 class SFTData:
@@ -169,12 +180,8 @@ class SFTData:
         if not self.files:
             yield from stdlib_qa(self.max_examples)
             return
-        from shardyard.data import read_records
-
-        root = os.path.commonpath([str(p.parent) for p in self.files])
-        for p in self.files:
-            for ordinal, line, record in read_records(p):
-                yield f"{os.path.relpath(p, root)}:{ordinal}", to_messages(record, f"{p}:{line}")
+        for name, where, record in user_rows(self.files):
+            yield name, to_messages(record, where)
 
     def documents(self) -> Iterator[tuple[str, str]]:
         """Plain text of every conversation (for training a tokenizer when there is none)."""
@@ -233,9 +240,10 @@ def named_template(name: str | None) -> str | None:
                     f"Use null (the tokenizer's own), one of {sorted(TEMPLATES)}, or a Jinja string.")
 
 
-def encode(tok, messages: list[dict], template: str) -> tuple[list[int], list[int]]:
+def encode(tok, messages: list[dict], template: str, first: int = 0) -> tuple[list[int], list[int]]:
     """Token ids of the rendered conversation, and per token its id where it belongs to an assistant turn
-    (else ``IGNORE``).
+    (else ``IGNORE``); ``first``: only the assistant turns from message ``first`` on (a preference pair's
+    response, not the assistant turns of its prompt).
 
     The assistant's span of turn i is found in the text: ``render(messages[:i], add_generation_prompt)`` is a
     prefix of ``render(messages[:i + 1])`` for any sane template, and the difference is the assistant's reply
@@ -247,7 +255,7 @@ def encode(tok, messages: list[dict], template: str) -> tuple[list[int], list[in
     full = render(messages, False)
     spans = []
     for i, m in enumerate(messages):
-        if m["role"] != "assistant":
+        if m["role"] != "assistant" or i < first:
             continue
         start, end = render(messages[:i], True), render(messages[:i + 1], False)
         if not (full.startswith(end) and end.startswith(start)):

@@ -19,7 +19,7 @@ from typing import Any, Iterable, Iterator, NamedTuple, Protocol
 
 from omegaconf import DictConfig, OmegaConf
 
-from shardyard.corpus import KNOWN, Piece, Records, file_format
+from shardyard.corpus import HELD_OUT, KNOWN, TRAINING, Piece, Records, file_format, path_bytes, saved_dataset
 from shardyard.errors import UserError
 from shardyard.shards import MANIFEST
 
@@ -93,7 +93,7 @@ class TextFiles:
         for p in self.files():
             self._current = records = Records(p, os.path.relpath(p, root), self.text_field, self.template, key=self.key)
             yield records
-            self._done += p.stat().st_size
+            self._done += path_bytes(p)
         self._current = None
 
     def pieces(self) -> Iterator[Piece]:
@@ -110,7 +110,7 @@ class TextFiles:
                 parts = []
 
     def total_bytes(self) -> int:
-        return sum(p.stat().st_size for p in self.files())
+        return sum(path_bytes(p) for p in self.files())
 
     def bytes_read(self) -> int:
         return self._done + (self._current.bytes_read() if self._current is not None else 0)
@@ -123,30 +123,35 @@ class TextFiles:
 
 def input_files(paths: list[str], suffixes: tuple[str, ...] | None = None, key: str = "data.paths") -> list[Path]:
     """The files ``paths`` names (files, directories searched recursively, glob patterns), in a fixed order:
-    those ``shardyard.corpus`` reads, or those ending in ``suffixes``. A pattern that matches nothing, a named
+    those ``shardyard.corpus`` reads, or those ending in ``suffixes``; and directories written by HF
+    ``datasets``' ``save_to_disk`` (named, or found under a named directory), each one entry. A pattern that matches nothing, a named
     file of another format, an unreadable file, or no file at all is refused (exit 2): a corpus is never
     silently smaller than the user listed, nor replaced."""
     known = "/".join(suffixes) if suffixes else KNOWN
 
     def readable(p: Path) -> bool:
+        if p.is_dir():
+            return saved_dataset(p) is not None
         return p.suffix in suffixes if suffixes else file_format(p) is not None
+
+    known += " files or save_to_disk directories"
 
     files: list[Path] = []
     for pattern in paths:
         hits = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
         if not hits:
             raise UserError(key, pattern, "Nothing exists at that path or pattern.",
-                            f"Give existing {known} files, directories or glob patterns.")
+                            f"Give existing {known}, directories or glob patterns.")
         for hit in hits:
             p = Path(hit)
-            if p.is_dir():
+            if p.is_dir() and not readable(p):
                 found = _files_under(p, readable)
                 if not found:
-                    raise UserError(key, hit, f"The directory holds no {known} file (searched recursively).",
-                                    f"Put the data there as {known} files, or name the files themselves.")
+                    raise UserError(key, hit, f"The directory holds no {known} (searched recursively).",
+                                    f"Put the data there as {known}, or name the files themselves.")
                 files += found
             elif not readable(p):
-                raise UserError(key, hit, f"Only {known} files can be read, and this one is not of those "
+                raise UserError(key, hit, f"Only {known} can be read, and this one is not of those "
                                 "formats.", "Convert the file, or leave it out of the paths.")
             else:
                 files.append(p)
@@ -164,7 +169,10 @@ def _files_under(root: Path, readable) -> list[Path]:
     for here, dirs, names in os.walk(root):
         dirs[:] = [d for d in dirs if not d.startswith(".") and not os.path.isfile(os.path.join(here, d, MANIFEST))
                    and ".partial-" not in d]
-        found += [Path(here, n) for n in names if not n.startswith(".") and readable(Path(n))]
+        saved = [d for d in dirs if saved_dataset(Path(here, d))]  # one entry each, never walked into
+        dirs[:] = [d for d in dirs if d not in saved]
+        found += [Path(here, d) for d in saved]
+        found += [Path(here, n) for n in names if not n.startswith(".") and readable(Path(here, n))]
     return sorted(found)
 
 
@@ -188,8 +196,9 @@ class _Iterable:
 def _files_fingerprint(files: list[Path], extra: str) -> str:
     h = hashlib.sha256(extra.encode())
     for p in files:
-        st = p.stat()
-        h.update(f"{p}|{st.st_size}|{int(st.st_mtime)}".encode())
+        for f in sorted(q for q in p.rglob("*") if q.is_file()) if p.is_dir() else [p]:  # a saved dataset: its files
+            st = f.stat()
+            h.update(f"{f}|{st.st_size}|{int(st.st_mtime)}".encode())
     return h.hexdigest()[:16]
 
 
@@ -306,5 +315,12 @@ def open_source(d: DictConfig) -> DocumentSource:
 
 
 def is_val(name: str, val_fraction: float) -> bool:
+    """Whether the document ``name`` is held out: a stable hash of the name below ``val_fraction``, unless its
+    data fixes its split (a saved ``DatasetDict``'s train and validation splits: ``corpus.HELD_OUT`` /
+    ``corpus.TRAINING``)."""
+    if name.startswith(HELD_OUT):
+        return True
+    if name.startswith(TRAINING):
+        return False
     h = int.from_bytes(hashlib.sha1(name.encode()).digest()[:8], "little")
     return (h % 1_000_000) < val_fraction * 1_000_000

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import json
 # Imported before _close_pools is registered, so that atexit runs multiprocessing's own handler (which joins
 # live child processes) after ours (which stops the pools' ranks): the other order waits forever.
@@ -650,3 +651,37 @@ def activation_memory(overrides: list[str], rows: int, seq: int) -> dict:
     planned = _activations(shape, regime, rows * seq, checkpointing_mode(cfg.model),
                            checkpointed_fraction(cfg.model, shape["blocks"]), int(cfg.model.get("loss_chunk", 0)))
     return {"kept": kept, "peak": status("VmHWM") - base, "plan": planned, "probe": probe.record}
+
+
+def completion_length(completions: list[str], rows: list[dict]) -> list[float]:
+    """A reward for the tests (``objective.rewards=[{_target_: shardyard.testing.completion_length}]``): each
+    completion's length in characters, a user's own callable plugged in by ``_target_``."""
+    return [float(len(c)) for c in completions]
+
+
+@functools.cache
+def _fixed_rollouts_class() -> Any:
+    from shardyard.objectives.grpo import GRPO
+
+    class FixedRollouts(GRPO):
+        """``objective._target_=shardyard.testing.FixedRollouts``: GRPO whose completions are injected, a user's own
+        objective plugged in by ``_target_``. Each completion is a function of its prompt's last tokens and of its
+        place in its group (rows are prompt-major, G per prompt), 1..max_new tokens long, so any split of the batch
+        over micro-batches and ranks samples the same: the engines are compared on everything after sampling."""
+
+        def _generate(self, model, ids, mask, *, greedy, max_new, generator, backend):
+            import torch
+
+            place = torch.arange(ids.shape[0], device=ids.device)[:, None] % self.G
+            k = torch.arange(max_new, device=ids.device)[None]
+            tokens = 32 + (ids[:, -1:] * 7 + ids[:, -2:-1] * 3 + place * 11 + k * 5) % (len(self.tok) - 64)
+            keep = k < 1 + (ids[:, -1:] + place * 3) % max_new
+            return torch.where(keep, tokens, torch.full_like(tokens, self.pad)), keep.long()
+
+    return FixedRollouts
+
+
+def __getattr__(name: str) -> Any:  # FixedRollouts is built on first use: this module loads without torch
+    if name == "FixedRollouts":
+        return _fixed_rollouts_class()
+    raise AttributeError(name)

@@ -328,7 +328,8 @@ def tokenizer_dir(d: DictConfig, sources: list[Source]) -> str:
     mixture: an equal share of each source's, so that reweighting a mixture keeps its tokenizer and caches)."""
     fingerprint = "|".join(f"{s.target}:{s.docs.fingerprint()}" for s in sources)
     target = sources[0].target if len(sources) == 1 else "mixture"
-    key = cache_key(target, d.val_fraction, fingerprint, f"bpe|{d.tokenizer.vocab_size}|{d.tokenizer.train_bytes}")
+    digits = "|digits" if d.tokenizer.get("split_digits") else ""  # absent: the key of caches made before the key
+    key = cache_key(target, d.val_fraction, fingerprint, f"bpe|{d.tokenizer.vocab_size}|{d.tokenizer.train_bytes}{digits}")
     out = os.path.join(d.cache_dir, "tokenizers", f"{key}-bpe{d.tokenizer.vocab_size}")
     return cached(out, "tokenizer", lambda out: _train_tokenizer(d, sources, out), verify_mode(d))
 
@@ -351,6 +352,9 @@ def _train_tokenizer(d: DictConfig, sources: list[Source], out: str) -> None:
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if d.tokenizer.get("split_digits"):  # every digit its own token (as DeepSeek's and LLaMA's tokenizers): numbers
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                     pre_tokenizers.ByteLevel(add_prefix_space=False)])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=d.tokenizer.vocab_size, special_tokens=[EOT], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
@@ -472,6 +476,6 @@ def _tokenize_rows(d: DictConfig, src, tok_dir: str, out: str) -> None:
         for name, array in built[split].items():  # one .npy per array: every rank memory-maps them
             np.save(os.path.join(tmp, f"{split}.{name}.npy"), array)
     with open(os.path.join(tmp, "meta.json"), "w") as f:
-        json.dump({"rows": {s: int(len(built[s]["input_ids"])) for s in ("train", "val")}, "stats": built["stats"],
+        json.dump({"rows": {s: int(len(next(iter(built[s].values())))) for s in ("train", "val")}, "stats": built["stats"],
                    "tokenizer": tok_dir, "vocab_size": len(tok)}, f, indent=1)
     publish(tmp, out, verify_mode(d))

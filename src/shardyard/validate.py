@@ -99,7 +99,11 @@ def plan(cfg: DictConfig, env: DistEnv | None) -> Plan:
                             "accumulation steps, which contradicts it.",
                             "Set only one of train.grad_accum_steps and train.global_batch_size.")
         accum = derived
-    return Plan(dev, nproc, world, mbs, accum, gbs, cfg.data.seq_len, dims, nnodes=max(1, world // nproc))
+    from shardyard.objectives import sequences
+
+    per_sample, length = sequences(cfg.objective, cfg.data.seq_len)
+    return Plan(dev, nproc, world, mbs, accum, gbs, cfg.data.seq_len, dims, nnodes=max(1, world // nproc),
+                sequences_per_sample=per_sample, sequence_len=length)
 
 
 def _check_nodes(cfg: DictConfig, per_node: int, world: int) -> None:
@@ -222,12 +226,16 @@ def validate(cfg: DictConfig, env: DistEnv | None) -> Plan:
                         "Use model.attn_implementation=sdpa (fast on every device), or install flash-attn on a GPU machine.")
     _validate_weights_and_peft(cfg, p.device_type)
     facts = inspect_model(m, d.seq_len, cfg.peft)
-    if facts.max_positions is not None and d.seq_len > facts.max_positions:
+    longest = p.sequence_len or d.seq_len  # GRPO: the prompt and its completion (objective.max_new_tokens)
+    if facts.max_positions is not None and longest > facts.max_positions:
         key = "model.max_position_embeddings" if "max_position_embeddings" in m else "model.path"
-        raise UserError("data.seq_len", d.seq_len, f"It exceeds the model's longest position ({key}={facts.max_positions}).",
-                        f"Use data.seq_len<={facts.max_positions}" + (f" or raise {key}." if key != "model.path" else "."))
+        what = "It" if longest == d.seq_len else f"With objective.max_new_tokens, the longest sequence ({longest})"
+        raise UserError("data.seq_len", d.seq_len, f"{what} exceeds the model's longest position ({key}={facts.max_positions}).",
+                        f"Use data.seq_len<={facts.max_positions - (longest - d.seq_len)}"
+                        + (f" or raise {key}." if key != "model.path" else "."))
     src = validate_data(cfg)
     _validate_finetune(cfg, src, facts)
+    _validate_objective(cfg, src)
     _validate_balance(m.balance, facts)
     _validate_groups(m, facts)
     _validate_ep(cfg.backend, p.dims, facts)
@@ -657,6 +665,38 @@ def _validate_finetune(cfg: DictConfig, src, facts) -> None:
     if tr.early_stopping_patience is not None:
         _at_least("train.early_stopping_patience", tr.early_stopping_patience, 1)
     _at_least("train.warn_after_evals", tr.warn_after_evals, 0)
+
+
+def _validate_objective(cfg: DictConfig, src: Any) -> None:
+    """``objective``: its own values (the class checks them as it is built: G, beta, epsilon, the rewards'
+    ``_target_``s), the rows it trains on, and what the engine and the model must offer it."""
+    from shardyard import objectives
+    from shardyard.backends import engine
+
+    o = cfg.objective
+    objective = objectives.build(cfg)
+    want, have = getattr(objective, "data_kind", "text"), getattr(src, "kind", "text")
+    if want != have:
+        option = {"text": "a text or conversation option (stdlib_code, text_files, mixture, sft, arithmetic)",
+                  "preference": "data=preference", "prompts": "data=prompts"}
+        raise UserError("data", cfg.data._target_, f"objective={o.name} trains on {option.get(want, want)}; this "
+                        f"data option gives {option.get(have, have)} rows.",
+                        f"Use {option.get(want, want)}, or the objective that trains on these rows.")
+    if want == "text":
+        return
+    eng = engine(cfg.backend)
+    if not getattr(eng, "post_training", True):
+        raise UserError("backend", cfg.backend.name, f"objective={o.name} needs each sequence's log-probabilities "
+                        "from one forward of the whole model (and GRPO samples completions with it); this engine "
+                        "splits the model into pipeline stages.",
+                        "Use backend=fsdp or zero3 (sharded), ddp, zero1/zero2, fsdp_tp, horovod or single.")
+    m = cfg.model
+    if m.get("loss_chunk", 0):
+        raise UserError("model.loss_chunk", m.loss_chunk, f"objective={o.name} reads each token's log-probability; "
+                        "the chunked loss head returns only the summed cross-entropy.", "Use model.loss_chunk=0.")
+    if m.get("mtp") is not None and int(m.mtp.depth):
+        raise UserError("model.mtp.depth", m.mtp.depth, f"objective={o.name} trains the main head only; multi-token "
+                        "prediction depths are a pre-training objective.", "Use model.mtp.depth=0.")
 
 
 SWEEP_METRICS = ("train/loss", "eval/loss", "eval/ppl", "lr", "grad_norm", "tokens_per_s", "samples_per_s",

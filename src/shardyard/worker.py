@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from shardyard import data, drills, loop, moe, monitors
+from shardyard import data, drills, loop, moe, monitors, objectives
 from shardyard.backends import Backend
 from shardyard.backends.process_group import elastic_start
 from shardyard.checkpoint import Checkpointer
@@ -26,7 +26,8 @@ from shardyard.errors import UserError, report_and_exit
 from shardyard.metrics import reset_host_peak, run_peak_memory
 from shardyard import adapters
 from shardyard.backends.torch_step import COMPUTE_DTYPES
-from shardyard.model import build_model, logits, wants_meta
+from shardyard.generation import generate
+from shardyard.model import build_model, wants_meta
 from shardyard.weights import load_weights, weights_dir
 from shardyard.trial import Trial
 
@@ -130,7 +131,9 @@ def train(cfg: DictConfig, plan: Plan, backend: Backend) -> dict:
     total_samples = cfg.train.steps * plan.global_batch_size
     seqs = data.open_train(prepared, cfg.data, cfg.seed, total_samples)
     val = data.open_val(prepared, cfg.data)
-    if rank0 and prepared.stats:
+    if rank0 and prepared.stats and "summary" in prepared.stats:  # a source that words its own counts
+        print(f"shardyard | data: {prepared.stats['summary']}", flush=True)
+    elif rank0 and prepared.stats:
         st = prepared.stats
         print(f"shardyard | data: {st['conversations']:,} conversations, {st['truncated']:,} longer than data.seq_len="
               f"{cfg.data.seq_len} ({st['dropped']:,} dropped), {st['label_tokens']:,} of {st['tokens']:,} tokens "
@@ -163,6 +166,10 @@ def train(cfg: DictConfig, plan: Plan, backend: Backend) -> dict:
 
     reset_host_peak()  # the peak measured beside the plan is the training's, not the data preparation's
     backend.prepare(build, cfg.train.steps)
+    # What the step optimises (objective=lm|dpo|grpo): DPO's and GRPO's reference model is built here, after the
+    # policy, as the engine shards it; their loss is installed on the engine's model (shardyard.objectives).
+    objective = objectives.build(cfg)
+    objective.setup(objectives.Setup(backend, build, cfg, prepared.tokenizer_dir, seqs, val))
     # MoE routers, wherever the engine put them: their loads counted, their balance kept (shardyard.moe).
     balancer = moe.Balancer.install(backend.hf_model(), cfg.model.balance, plan.facts.routed_experts, plan.dims.ep,
                                     backend.device)
@@ -179,7 +186,8 @@ def train(cfg: DictConfig, plan: Plan, backend: Backend) -> dict:
     seed_everything(cfg.seed + backend.rank)  # per-rank streams (dropout, sampling) after identical init
     ckpt = Checkpointer(cfg.checkpoint, backend, plan, run_dir=cfg.run_dir, tokenizer_dir=prepared.tokenizer_dir,
                         engine=cfg.backend.name, model_name=cfg.model.name,
-                        restarted=elastic_start(cfg) > 0)  # a restart of the workers (on any node of the job)
+                        restarted=elastic_start(cfg) > 0,  # a restart of the workers (on any node of the job)
+                        objective=objective)
     start = ckpt.restore()
     if start >= cfg.train.steps:
         return _already_complete(cfg, start, rank0)
@@ -197,7 +205,7 @@ def train(cfg: DictConfig, plan: Plan, backend: Backend) -> dict:
         trial = Trial.of(OmegaConf.select(cfg, "sweep"), backend)
         result = loop.train(cfg, plan, backend, stream, val, mon, start_step=start, after_step=after_step,
                             after_eval=trial.should_stop if trial else None, history=ckpt.history,
-                            balancer=balancer)
+                            balancer=balancer, objective=objective)
         summary = _finish(cfg, plan, backend, prepared, result, ckpt)
     except BaseException as e:  # mark wandb/mlflow runs failed, flush the event files, then re-raise
         mon.fail(e.paragraph() if isinstance(e, UserError) else f"{type(e).__name__}: {e}")
@@ -233,11 +241,14 @@ def _finish(cfg: DictConfig, plan: Plan, backend: Backend, prepared: data.Prepar
         "eval_losses": eval_losses, "train_losses": history["train_losses"] + result.train_losses,
         "grad_norms": history["grad_norms"] + result.grad_norms,
         "median_step_s": float(np.median(result.step_wall_s)), "step_wall_s": result.step_wall_s,
-        "final_eval_ppl": float(np.exp(min(eval_losses[-1][1], 50.0))), "run_dir": cfg.run_dir, "export": export,
+        "run_dir": cfg.run_dir, "export": export,
         "skipped_steps": result.skipped_steps, "pruned_at": result.pruned_at,
         "stopped_early_at": result.stopped_early_at, "warnings": result.warnings, "deterministic": determinism(),
         "speed_options": result.speed_options,  # what model.loss_chunk/compile/checkpointing did (model.SpeedProbe)
+        "final_eval": result.final_eval,  # the last evaluation's metrics (DPO's reward accuracy, GRPO's reward, ...)
     }
+    if "eval/ppl" in result.final_eval or not result.final_eval:  # objective=lm (a resumed run may evaluate nothing)
+        summary["final_eval_ppl"] = float(np.exp(min(eval_losses[-1][1], 50.0)))
     if cfg.train.sample_tokens > 0 and result.pruned_at is None:  # every rank: sharded engines all-gather inside the forward
         summary["sample"] = sample_text(backend.hf_model(), prepared.tokenizer_dir, cfg.train, seed=cfg.seed,
                                         seq_len=cfg.data.seq_len, device=backend.device)
@@ -283,20 +294,18 @@ def _draw_report(run_dir: str) -> None:
 @torch.no_grad()
 def sample_text(model: torch.nn.Module, tokenizer_dir: str, train: DictConfig, *, seed: int, seq_len: int,
                 device: torch.device) -> str:
-    """``train.sample_tokens`` tokens after ``train.sample_prompt`` (``train``: the run's ``train`` section)."""
+    """``train.sample_tokens`` tokens after ``train.sample_prompt`` (``train``: the run's ``train`` section): top-k 20
+    at temperature 0.8, KV-cached (``generation.generate``), ending early at the tokenizer's eos. Every rank runs
+    the same number of forwards (sharded engines all-gather inside them). The model sees the prompt's last
+    ``seq_len - sample_tokens`` tokens (at least one), so that prompt and sample fit the trained length."""
     tok = data.load_tokenizer(tokenizer_dir)
     ids = tok(train.sample_prompt, return_tensors="pt", add_special_tokens=False).input_ids.to(device)
     g = torch.Generator(device=device).manual_seed(seed)
-    was_training = model.training
-    model.eval()
-    for _ in range(train.sample_tokens):  # plain top-k sampling: works for every engine's module
-        out = logits(model(ids[:, -seq_len:]))[:, -1].float()
-        top = torch.topk(out, min(20, out.size(-1)))
-        probs = torch.softmax(top.values / 0.8, dim=-1)
-        nxt = top.indices.gather(-1, torch.multinomial(probs, 1, generator=g))
-        ids = torch.cat([ids, nxt], dim=1)
-    model.train(was_training)
-    return tok.decode(ids[0], skip_special_tokens=True)
+    seen = ids[:, -max(1, seq_len - train.sample_tokens):]
+    pad = next((i for i in (tok.pad_token_id, tok.eos_token_id) if i is not None), 0)
+    out, mask = generate(model, seen, torch.ones_like(seen), max_new_tokens=train.sample_tokens, temperature=0.8,
+                         top_k=20, eos_id=tok.eos_token_id, pad_id=pad, generator=g, lockstep=True)
+    return tok.decode(torch.cat([ids[0], out[0][mask[0].bool()]]), skip_special_tokens=True)
 
 
 def from_run_dir(run_dir: str) -> None:

@@ -25,6 +25,10 @@ def test_every_option_composes_and_validates(group, option, tmp_path):
         (tmp_path / "a.txt").write_text("hello world\n" * 100)
         extra = [f"data.sources=[{{name: a, paths: [{tmp_path}/a.txt], weight: 2}}, "
                  "{name: b, _target_: shardyard.data.StdlibCode, exclude_dirs: [test], weight: 1}]"]
+    pairs = {"preference": ["objective=dpo"], "prompts": ["objective=grpo"], "dpo": ["data=preference"],
+             "grpo": ["data=prompts"]}
+    if group in ("data", "objective") and option in pairs:  # an objective and the rows it trains on go together
+        extra = pairs[option]
     if option == "zero_infinity":  # needs the user's NVMe directory
         extra = [f"backend.nvme_path={tmp_path}"]
     if option in ("fsdp_tp", "pipeline"):  # a model split 2 ways needs 2 ranks (4 layers: 2 per pipeline stage)

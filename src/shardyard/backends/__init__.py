@@ -286,6 +286,22 @@ class Backend(Protocol):
     def hf_model(self) -> torch.nn.Module:
         """The underlying HF model (for generation and its config)."""
 
+    def reference_model(self, build: Callable[..., torch.nn.Module]) -> torch.nn.Module:
+        """A frozen copy of the policy at its starting weights, for the objectives that compare with one (DPO,
+        GRPO's KL term): built once after ``prepare`` from the same ``build`` (so the same init or
+        ``model.weights``; the training's random streams are left as they were), placed and sharded as this
+        engine places and shards the policy, in eval mode, every parameter frozen, in no optimizer, with no
+        gradient hooks; no activation checkpointing or compile (``backends.reference``). Called like the policy
+        (``model._call(ref, inputs)``, ``model.logits``); its forward runs under ``torch.no_grad`` and gives the
+        policy's logits at step 0 in the policy's numerics (the same autocast, MixedPrecisionPolicy, DeepSpeed
+        bf16/fp16). What each engine holds for it per rank (P parameters over N ranks, c bytes per value of the
+        compute dtype): single, DDP, Horovod 4P (an fp32 replica); FSDP 4P/N (fp32 shards) and FSDP+TP 4P/N
+        (N = tp x dp), plus, while it runs, one or two blocks gathered in the compute dtype (every unit, the
+        root too, reshards after its forward); ZeRO-1/2 cP (DeepSpeed stage 0: a replica in the precision's
+        dtype); ZeRO-3 cP/N (partitioned, parameters offloaded as the policy's are), plus the modules being
+        fetched while it runs and those under ``stage3_param_persistence_threshold``. The pipeline refuses
+        (``UserError``). LoRA/QLoRA never ask: the policy with its adapters disabled is the reference."""
+
     def full_state_dict(self) -> Optional[dict]:
         """Full, unsharded CPU state dict on rank 0 (None elsewhere); collective on sharded engines."""
 

@@ -12,7 +12,7 @@ from omegaconf import DictConfig
 from torch.nn.parallel import DistributedDataParallel
 
 from shardyard.facts import Plan
-from shardyard.backends import process_group
+from shardyard.backends import process_group, reference
 from shardyard.backends.forward import forward_to
 from shardyard.backends.process_group import init_process_group, teardown
 from shardyard.backends.torch_step import TorchStepper, pick_device, replica_states
@@ -107,10 +107,17 @@ class DDPBackend:
     def hf_model(self) -> torch.nn.Module:
         return self.ddp.module
 
+    def reference_model(self, build) -> torch.nn.Module:
+        """A frozen fp32 replica on every rank, under the policy's autocast, without DDP's wrapper (nothing to
+        reduce): 4P bytes per rank (``Backend.reference_model``)."""
+        if "reference" not in self.__dict__:
+            self.reference = reference.replica(build, self.cfg, self.device)
+        return self.reference
+
     def full_state_dict(self) -> dict | None:
         if self.rank != 0:
             return None
         return {k: v.detach().cpu() for k, v in self.ddp.module.state_dict().items()}
 
     def close(self) -> None:
-        teardown(self, "stepper", "ddp")
+        teardown(self, "stepper", "ddp", "reference")

@@ -8,6 +8,7 @@ so DeepSpeed steps it on its optimizer; DeepSpeed's built-in schedulers differ b
 
 from __future__ import annotations
 
+import copy
 import datetime
 import json
 import logging
@@ -21,7 +22,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from shardyard.facts import Plan
-from shardyard.backends import (FP32, HALF, ModelStates, StepStats, deepspeed_patches, process_group,
+from shardyard.backends import (FP32, HALF, ModelStates, StepStats, deepspeed_patches, process_group, reference,
                                 refuse_speed_options)
 from shardyard.backends.process_group import init_process_group, teardown
 from shardyard.backends.torch_step import pick_device
@@ -88,6 +89,34 @@ def ds_config(cfg: DictConfig, plan) -> dict:
     if optimizer is not None:
         config["optimizer"] = optimizer
     return config
+
+
+def reference_ds_config(config: dict, cfg: DictConfig) -> dict:
+    """The DeepSpeed config of the frozen reference model (``DeepSpeedBackend.reference_model``), from the
+    policy's ``config`` as TRL's ``prepare_deepspeed`` makes it:
+
+    1. No optimizer, no scheduler (nothing trains), nothing offloaded of an optimizer; no profiler or timers.
+    2. ZeRO-3 stays stage 3, its parameters partitioned as the policy's (and offloaded as they are); ZeRO-1/2
+       become stage 0, a plain replica: their partitions are of optimizer state and gradients, which a frozen
+       model has none of.
+    3. The same ``bf16``/``fp16`` sections, so that DeepSpeed casts the module as it cast the policy and the
+       logits are the policy's.
+    4. Parameters swapped to NVMe go to a directory of their own under the run's swap directory: DeepSpeed's
+       parameter swapper empties its folder when it starts, which would be the policy's."""
+    ref = copy.deepcopy(config)
+    for key in ("optimizer", "scheduler", "flops_profiler"):  # 1
+        ref.pop(key, None)
+    ref["wall_clock_breakdown"] = False
+    zero = ref["zero_optimization"]
+    zero.pop("offload_optimizer", None)
+    if zero["stage"] != 3:  # 2
+        zero["stage"] = 0
+    param = zero.get("offload_param", {})
+    if param.get("device") == "nvme":  # 4
+        param["nvme_path"] = os.path.join(swap_dir(cfg), "reference")
+    else:
+        ref.pop("aio", None)
+    return ref
 
 
 def swap_dir(cfg: DictConfig) -> str:
@@ -547,6 +576,34 @@ class DeepSpeedBackend:
     def hf_model(self) -> torch.nn.Module:
         return self.engine.module
 
+    def reference_model(self, build) -> torch.nn.Module:
+        """A DeepSpeed engine of its own without an optimizer (``reference_ds_config``), in eval mode: ZeRO-3
+        partitions it as the policy, cP/N bytes per rank (c: the precision's bytes; offloaded as the policy's
+        parameters are); ZeRO-1/2 hold a replica in the precision's dtype, cP. Where the policy was built under
+        ``deepspeed.zero.Init`` (``HfDeepSpeedConfig``), the reference is too, under its own config; the
+        policy's is the live one again after. Returned as the engine (``_bare`` finds the module inside)."""
+        if "reference" in self.__dict__:
+            return self.reference
+        import deepspeed
+        from transformers.integrations.deepspeed import HfDeepSpeedConfig, set_hf_deepspeed_config
+
+        config = reference_ds_config(self.config, self.cfg)
+        with reference.keep_rng(self.device):
+            # ZeRO-3 and a model built on the meta device (``prepare``): HF holds the live config by a weak
+            # reference, so this one is kept while the build runs.
+            live = HfDeepSpeedConfig(config) if "_hf_ds" in self.__dict__ else None
+            try:
+                model = reference.freeze(build(allow_meta=False))
+            finally:
+                if live is not None:
+                    set_hf_deepspeed_config(self._hf_ds)
+            prepare_model(model, reference.options(self.cfg), self.device)  # nothing to apply: all off
+            engine, _, _, _ = deepspeed.initialize(model=model, config=config)
+        reference.frozen_forward(reference.freeze(engine.module))
+        engine.eval()
+        self.reference: torch.nn.Module = engine
+        return engine
+
     def full_state_dict(self) -> dict | None:
         if self.bcfg.stage == 3:  # collective: gathers one parameter at a time into rank 0
             sd = self.engine._zero3_consolidated_16bit_state_dict()
@@ -557,15 +614,17 @@ class DeepSpeedBackend:
     def close(self) -> None:
         import deepspeed.comm
 
-        if hasattr(self, "engine"):
-            module = self.engine.module
-            self.engine.destroy()  # removes its hooks and buffers
-            if self.bcfg.stage == 3:
-                deepspeed_patches.release_zero3(module)
+        for name in ("reference", "engine"):  # the reference's engine first: built last
+            if hasattr(self, name):
+                engine = getattr(self, name)
+                module = engine.module
+                engine.destroy()  # removes its hooks and buffers
+                if self.bcfg.stage == 3:
+                    deepspeed_patches.release_zero3(module)
         deepspeed_patches.restore_torch_linear()
         # DeepSpeed's own teardown also drops its cached groups, so a later engine in this process (the
         # next job of an in-process sweep) starts from a clean slate.
-        teardown(self, "engine", "_hf_ds", destroy=deepspeed.comm.destroy_process_group)
+        teardown(self, "engine", "reference", "_hf_ds", destroy=deepspeed.comm.destroy_process_group)
         if "nvme" in (self.bcfg.offload_optimizer, self.bcfg.offload_param):  # after the engine closed its files
             remove_swap_files(self.cfg, self.rank)
 

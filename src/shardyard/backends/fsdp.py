@@ -13,7 +13,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 from shardyard.facts import Plan
 from shardyard.backends import (FP32, HALF, ModelStates, expert_parallel_states, fsdp_buffers, process_group,
-                                refuse_speed_options, shard_ends, smoke_degree)
+                                reference, refuse_speed_options, shard_ends, smoke_degree)
 from shardyard.backends.expert_parallel import shard_experts, stepper_options
 from shardyard.moe import expert_modules
 from shardyard.backends.forward import forward_to
@@ -189,8 +189,22 @@ class FSDPBackend:
     def hf_model(self) -> torch.nn.Module:
         return self.model
 
+    def reference_model(self, build) -> torch.nn.Module:
+        """Its own ``fully_shard`` by ``parallelize_fsdp`` (the policy's blocks-then-root units, mixed precision,
+        CPU offload and expert parallelism), frozen before it is sharded: fp32 shards, 4P/N bytes per rank (in
+        host RAM with ``cpu_offload``). Every unit, the root too, reshards after its forward: without a backward
+        to come, keeping the root gathered (as the policy does) would hold its whole embedding and head."""
+        if "reference" not in self.__dict__:
+            with reference.keep_rng(self.device):
+                model = parallelize_fsdp(reference.freeze(build(allow_meta=True)), reference.options(self.cfg),
+                                         self.device, self.mesh)
+            model.set_reshard_after_forward(True)  # type: ignore[operator]  # FSDPModule method, added at runtime
+            reference.frozen_forward(reference.freeze(model))  # the MixedPrecisionPolicy casts, as the policy's
+            self.reference = model
+        return self.reference
+
     def full_state_dict(self) -> dict | None:
         return gather_full_state_dict(self.model, self.rank)
 
     def close(self) -> None:
-        teardown(self, "stepper", "model")
+        teardown(self, "stepper", "model", "reference")

@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from shardyard.facts import Plan
-from shardyard.backends import ModelStates, process_group, refuse_speed_options, shard_ends, smoke_degree
+from shardyard.backends import ModelStates, process_group, reference, refuse_speed_options, shard_ends, smoke_degree
 from shardyard.backends.forward import forward_to
 from shardyard.backends.fsdp import FSDPBackend, gather_full_state_dict
 from shardyard.backends.process_group import init_process_group, teardown
@@ -219,8 +219,22 @@ class FSDPTPBackend:
     def hf_model(self) -> torch.nn.Module:
         return self.model
 
+    def reference_model(self, build) -> torch.nn.Module:
+        """Its own tensor-parallel plan and ``fully_shard`` over dp by ``parallelize_fsdp_tp``, on the policy's
+        mesh: fp32 shards, 4P/(tp x dp) bytes per rank. Frozen after it is sharded too (the tensor-parallel
+        styles make new parameters, which require gradients), before any forward makes FSDP2's unsharded
+        parameters; every unit, the root too, reshards after its forward (``FSDPBackend.reference_model``)."""
+        if "reference" not in self.__dict__:
+            with reference.keep_rng(self.device):
+                model = parallelize_fsdp_tp(reference.freeze(build(allow_meta=True)), reference.options(self.cfg),
+                                            self.mesh, self.device)
+            model.set_reshard_after_forward(True)  # type: ignore[operator]  # FSDPModule method, added at runtime
+            reference.frozen_forward(reference.freeze(model))
+            self.reference = model
+        return self.reference
+
     def full_state_dict(self) -> dict | None:
         return gather_full_state_dict(self.model, self.rank)  # each (dp, tp) DTensor gathered in full
 
     def close(self) -> None:
-        teardown(self, "stepper", "model")
+        teardown(self, "stepper", "model", "reference")

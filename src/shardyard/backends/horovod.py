@@ -10,7 +10,7 @@ import torch
 from omegaconf import DictConfig
 
 from shardyard.facts import Plan
-from shardyard.backends import refuse_speed_options
+from shardyard.backends import reference, refuse_speed_options
 from shardyard.backends.forward import forward_to
 from shardyard.backends.torch_step import TorchStepper, pick_device, replica_states
 from shardyard.errors import UserError
@@ -184,6 +184,14 @@ class HorovodBackend:
     def hf_model(self) -> torch.nn.Module:
         return self.model
 
+    def reference_model(self, build) -> torch.nn.Module:
+        """A frozen fp32 replica on every rank, under the policy's autocast, in no ``DistributedOptimizer`` and
+        with no broadcast (``build`` gives every rank the same weights): 4P bytes per rank
+        (``Backend.reference_model``)."""
+        if "reference" not in self.__dict__:
+            self.reference = reference.replica(build, self.cfg, self.device)
+        return self.reference
+
     def full_state_dict(self) -> dict | None:
         if self.rank != 0:
             return None
@@ -196,4 +204,5 @@ class HorovodBackend:
             self.hvd.stop_timeline()
         self.__dict__.pop("stepper", None)
         self.__dict__.pop("model", None)
+        self.__dict__.pop("reference", None)
         self.hvd.shutdown()

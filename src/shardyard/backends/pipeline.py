@@ -212,6 +212,9 @@ class PipelineBackend:
     """``plan.dry_run``: this engine itself runs on a fake process group and fake tensors (``shardyard.dryrun``)."""
     checkpoint_format: ClassVar[str] = "dcp"
     degree_keys: ClassVar[dict[str, str]] = {"pp": "backend.stages", "ep": "backend.ep"}
+    post_training: ClassVar[bool] = False
+    """The post-training objectives (DPO, GRPO) need each sequence's log-probabilities from one forward of the
+    whole model, and GRPO samples with it: a stage holds only its layers (``validate._validate_objective``)."""
 
     @staticmethod
     def degrees(b: DictConfig) -> dict[str, int | None]:
@@ -565,6 +568,17 @@ class PipelineBackend:
 
     def hf_model(self) -> torch.nn.Module:
         return self.model
+
+    def reference_model(self, build) -> torch.nn.Module:
+        """Not offered: the objectives that need a reference run the whole model's forward on a rank, and a stage
+        holds only its layers (validation refuses the objective on this engine before any rank starts)."""
+        from omegaconf import OmegaConf
+
+        objective = OmegaConf.select(self.cfg, "objective.name", default=None) or "an objective with a reference"
+        raise UserError("objective", objective, "It compares the policy with a frozen reference model run whole on "
+                        "each rank, and backend=pipeline splits the model into stages across ranks.",
+                        "Use backend=fsdp or zero3 (the reference sharded as the policy), or fsdp_tp, ddp, zero1/2."
+                        ).on_every_rank()
 
     def full_state_dict(self) -> dict | None:
         """Each stage's tensors gathered over its dp replicas one at a time (a full tensor at a time on the

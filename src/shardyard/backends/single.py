@@ -8,6 +8,7 @@ import torch
 from omegaconf import DictConfig
 
 from shardyard.facts import Plan
+from shardyard.backends import reference
 from shardyard.backends.forward import forward_to
 from shardyard.backends.torch_step import TorchStepper, pick_device, replica_states
 from shardyard.errors import UserError
@@ -72,8 +73,14 @@ class SingleBackend:
     def hf_model(self) -> torch.nn.Module:
         return self.model
 
+    def reference_model(self, build) -> torch.nn.Module:
+        """A frozen fp32 replica on the device, under the policy's autocast: 4P bytes (``Backend.reference_model``)."""
+        if "reference" not in self.__dict__:
+            self.reference = reference.replica(build, self.cfg, self.device)
+        return self.reference
+
     def full_state_dict(self) -> dict:
         return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
 
     def close(self) -> None:
-        pass
+        self.__dict__.pop("reference", None)

@@ -509,6 +509,10 @@ class TokenizerConfig:
     """Vocabulary of a freshly trained tokenizer."""
     train_bytes: int = 8_000_000
     """How many bytes of the corpus (from the start, in document order) train the tokenizer."""
+    split_digits: bool = False
+    """A freshly trained tokenizer makes every digit its own token (as DeepSeek's and LLaMA's do), so numbers are
+    spelt digit by digit instead of merged into per-number tokens (arithmetic would be a lookup table). On in
+    ``data=arithmetic``, ``prompts`` and ``preference``."""
 
 
 class Verify(Choice):
@@ -565,8 +569,9 @@ class Truncation(Choice):
 @dataclass
 class SFTDataConfig(DataConfig):
     paths: List[str] = field(default_factory=list)
-    """``.jsonl`` files, or ``.json`` files (an array of records, or one per line), or directories or glob patterns
-    of them, holding conversations (``{"messages": [{"role", "content"}]}``, roles system/user/assistant) or
+    """``.jsonl`` files, ``.json`` files (an array of records, or one per line), ``.parquet`` / ``.arrow`` files,
+    directories written by HF ``datasets``' ``save_to_disk`` (a ``DatasetDict``: ``train`` trains, its
+    ``validation`` / ``test`` split is the val split), or directories or glob patterns of them, holding conversations (``{"messages": [{"role", "content"}]}``, roles system/user/assistant) or
     instruction pairs (``instruction``/``input``/``output``, ``prompt``/``response``, ``question``/``answer``).
     Paths that match no such file, and every malformed record, exit 2 naming the file and line. Empty (only
     then): the embedded instruction set built from the standard library's docstrings and signatures."""
@@ -582,6 +587,72 @@ class SFTDataConfig(DataConfig):
     token is left) or ``drop``. The counts are printed at start."""
     max_examples: int = 3000
     """Conversations taken from the embedded standard-library set (ignored with ``paths``)."""
+
+
+@dataclass
+class ArithmeticDataConfig(DataConfig):
+    max_examples: int = 3000
+    """Distinct generated problems (``shardyard.synthetic``), each one conversation: "What is 23 + 58? Give the
+    final answer after 'Answer:'." -> "23 + 58 = 81. Answer: 81". Never one of the held-out problems
+    (``data=prompts``)."""
+    digits: int = 2
+    """Operands have at most this many digits (1-9): the task's difficulty."""
+    ops: str = "+-"
+    """The operations, as a string of their symbols out of ``+``, ``-``, ``*`` (``-`` never goes below 0)."""
+    seed: int = 0
+    """Which problems, and in which order (the held-out split does not depend on it)."""
+    chat_template: Optional[str] = None
+    """As ``data=sft``'s: ``null`` = the tokenizer's own template (``plain`` when it has none), a built-in, or Jinja."""
+    packing: bool = True
+    """As ``data=sft``'s: several conversations per ``seq_len`` row, never seeing each other."""
+    truncation: Truncation = Truncation.truncate
+    """As ``data=sft``'s: ``truncate`` or ``drop`` a conversation longer than ``seq_len``."""
+
+
+@dataclass
+class PreferenceDataConfig(DataConfig):
+    paths: List[str] = field(default_factory=list)
+    """``.jsonl`` / ``.json`` / ``.parquet`` / ``.arrow`` files, HF ``save_to_disk`` directories, or directories or
+    glob patterns of them, of records with ``prompt``, ``chosen`` and ``rejected`` (each a string or a list of
+    ``{"role", "content"}`` messages; TRL's conversational forms too). A record missing one, or of a wrong type,
+    exits 2 naming the file and line. Empty: generated arithmetic pairs (chosen: the right answer in the stated
+    format, rejected: a wrong one)."""
+    chat_template: Optional[str] = None
+    """As ``data=sft``'s; use the same as the SFT stage the policy comes from."""
+    truncation: Truncation = Truncation.truncate
+    """A pair with a side longer than ``seq_len``: ``truncate`` (keep the first tokens; the pair is dropped when
+    a side keeps no response token) or ``drop``. The counts are printed at start."""
+    max_examples: int = 2000
+    """Generated pairs (without ``paths``)."""
+    digits: int = 2
+    """Generated pairs: operands of at most this many digits."""
+    ops: str = "+-"
+    """Generated pairs: the operations (``+``, ``-``, ``*``)."""
+    seed: int = 0
+    """Generated pairs: which problems and which wrong answers."""
+
+
+@dataclass
+class PromptDataConfig(DataConfig):
+    paths: List[str] = field(default_factory=list)
+    """``.jsonl`` / ``.json`` / ``.parquet`` / ``.arrow`` files, HF ``save_to_disk`` directories, or directories or
+    glob patterns of them, of records with a prompt (``prompt_field``) and whatever the rewards read (e.g.
+    ``answer``). Empty: generated arithmetic problems with an ``answer``, from the held-out part of the problem
+    space that ``data=arithmetic`` never contains; their val split is the evaluation set."""
+    prompt_field: str = "prompt"
+    """The field holding each record's prompt: a string (the user's turn) or a list of ``{"role", "content"}``
+    messages. It is rendered with the generation prompt and left-padded to ``seq_len`` tokens; a longer prompt is
+    dropped (counted). Every other field is kept for the rewards."""
+    chat_template: Optional[str] = None
+    """As ``data=sft``'s; use the same as the SFT stage the policy comes from."""
+    max_examples: int = 2000
+    """Generated problems (without ``paths``)."""
+    digits: int = 2
+    """Generated problems: operands of at most this many digits (as the SFT stage's ``data=arithmetic``)."""
+    ops: str = "+-"
+    """Generated problems: the operations (``+``, ``-``, ``*``)."""
+    seed: int = 0
+    """Generated problems: which, and in which order."""
 
 
 @dataclass
@@ -614,6 +685,82 @@ class MixtureDataConfig(DataConfig):
     samples is weight / sum of weights. ``epochs`` (default null): at most this many passes over it in the run;
     its share is lowered to that and the others' raised. Each source is tokenized and cached on its own and
     evaluated on its own held-out documents (``eval/loss/<name>``)."""
+
+
+# ------------------------------------------------------------------------------------------------ objective
+@dataclass
+class ObjectiveConfig:
+    """What a training step optimises (``objective`` group); every key but these is an argument of ``_target_``."""
+
+    _target_: str = "shardyard.objectives.lm.LanguageModeling"
+    """A class meeting ``shardyard.objectives.Objective``: ``LanguageModeling`` (``objective=lm``), ``DPO``
+    (``objective=dpo``), ``GRPO`` (``objective=grpo``), or your own."""
+    name: str = "lm"
+    """The option's name in logs; nothing decides on it."""
+
+
+class DPOLoss(Choice):
+    sigmoid = "sigmoid"
+    ipo = "ipo"
+    hinge = "hinge"
+
+
+@dataclass
+class DPOObjectiveConfig(ObjectiveConfig):
+    beta: float = 0.1
+    """Strength of the tie to the reference: the implicit reward is ``beta x log(pi / ref)`` of a response (IPO:
+    the target margin is ``1 / (2 beta)``). Above 0."""
+    loss_type: DPOLoss = DPOLoss.sigmoid
+    """``sigmoid`` (DPO), ``ipo`` (IPO: squared distance to a margin, on length-averaged log-probs) or ``hinge``
+    (SLiC), with TRL's formulas."""
+    label_smoothing: float = 0.0
+    """The share of preference labels assumed flipped (conservative DPO, sigmoid only), in [0, 0.5)."""
+
+
+class Aggregation(Choice):
+    token = "token"
+    sequence = "sequence"
+
+
+class RewardScale(Choice):
+    group = "group"
+    batch = "batch"
+    none = "none"
+
+
+@dataclass
+class GRPOObjectiveConfig(ObjectiveConfig):
+    num_generations: int = 8
+    """G: completions sampled per prompt; each one's advantage is its reward against its group's. At least 2."""
+    max_new_tokens: int = 64
+    """Tokens sampled per completion at most (a completion ends at the end-of-text token)."""
+    temperature: float = 1.0
+    """Sampling temperature of the rollouts (above 0)."""
+    top_p: float = 1.0
+    """Nucleus sampling of the rollouts: the smallest set of tokens holding this much probability (1: all)."""
+    top_k: int = 0
+    """Sample the rollouts among the k likeliest tokens only (0: no such filter)."""
+    epsilon: float = 0.2
+    """Clip range of the policy ratio: ``clip(ratio, 1 - epsilon, 1 + epsilon_high)``. Above 0."""
+    epsilon_high: Optional[float] = None
+    """The upper clip range (DAPO's asymmetric clip, e.g. 0.28); ``null``: ``epsilon``."""
+    beta: float = 0.0
+    """Weight of the KL penalty to the reference (the starting policy; DeepSeekMath's k3 estimator); 0 (TRL's
+    default) loads no reference model."""
+    loss_aggregation: Aggregation = Aggregation.token
+    """``token``: every completion token of the step weighs the same (DAPO); ``sequence``: every completion weighs
+    the same, its tokens averaged first (the GRPO paper)."""
+    num_iterations: int = 1
+    """Optimizer steps on each batch of rollouts (GRPO's mu); the ratio is to the policy that sampled them."""
+    scale_rewards: RewardScale = RewardScale.group
+    """Advantage = (reward - its group's mean) / std: the group's std (``group``), the whole batch's over every rank
+    (``batch``), or not divided (``none``, Dr. GRPO)."""
+    rewards: List[Any] = field(default_factory=list)
+    """The reward functions, each ``{_target_, weight, ...its own keys}``: a callable ``(completions, rows) ->
+    list[float]`` (``shardyard.objectives.rewards``: ``NumericAnswer``, ``FormatRegex``, or your own); a completion's
+    reward is their weighted sum. Rewards read the text only: nothing the model writes is executed."""
+    eval_max_new_tokens: Optional[int] = None
+    """Tokens of each greedy completion of a held-out prompt at evaluation; ``null``: ``max_new_tokens``."""
 
 
 # ------------------------------------------------------------------------------------------------ peft
@@ -1018,6 +1165,8 @@ class TrainConfig:
     """Checkpointing, resume and export (``checkpoint`` group)."""
     peft: Any = MISSING
     """Parameter-efficient fine-tuning (``peft`` group): ``none``, ``lora`` or ``qlora``."""
+    objective: Any = MISSING
+    """What a step optimises (``objective`` group): ``lm``, ``dpo`` or ``grpo`` (``shardyard.objectives``)."""
     monitor: Any = field(default_factory=dict)
     """Metric sinks by name (``monitor`` list group); ``metrics.jsonl`` is always written."""
     seed: int = 1234
@@ -1060,7 +1209,13 @@ SCHEMAS = {
     "schema_data_text_files": TextFilesDataConfig,
     "schema_data_mixture": MixtureDataConfig,
     "schema_data_sft": SFTDataConfig,
+    "schema_data_arithmetic": ArithmeticDataConfig,
+    "schema_data_preference": PreferenceDataConfig,
+    "schema_data_prompts": PromptDataConfig,
     "schema_peft": PeftConfig,
+    "schema_objective": ObjectiveConfig,
+    "schema_objective_dpo": DPOObjectiveConfig,
+    "schema_objective_grpo": GRPOObjectiveConfig,
     "schema_optim_adamw": AdamWConfig,
     "schema_optim_sgd": SGDConfig,
     "schema_optim_adafactor": AdafactorConfig,
@@ -1077,7 +1232,8 @@ SCHEMAS = {
 }
 
 
-PLUGIN_BASES = {"schema_model_plugin": ModelConfig, "schema_data_plugin": DataConfig}
+PLUGIN_BASES = {"schema_model_plugin": ModelConfig, "schema_data_plugin": DataConfig,
+                "schema_objective_plugin": ObjectiveConfig}
 """Bases for a user's own ``model``/``data`` option: shardyard's keys typed, and open to the arguments of the
 option's ``_target_`` (validation checks those against its signature). Use as
 ``defaults: [/schema_model_plugin@_here_, _self_]``."""

@@ -1,0 +1,92 @@
+"""Post-training objectives on every engine (issue 44): two DPO steps and two GRPO steps (one round of rollouts
+trained on twice: the second step's ratio is to the policy that sampled) train every engine to the single
+process's weights within 1e-4 (plain SGD, fp32), and a GRPO run resumed inside a round of rollouts ends bit for
+bit as the uninterrupted run.
+
+GRPO's rollouts are injected by a user's objective plugged in by ``_target_`` (``testing.FixedRollouts``:
+completions made from each prompt's tokens and their place in the group, so every layout samples the same ones)
+and rewarded by their length (``testing.completion_length``, a user's reward by ``_target_``): sampling itself is
+``test_generation``'s. What is compared is everything after it: rewards, group advantages, the sampling policy's
+log-probs kept for the round's second step, the asymmetric clip, the k3 KL to a reference model sharded as the
+policy, token aggregation over micro-batches and ranks."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from conftest import train_py
+from shardyard.testing import TINY, run_many
+
+STEP = [*(o for o in TINY if not o.startswith(("data.seq_len", "train.micro_batch_size"))), "train.steps=2",
+        "train.eval_every_n_steps=0", "train.global_batch_size=8", "optim=sgd", "optim.momentum=0",
+        "optim.weight_decay=0", "sched=constant", "sched.warmup_steps=0", "train.max_grad_norm=0"]
+OBJECTIVES = {
+    "dpo": [*STEP, "objective=dpo", "objective.beta=0.5", "data=preference", "data.seq_len=80",
+            "data.max_examples=400", "optim.lr=2.0"],
+    "grpo": [*STEP, "objective=grpo", "objective._target_=shardyard.testing.FixedRollouts", "data=prompts",
+             "data.seq_len=48", "data.max_examples=400", "objective.num_generations=4", "objective.max_new_tokens=6",
+             "objective.num_iterations=2", "objective.beta=0.1", "objective.epsilon=0.1", "objective.epsilon_high=0.3",
+             "objective.rewards=[{_target_: shardyard.testing.completion_length}]", "optim.lr=0.5"]}
+LAYOUTS = {  # engine -> (world, micro batch); the global batch is 8 (DPO pairs, GRPO prompts)
+    "single": (1, 2), "ddp": (2, 2), "fsdp": (2, 4), "fsdp_tp": (2, 4), "zero1": (2, 4), "zero2": (2, 2),
+    "zero3": (2, 4)}
+
+
+def options(engine: str) -> list[str]:
+    return [f"backend={engine}", f"train.micro_batch_size={LAYOUTS[engine][1]}"] + (
+        ["backend.tp=2"] if engine == "fsdp_tp" else [])
+
+
+@pytest.fixture(scope="module", params=list(OBJECTIVES))
+def trained(request, tmp_path_factory):
+    """Per objective: the single process at the whole batch, then every engine's layout, then Horovod (started by
+    its own runner); their final weights and logged losses."""
+    base = OBJECTIVES[request.param]
+    d = tmp_path_factory.mktemp(request.param)
+    out = {"ref": run_many(1, [([*base, "backend=single", "train.micro_batch_size=8"], str(d / "ref"))])[0][0]}
+    for world in (1, 2):
+        names = [e for e, (w, _) in LAYOUTS.items() if w == world]
+        out.update((n, got[0]) for n, got in zip(names, run_many(world, [([*base, *options(n)], str(d / n))
+                                                                         for n in names])))
+    hv = train_py(*base, "backend=horovod", "launch.nproc_per_node=2", "train.micro_batch_size=4",
+                  "checkpoint.save_final=true", run_dir=d / "horovod")
+    assert hv.returncode == 0, hv.stderr[-3000:]
+    from safetensors.torch import load_file
+
+    out["horovod"] = {"full": load_file(str(d / "horovod/hf/model.safetensors")),
+                      "summary": json.load(open(d / "horovod/summary.json"))}
+    return request.param, out
+
+
+def test_every_engine_trains_to_the_single_process_weights(trained):
+    objective, out = trained
+    ref = out["ref"]["full"]
+    losses = [v for _, v in out["ref"]["summary"]["train_losses"]]
+    if objective == "dpo":  # the policy starts as its reference: every pair's loss is log 2
+        assert losses[0] == pytest.approx(0.6931472, abs=1e-6)
+    assert abs(losses[1] - losses[0]) > 1e-3  # the first step moved the weights: no comparison of idle runs
+    for engine in [*LAYOUTS, "horovod"]:
+        full = out[engine]["full"]
+        worst = max((full[k].float() - ref[k].float()).abs().max().item() for k in full)
+        assert worst < 1e-4, (objective, engine, worst)
+        got = [v for _, v in out[engine]["summary"]["train_losses"]]
+        assert got == pytest.approx(losses, abs=1e-5), (objective, engine)
+
+
+def test_grpo_resumes_bit_for_bit_inside_a_round(tmp_path):
+    """4 steps, 2 per round of rollouts, on 2 DDP ranks; the run resumed from step 1 (inside round 0: its rollouts
+    come from the checkpoint, not sampled again) ends with the uninterrupted run's weights and losses, bit for bit."""
+    base = [*OBJECTIVES["grpo"], "backend=ddp", "train.micro_batch_size=2", "train.steps=4", "checkpoint.every_n_steps=1",
+            "checkpoint.keep_last=0"]
+    a, b = run_many(2, [(base, str(tmp_path / "a")),
+                        ([*base, f"checkpoint.resume={tmp_path}/a/checkpoints/step-00000001"], str(tmp_path / "b"))])
+    assert os.path.isfile(tmp_path / "a/checkpoints/step-00000001/rollouts/rank1/rollouts.safetensors")
+    assert not os.path.isdir(tmp_path / "a/checkpoints/step-00000002/rollouts")  # a round's end: nothing to keep
+    for k, v in a[0]["full"].items():
+        assert torch.equal(v, b[0]["full"][k]), k
+    assert b[0]["summary"]["train_losses"][1:] == a[0]["summary"]["train_losses"][1:]
+    assert len(b[0]["summary"]["step_wall_s"]) == 3  # really resumed
+    metrics = [json.loads(line) for line in open(tmp_path / "a/metrics.jsonl")]
+    assert any(m.get("train/clip_ratio/region", 0) > 0 for m in metrics)  # the second step of a round clips

@@ -1,0 +1,136 @@
+"""Preference data (issue 44, data=preference): one pair per row [n, 2, seq_len], the prompt and the response
+rendered as SFT renders them, labels on the response only; bad records exit 2 naming file:line."""
+
+import json
+
+import numpy as np
+import pytest
+
+from shardyard import sft, synthetic
+from shardyard.errors import UserError
+from shardyard.preference import PreferenceData
+
+EOS = "<|endoftext|>"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    t = Tokenizer(models.BPE())
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=[EOS], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    t.train_from_iterator(["### Question:\n### Answer:\nParis is the capital of France. Lyon. Hello there."] * 20, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=t, eos_token=EOS, pad_token=EOS)
+
+
+def write(path, records):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return str(path)
+
+
+def by_hand(tok, prompt_text: str, response_text: str, L: int):
+    """The reference: the prompt's and the response's tokens one after the other, targets the next token where
+    that token is the response's, right-padded with the pad id (targets -100, positions restarting at 0)."""
+    p = tok(prompt_text, add_special_tokens=False)["input_ids"]
+    r = tok(response_text, add_special_tokens=False)["input_ids"]
+    ids = p + r
+    targets = [ids[t + 1] if t + 1 >= len(p) and t + 1 < len(ids) else -100 for t in range(len(ids))]
+    pad = tok.pad_token_id
+    return (ids + [pad] * (L - len(ids)), targets + [-100] * (L - len(ids)),
+            list(range(len(ids))) + list(range(L - len(ids))))
+
+
+@pytest.mark.parametrize("template", ["plain", "chatml"])
+def test_pair_rows_equal_a_hand_built_encoding(tok, tmp_path, template):
+    path = write(tmp_path / "p.jsonl", [{"prompt": "Capital of France?", "chosen": "Paris.", "rejected": "Lyon, surely."}])
+    out = PreferenceData([path], chat_template=template).tokenize_rows(tok, 96, lambda name: False)
+    assert out["train"]["input_ids"].shape == (1, 2, 96) and out["val"]["input_ids"].shape == (0, 2, 96)
+    if template == "plain":
+        prompt, end = "### Question:\nCapital of France?\n\n### Answer:\n", f"{EOS}\n\n"
+    else:
+        prompt, end = "<|im_start|>user\nCapital of France?<|im_end|>\n<|im_start|>assistant\n", "<|im_end|>\n"
+    for side, reply in ((0, "Paris."), (1, "Lyon, surely.")):
+        ids, targets, pos = by_hand(tok, prompt, reply + end, 96)
+        assert out["train"]["input_ids"][0, side].tolist() == ids
+        assert out["train"]["targets"][0, side].tolist() == targets
+        assert out["train"]["position_ids"][0, side].tolist() == pos
+    k = len(tok(prompt, add_special_tokens=False)["input_ids"])
+    assert (out["train"]["input_ids"][0, 0, :k] == out["train"]["input_ids"][0, 1, :k]).all()  # one shared prompt
+    assert out["stats"]["pairs"] == 1 and out["stats"]["dropped"] == 0
+
+
+def test_only_the_response_is_labelled_and_trl_forms_read_alike(tok, tmp_path):
+    """A multi-turn prompt's own assistant turn carries no label; TRL's explicit- and implicit-prompt
+    conversational records give the same rows as prompt + response lists."""
+    turns = [{"role": "user", "content": "Hello there."}, {"role": "assistant", "content": "Hello."},
+             {"role": "user", "content": "Capital of France?"}]
+    good, bad = {"role": "assistant", "content": "Paris."}, {"role": "assistant", "content": "Lyon."}
+    forms = [{"prompt": turns, "chosen": [good], "rejected": [bad]},
+             {"prompt": turns, "chosen": turns + [good], "rejected": turns + [bad]},  # explicit prompt, repeated
+             {"chosen": turns + [good], "rejected": turns + [bad]}]  # implicit prompt
+    rows = [PreferenceData([write(tmp_path / f"{i}.jsonl", [f])], chat_template="plain").tokenize_rows(
+        tok, 64, lambda name: False)["train"] for i, f in enumerate(forms)]
+    for r in rows[1:]:
+        assert all((r[a] == rows[0][a]).all() for a in rows[0])
+    t = rows[0]["targets"][0, 0]
+    labelled = tok.decode([int(x) for x in t[t != -100]])
+    assert labelled == f"Paris.{EOS}\n\n"  # not the prompt's "Hello." turn
+    ids, labels = sft.encode(tok, turns + [good], sft.TEMPLATES["plain"])  # SFT labels both assistant turns
+    assert tok.decode([i for i, lab in zip(ids, labels) if lab != -100]).startswith("Hello.")
+
+
+BAD = [
+    ({"prompt": "q", "rejected": "r"}, "`chosen`"),
+    ({"prompt": "q", "chosen": "c"}, "`rejected`"),
+    ({"chosen": "c", "rejected": "r"}, "`prompt`"),
+    ({"prompt": "q", "chosen": 3, "rejected": "r"}, "`chosen` is a number"),
+    ({"prompt": ["q"], "chosen": "c", "rejected": "r"}, "`prompt`'s element 0"),
+    ({"prompt": "q", "chosen": [{"role": "bot", "content": "c"}], "rejected": "r"}, "role 'bot'"),
+    ({"prompt": "q", "chosen": "c", "rejected": [{"role": "user", "content": "r"}]}, "no assistant turn"),
+    ({"prompt": "q", "chosen": "c", "rejected": []}, "empty list"),
+    ('["not", "an object"]', "not a JSON object"),
+]
+
+
+@pytest.mark.parametrize("record,problem", BAD)
+def test_bad_records_exit_2_naming_file_and_line(tok, tmp_path, record, problem):
+    path = write(tmp_path / "p.jsonl", [{"prompt": "q", "chosen": "c", "rejected": "r"}, record])
+    with pytest.raises(UserError) as e:
+        PreferenceData([path]).tokenize_rows(tok, 48, lambda name: False)
+    assert e.value.key == "data.paths" and e.value.value == f"{path}:2", e.value.paragraph()
+    assert problem in e.value.problem, e.value.problem
+
+
+def test_truncation_policy_and_pairs_left_without_labels(tok, tmp_path):
+    path = write(tmp_path / "p.jsonl", [
+        {"prompt": "Hi", "chosen": "Paris " * 40, "rejected": "Lyon."},  # chosen too long: truncated, labels kept
+        {"prompt": "Hello there " * 40, "chosen": "Paris.", "rejected": "Lyon."},  # prompt alone fills the row
+        {"prompt": "Hi", "chosen": "Paris.", "rejected": "Lyon."}])
+    for policy, kept, dropped in (("truncate", 2, 1), ("drop", 1, 2)):
+        out = PreferenceData([path], truncation=policy).tokenize_rows(tok, 40, lambda name: False)
+        assert len(out["train"]["input_ids"]) == kept
+        assert (out["stats"]["pairs"], out["stats"]["truncated"], out["stats"]["dropped"]) == (3, 2, dropped)
+        assert all((out["train"]["targets"][:, s] != -100).any(axis=1).all() for s in (0, 1))
+
+
+def test_generated_pairs_prefer_the_right_answer(tok):
+    src = PreferenceData([], max_examples=50, digits=2, ops="+-*", seed=3)
+    pairs = list(src.pairs())
+    assert len(pairs) == 50 and len({n for n, *_ in pairs}) == 50
+    for name, prompt, chosen, rejected in pairs:
+        a, op, b = prompt[0]["content"].removeprefix("What is ").split("?")[0].split()
+        right = {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op]
+        assert chosen[0]["content"] == f"{a} {op} {b} = {right}. Answer: {right}"
+        wrong = int(rejected[0]["content"].rsplit("Answer: ", 1)[1])
+        assert wrong != right and rejected[0]["content"] == f"{a} {op} {b} = {wrong}. Answer: {wrong}"
+        assert not synthetic.held_out(synthetic.Problem(int(a), op, int(b)))
+    assert [p[0] for p in PreferenceData([], max_examples=50, digits=2, ops="+-*", seed=3).pairs()] == [
+        p[0] for p in pairs]  # deterministic from the seed
+    rows = src.tokenize_rows(tok, 96, lambda name: False)["train"]
+    assert rows["input_ids"].shape == (50, 2, 96) and not (rows["input_ids"][:, 0] == rows["input_ids"][:, 1]).all()
+    first = [(rows["targets"][:, s] != -100).argmax(axis=1) for s in (0, 1)]  # the response starts at one column
+    assert np.array_equal(first[0], first[1])
