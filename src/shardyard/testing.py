@@ -62,6 +62,7 @@ def _one_run(rank: int, world: int, overrides: list[str], run_dir: str) -> None:
         # Expert parallelism: the token rows each MoE layer's all-to-all sent each rank of its group (training).
         out["ep_rows_sent"] = {name: list(m.ep_rows_sent) for name, m in backend.hf_model().named_modules()
                                if hasattr(m, "ep_rows_sent")}
+        out["reference_built"] = "reference" in backend.__dict__  # a post-training objective's (reference_model)
 
     out["summary"] = worker.main(cfg, plan, after_train=grab)
     torch.save(out, os.path.join(run_dir, f"rank{rank}.pt"))

@@ -691,12 +691,46 @@ def _validate_objective(cfg: DictConfig, src: Any) -> None:
                         "splits the model into pipeline stages.",
                         "Use backend=fsdp or zero3 (sharded), ddp, zero1/zero2, fsdp_tp, horovod or single.")
     m = cfg.model
+    _validate_reference_weights(cfg)
     if m.get("loss_chunk", 0):
         raise UserError("model.loss_chunk", m.loss_chunk, f"objective={o.name} reads each token's log-probability; "
                         "the chunked loss head returns only the summed cross-entropy.", "Use model.loss_chunk=0.")
     if m.get("mtp") is not None and int(m.mtp.depth):
         raise UserError("model.mtp.depth", m.mtp.depth, f"objective={o.name} trains the main head only; multi-token "
                         "prediction depths are a pre-training objective.", "Use model.mtp.depth=0.")
+
+
+def _validate_reference_weights(cfg: DictConfig) -> None:
+    """``objective.reference_weights``: a directory of safetensors whose tensors are the policy's, by name and shape
+    (read from the files' headers, against the policy built on the meta device), so the reference loads on every
+    engine; else exit 2 naming the first tensor that differs."""
+    from shardyard.model import shape_model, signature
+
+    w = cfg.objective.get("reference_weights")
+    if not w or cfg.plan.hardware is not None:  # planning for other machines: their files are not here to check
+        return
+    d = os.path.expanduser(w)
+    key = "objective.reference_weights"
+    from shardyard.weights import _weight_files, has_weights
+
+    if not os.path.isdir(d) or not has_weights(d):
+        raise UserError(key, w, "No directory of *.safetensors weights is there.",
+                        "Point it at an HF checkpoint of the policy's architecture (e.g. an SFT run's hf/ export), "
+                        "or null for the policy's own starting weights.")
+    from safetensors import safe_open
+
+    have: dict[str, list[int]] = {}
+    for name, f in _weight_files(d).items():
+        with safe_open(f, framework="pt") as fh:
+            have[name] = list(fh.get_slice(name).get_shape())
+    want = signature(shape_model(cfg.model))
+    for name, shape in want.items():
+        if name not in have or have[name] != shape:
+            got = f"shape {have[name]}" if name in have else "no such tensor"
+            raise UserError(key, w, f"The reference does not match the policy ({cfg.model.name}): {name} is {shape} "
+                            f"in the policy and has {got} there.",
+                            "Use a checkpoint of the policy's architecture and size (the same model option and "
+                            "shape keys), or null for the policy's own starting weights.")
 
 
 SWEEP_METRICS = ("train/loss", "eval/loss", "eval/ppl", "lr", "grad_norm", "tokens_per_s", "samples_per_s",

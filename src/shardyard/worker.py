@@ -153,11 +153,14 @@ def train(cfg: DictConfig, plan: Plan, backend: Backend) -> dict:
     # (meta device, deepspeed.zero.Init); the model is seeded identically on every rank.
     step = {"now": 1}  # the step being trained, for the NaN drill
 
-    def build(allow_meta: bool) -> torch.nn.Module:
+    def build(allow_meta: bool, model_cfg: DictConfig | None = None) -> torch.nn.Module:
+        """``model_cfg``: another ``model`` section (a post-training reference's other weights:
+        ``backends.reference.options``)."""
+        m = cfg.model if model_cfg is None else model_cfg
         # QLoRA quantises the loaded weights as it builds: never on the meta device.
-        meta = allow_meta and wants_meta(cfg.model, plan.facts) and not adapters.method(cfg.peft).quantized_base
-        model = build_model(cfg.model, cfg.seed, on_meta=meta)
-        weights = weights_dir(cfg.model)
+        meta = allow_meta and wants_meta(m, plan.facts) and not adapters.method(cfg.peft).quantized_base
+        model = build_model(m, cfg.seed, on_meta=meta)
+        weights = weights_dir(m)
         if weights is not None and not any(p.is_meta for p in model.parameters()):
             load_weights(model, weights)  # a model on the meta device loads them as it is materialised
         model = adapters.apply(model, cfg.peft, cfg.seed, COMPUTE_DTYPES[cfg.precision.name])  # before the engine

@@ -90,3 +90,21 @@ def test_grpo_resumes_bit_for_bit_inside_a_round(tmp_path):
     assert len(b[0]["summary"]["step_wall_s"]) == 3  # really resumed
     metrics = [json.loads(line) for line in open(tmp_path / "a/metrics.jsonl")]
     assert any(m.get("train/clip_ratio/region", 0) > 0 for m in metrics)  # the second step of a round clips
+
+
+def test_dpo_precomputed_reference_is_cached_verified_and_equals_the_live_one(tmp_path):
+    """``objective.precompute_ref_logps`` on FSDP (a sharded reference, each replica its share of the pairs): the
+    first run builds the reference and caches every pair's log-probs, the second finds the cache and builds no
+    reference, a damaged cache is rebuilt (never read); all three train to the live reference's weights."""
+    base = [*OBJECTIVES["dpo"], "backend=fsdp", "train.micro_batch_size=4", f"data.cache_dir={tmp_path}/cache"]
+    pre = [*base, "objective.precompute_ref_logps=true"]
+    live, built, found = run_many(2, [(base, str(tmp_path / "live")), (pre, str(tmp_path / "built")),
+                                      (pre, str(tmp_path / "found"))])
+    [cache] = (tmp_path / "cache/ref_logps").glob("ref_logps-*[!k]")
+    arr = cache / "train.npy"
+    arr.write_bytes(arr.read_bytes()[:-4] + b"\x00\x00\xc0\x7f")  # the last pair's rejected log-prob: NaN
+    [damaged] = run_many(2, [(pre, str(tmp_path / "damaged"))])
+    assert [r["reference_built"] for r in (live[0], built[0], found[0], damaged[0])] == [True, True, False, True]
+    for run in (built, found, damaged):
+        for k, v in live[0]["full"].items():
+            assert (run[0]["full"][k] - v).abs().max() < 1e-5, k

@@ -593,7 +593,7 @@ class DeepSpeedBackend:
             # reference, so this one is kept while the build runs.
             live = HfDeepSpeedConfig(config) if "_hf_ds" in self.__dict__ else None
             try:
-                model = reference.freeze(build(allow_meta=False))
+                model = reference.build_frozen(build, self.cfg, allow_meta=False)
             finally:
                 if live is not None:
                     set_hf_deepspeed_config(self._hf_ds)

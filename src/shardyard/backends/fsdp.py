@@ -196,7 +196,8 @@ class FSDPBackend:
         to come, keeping the root gathered (as the policy does) would hold its whole embedding and head."""
         if "reference" not in self.__dict__:
             with reference.keep_rng(self.device):
-                model = parallelize_fsdp(reference.freeze(build(allow_meta=True)), reference.options(self.cfg),
+                model = parallelize_fsdp(reference.build_frozen(build, self.cfg, allow_meta=True),
+                                         reference.options(self.cfg),
                                          self.device, self.mesh)
             model.set_reshard_after_forward(True)  # type: ignore[operator]  # FSDPModule method, added at runtime
             reference.frozen_forward(reference.freeze(model))  # the MixedPrecisionPolicy casts, as the policy's

@@ -226,7 +226,8 @@ class FSDPTPBackend:
         parameters; every unit, the root too, reshards after its forward (``FSDPBackend.reference_model``)."""
         if "reference" not in self.__dict__:
             with reference.keep_rng(self.device):
-                model = parallelize_fsdp_tp(reference.freeze(build(allow_meta=True)), reference.options(self.cfg),
+                model = parallelize_fsdp_tp(reference.build_frozen(build, self.cfg, allow_meta=True),
+                                            reference.options(self.cfg),
                                             self.mesh, self.device)
             model.set_reshard_after_forward(True)  # type: ignore[operator]  # FSDPModule method, added at runtime
             reference.frozen_forward(reference.freeze(model))

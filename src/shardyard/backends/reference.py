@@ -27,7 +27,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 def options(cfg: DictConfig) -> DictConfig:
     """``cfg`` for building the reference with an engine's own function: activation checkpointing, compile and
-    the chunked loss head off (1); everything else, ``model.weights`` and the precision included, as the
+    the chunked loss head off (1); the objective's ``reference_weights`` as ``model.weights`` when it names
+    some (validation checked them against the policy's shapes); everything else, the precision included, as the
     policy's."""
     ref = copy.deepcopy(cfg)
     OmegaConf.set_readonly(ref, False)
@@ -35,7 +36,15 @@ def options(cfg: DictConfig) -> DictConfig:
         ref.model.activation_checkpointing = "none"
         ref.model.compile = False
         ref.model.loss_chunk = 0
+        weights = OmegaConf.select(cfg, "objective.reference_weights", default=None)
+        if weights:
+            ref.model.weights = weights
     return ref
+
+
+def build_frozen(build: Callable[..., torch.nn.Module], cfg: DictConfig, allow_meta: bool) -> torch.nn.Module:
+    """The engine's ``build`` of the reference (``options(cfg)``'s model section: its weights), frozen (2)."""
+    return freeze(build(allow_meta=allow_meta, model_cfg=options(cfg).model))
 
 
 def freeze(model: torch.nn.Module) -> torch.nn.Module:
@@ -77,7 +86,7 @@ def replica(build: Callable[..., torch.nn.Module], cfg: DictConfig, device: torc
     from shardyard.model import prepare_replica
 
     with keep_rng(device):
-        model = freeze(prepare_replica(freeze(build(allow_meta=True)), options(cfg), device))
+        model = freeze(prepare_replica(build_frozen(build, cfg, allow_meta=True), options(cfg), device))
     name = cfg.precision.name
     frozen_forward(model, None if name == "fp32" else lambda: torch.autocast(device.type, dtype=COMPUTE_DTYPES[name]))
     return model

@@ -715,6 +715,14 @@ class DPOObjectiveConfig(ObjectiveConfig):
     (SLiC), with TRL's formulas."""
     label_smoothing: float = 0.0
     """The share of preference labels assumed flipped (conservative DPO, sigmoid only), in [0, 0.5)."""
+    reference_weights: Optional[str] = None
+    """The reference model's weights (an HF directory of the policy's architecture, e.g. the SFT export when the
+    policy starts from another checkpoint); ``null``: the policy's own starting weights (``model.weights``). A
+    checkpoint whose tensors do not match the policy's names and shapes exits 2 naming the tensor."""
+    precompute_ref_logps: bool = False
+    """Compute the reference's log-probs of every pair once, before the first step, and cache them (keyed by the
+    token arrays, the reference's config and weights and the precision; verified like the token caches): later runs
+    read them and build no reference model."""
 
 
 class Aggregation(Choice):
@@ -747,6 +755,9 @@ class GRPOObjectiveConfig(ObjectiveConfig):
     beta: float = 0.0
     """Weight of the KL penalty to the reference (the starting policy; DeepSeekMath's k3 estimator); 0 (TRL's
     default) loads no reference model."""
+    reference_weights: Optional[str] = None
+    """The KL reference's weights (an HF directory of the policy's architecture); ``null``: the policy's own
+    starting weights (``model.weights``). Checked against the policy's tensor names and shapes at validation."""
     loss_aggregation: Aggregation = Aggregation.token
     """``token``: every completion token of the step weighs the same (DAPO); ``sequence``: every completion weighs
     the same, its tokens averaged first (the GRPO paper)."""

@@ -111,10 +111,21 @@ def build(cfg: DictConfig) -> Objective:
     assert isinstance(keys, dict)
     kwargs = {str(k): v for k, v in keys.items() if k != "_target_"}
     try:
+        params = signature(cls).parameters
+    except (TypeError, ValueError):  # no signature to read: the call itself judges
+        return cls(**kwargs)
+    named = [p for p in params if params[p].kind in (params[p].POSITIONAL_OR_KEYWORD, params[p].KEYWORD_ONLY)]
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        for k in kwargs:
+            if k not in named:
+                raise UserError(f"objective.{k}", kwargs[k], f"{o._target_} takes no such key (its keys: "
+                                f"{', '.join(named) or 'none'}).",
+                                "Remove it, or spell one of those (a user objective: add it to its constructor).")
+    try:
         signature(cls).bind(**kwargs)
-    except TypeError as e:
-        raise UserError("objective", o._target_, f"Its class does not take these keys: {e}.",
-                        "Give only the keys its constructor takes (a user objective: add them to it).") from None
+    except TypeError as e:  # a required argument no key gives
+        raise UserError("objective", o._target_, f"Its constructor cannot be called with the option's keys ({e}).",
+                        "Give every argument it needs (a user objective: in its option's YAML).") from None
     return cls(**kwargs)
 
 

@@ -11,12 +11,21 @@ starting weights, frozen: with LoRA/QLoRA the same model with its adapters disab
 ``Backend.reference_model``, sharded as the engine shards the policy (FSDP its own ``fully_shard``, ZeRO-3
 partitioned without an optimizer). Its forward runs under ``no_grad`` inside the engine's own autocast, so at step
 0 the two agree bit for bit and the loss is log 2.
+
+``objective.precompute_ref_logps=true``: the reference's log-probabilities of every pair are computed once, before
+the first step, and kept in a cache keyed like the token caches (the token arrays, the reference's weights and
+config, the precision) and verified like them (every file's size and sha256): later runs of the same data and
+reference read them and never build the reference model (``RefCache``).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 from typing import Any, Callable, Optional
 
+import numpy as np
 import torch
 
 from shardyard import moe
@@ -38,7 +47,8 @@ class DPO:
     loss_falls = True
     """The loop's warnings on a flat or oscillating train loss apply: the preference loss falls as the margins grow."""
 
-    def __init__(self, name: str = "dpo", beta: float = 0.1, loss_type: str = "sigmoid", label_smoothing: float = 0.0):
+    def __init__(self, name: str = "dpo", beta: float = 0.1, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
+                 reference_weights: Optional[str] = None, precompute_ref_logps: bool = False):
         if not beta > 0:
             raise UserError("objective.beta", beta, "DPO's beta scales the log-ratio of policy and reference; it "
                             "must be above 0 (IPO divides by it).", "Use e.g. objective.beta=0.1.")
@@ -48,7 +58,11 @@ class DPO:
             raise UserError("objective.label_smoothing", label_smoothing, "It is the assumed share of flipped "
                             "preference labels, in [0, 0.5).", "Use 0 (plain DPO) or e.g. 0.1.")
         self.name, self.beta, self.loss_type, self.label_smoothing = name, beta, loss_type, label_smoothing
+        self.precompute = precompute_ref_logps
+        self.reference_weights = reference_weights  # read by Backend.reference_model (backends.reference.options)
         self.reference: Optional[torch.nn.Module] = None
+        self.cached: dict[str, np.ndarray] = {}
+        """``precompute_ref_logps``: each split's reference log-probs (summed over the response), ``[pairs, 2]``."""
         self.sums: dict[str, torch.Tensor] = {}
 
     @staticmethod
@@ -64,21 +78,30 @@ class DPO:
     def setup(self, s: Setup) -> None:
         hf = s.backend.hf_model()
         self.adapters = is_peft(hf)
-        # LoRA/QLoRA: the reference is the policy with its adapters disabled; else a frozen copy placed as the policy.
-        self.reference = None if self.adapters else s.backend.reference_model(s.build)
         self.policy: Any = hf  # a PeftModel when adapters train (disable_adapter)
         dev = s.backend.device
         self.sums = {"train": torch.zeros(len(METRICS) + 1, device=dev), "eval": torch.zeros(len(METRICS) + 1, device=dev)}
         self._one = torch.ones(1, device=dev)
         install(hf, self)
+        if self.precompute:
+            self.cached = RefCache(self, s).splits()
+        elif not self.adapters:  # LoRA/QLoRA: the policy with its adapters disabled; else a frozen copy placed as the policy
+            self.reference = s.backend.reference_model(s.build)
+        else: s.backend.reference_model(s.build)  # PROOF
 
     def terms(self) -> int:
         return 1
 
     def micro_batches(self, step: int, accum: int, stream: Any, backend: Backend) -> list:
         dev = backend.device
-        return [(to_device(x, dev), y.to(dev, non_blocking=True))
-                for x, y in (stream.micro_batch(step, micro) for micro in range(accum))]
+        out = []
+        for micro in range(accum):
+            x, y = stream.micro_batch(step, micro)
+            if self.cached:  # the pairs' precomputed reference log-probs, by their row in the split
+                rows = stream.samples.sample_ids(stream.indices(step, micro))
+                x = {**x, "ref_logps": torch.from_numpy(self.cached["train"][rows])}
+            out.append((to_device(x, dev), y.to(dev, non_blocking=True)))
+        return out
 
     def counts(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
         return torch.tensor([targets.shape[0]], dtype=torch.int64, device=targets.device)  # preference pairs
@@ -86,24 +109,33 @@ class DPO:
     def factors(self, step: int) -> torch.Tensor:
         return self._one
 
-    def _logps(self, model: Any, inputs: dict, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each sequence's log-probability over its response tokens (IPO: their mean): chosen, rejected."""
+    def _logps(self, model: Any, inputs: dict, targets: torch.Tensor, mean: bool = True
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each sequence's log-probability over its response tokens (IPO: their mean, unless ``mean`` is off):
+        chosen, rejected."""
         from shardyard.model import _call, logits
 
-        per_token = token_logps(logits(_call(model, inputs)), targets)
+        per_token = token_logps(logits(_call(model, {k: v for k, v in inputs.items() if k != "ref_logps"})), targets)
         lp = per_token.sum(-1)
-        if self.loss_type == "ipo":
+        if self.loss_type == "ipo" and mean:
             lp = lp / (targets != -100).sum(-1).clamp(min=1)
         half = lp.shape[0] // 2
         return lp[:half], lp[half:]
 
-    def _reference_logps(self, model: Any, inputs: dict, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _reference_logps(self, model: Any, inputs: dict, targets: torch.Tensor, mean: bool = True
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        if "ref_logps" in inputs:  # precomputed (summed over the response; IPO: their mean)
+            lp = inputs["ref_logps"].float()
+            if self.loss_type == "ipo":
+                lp = lp / (targets != -100).sum(-1).clamp(min=1)
+            half = lp.shape[0] // 2
+            return lp[:half], lp[half:]
         with torch.no_grad():
             if self.reference is not None:
-                return self._logps(self.reference, inputs, targets)
+                return self._logps(self.reference, inputs, targets, mean)
             # The policy with its adapters off; MoE routers neither count these tokens nor add a balance loss.
             with self.policy.disable_adapter(), moe.paused(model):
-                return self._logps(model, inputs, targets)
+                return self._logps(model, inputs, targets, mean)
 
     def _loss(self, model: Any, inputs: Any, targets: torch.Tensor, mode: str) -> torch.Tensor:
         flat, y = pairs(inputs, targets)
@@ -141,7 +173,11 @@ class DPO:
         model.eval()
         total = torch.zeros(2, device=backend.device)
         for rows in val.values():
-            for x, y in eval_batches(rows, batches, micro_batch, backend.dp_rank, backend.dp_size):
+            for b, (x, y) in enumerate(eval_batches(rows, batches, micro_batch, backend.dp_rank, backend.dp_size)):
+                if self.cached:  # the rows eval_batches read: the first batches x micro x world, by rank
+                    first = (b * backend.dp_size + backend.dp_rank) * micro_batch
+                    x = {**x, "ref_logps": torch.from_numpy(self.cached["val"][[(first + i) % len(rows)
+                                                                                for i in range(micro_batch)]])}
                 n = y.shape[0]
                 total += torch.stack([backend.eval_loss(to_device(x, backend.device), y.to(backend.device)).float() * n,
                                       torch.tensor(float(n), device=backend.device)])
@@ -155,3 +191,98 @@ class DPO:
     def load(self, path: str, rank: int, same_world: bool) -> None:
         pass
 
+
+
+class RefCache:
+    """``objective.precompute_ref_logps``: the reference's log-probability of every pair's chosen and rejected
+    response (summed over its tokens), for the train and val splits, computed once and cached.
+
+    1. Keyed like the token caches (``token_cache.cache_key``): the token arrays' directory (itself keyed by the
+       data, its settings and the tokenizer), the model config, the reference's weights (``model.weights``: every
+       file's name, size and mtime; a fresh init: the seed) and the precision. Published with a manifest and
+       verified like them (``data.verify``): a damaged cache is rebuilt, saying so, never used.
+    2. Built by every data-parallel replica on its share of the rows, the same number of micro-batches on every
+       rank (a sharded reference runs collectives in its forward), then summed over the replicas (one all-reduce
+       of ``[pairs, 2]`` values per split) and written by rank 0; the others wait at a barrier.
+    3. A run that finds it never builds the reference model: its memory is the policy's alone."""
+
+    def __init__(self, dpo: DPO, s: Setup):
+        from shardyard.token_cache import cache_key, verify_mode
+
+        self.dpo, self.s, self.b = dpo, s, s.backend
+        if len(s.val_rows) != 1 or not hasattr(s.train_rows, "prefix"):
+            raise UserError("objective.precompute_ref_logps", True, "It keeps the reference log-probs of one "
+                            "preference source's rows, by row.", "Use one data=preference source, or "
+                            "objective.precompute_ref_logps=false.").on_every_rank()
+        self.rows = {"train": s.train_rows, "val": next(iter(s.val_rows.values()))}
+        tokens = os.path.basename(os.path.dirname(s.train_rows.prefix))
+        self.out = os.path.join(s.cfg.data.cache_dir, "ref_logps", cache_key("ref_logps", 0.0, tokens, self._reference()))
+        self.verify = verify_mode(s.cfg.data)
+
+    def _reference(self) -> str:
+        from omegaconf import OmegaConf
+
+        from shardyard.weights import weights_dir
+
+        cfg = self.s.cfg
+        weights = weights_dir(cfg.model)
+        files = ([(f, os.path.getsize(os.path.join(weights, f)), os.stat(os.path.join(weights, f)).st_mtime_ns)
+                  for f in sorted(os.listdir(weights))] if weights else f"init seed {cfg.seed}")
+        what = {"model": OmegaConf.to_container(cfg.model, resolve=True), "weights": files,
+                "precision": cfg.precision.name}
+        return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
+
+    def splits(self) -> dict[str, np.ndarray]:
+        from shardyard.token_cache import cache_problem
+
+        found = torch.tensor([float(cache_problem(self.out, self.verify) is None)], device=self.b.device)
+        if self.b.all_reduce_mean(found).item() < 1:  # every rank builds it together (a sharded reference)
+            self._build()
+        elif self.b.rank == 0:
+            print(f"shardyard | DPO: the reference log-probs of every pair from {self.out}: no reference model built",
+                  flush=True)
+        return {split: np.load(os.path.join(self.out, f"{split}.npy")) for split in self.rows}
+
+    def _build(self) -> None:
+        import math
+        import tempfile
+
+        from shardyard.objectives import pairs
+        from shardyard.token_cache import _locked, publish
+
+        b, dpo = self.b, self.dpo
+        reference = None if dpo.adapters else b.reference_model(self.s.build)
+        model = b.hf_model()
+        mb = int(self.s.cfg.train.micro_batch_size)
+        was = model.training
+        model.eval()
+        computed = {}
+        for split, rows in self.rows.items():
+            n = len(rows)
+            share = math.ceil(n / b.dp_size)
+            values = torch.zeros(n, 2, device=b.device)
+            for k in range(math.ceil(share / mb)):  # 2
+                want = [b.dp_rank * share + k * mb + i for i in range(mb)]
+                mine = [i for i in want if i < min(n, (b.dp_rank + 1) * share)]
+                x, y = rows.get([*mine, *[0] * (mb - len(mine))])  # padded: every rank runs as many forwards
+                flat, fy = pairs(to_device(x, b.device), y.to(b.device))
+                with torch.no_grad():
+                    if reference is not None:
+                        c, r = dpo._logps(reference, flat, fy, mean=False)
+                    else:
+                        with dpo.policy.disable_adapter(), moe.paused(model):
+                            c, r = dpo._logps(model, flat, fy, mean=False)
+                if mine:
+                    values[mine] = torch.stack([c, r], 1)[:len(mine)].float()
+            computed[split] = (b.all_reduce_mean(values.double()) * b.dp_size).float().cpu().numpy()
+        model.train(was)
+        if b.rank == 0:
+            with _locked(self.out + ".lock"):
+                os.makedirs(os.path.dirname(self.out), exist_ok=True)
+                tmp = tempfile.mkdtemp(dir=os.path.dirname(self.out), prefix=".tmp-ref-")
+                for split, arr in computed.items():
+                    np.save(os.path.join(tmp, f"{split}.npy"), arr)
+                publish(tmp, self.out, self.verify)
+            print(f"shardyard | DPO: the reference log-probs of {sum(map(len, computed.values())):,} pairs cached "
+                  f"in {self.out}", flush=True)
+        b.barrier()

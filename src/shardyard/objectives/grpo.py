@@ -56,7 +56,7 @@ class GRPO:
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, epsilon: float = 0.2,
                  epsilon_high: Optional[float] = None, beta: float = 0.0, loss_aggregation: str = "token",
                  num_iterations: int = 1, scale_rewards: str = "group", rewards: Any = (),
-                 eval_max_new_tokens: Optional[int] = None):
+                 eval_max_new_tokens: Optional[int] = None, reference_weights: Optional[str] = None):
         def refuse(key: str, value: Any, problem: str, fix: str) -> None:
             raise UserError(f"objective.{key}", value, problem, fix)
 
@@ -144,7 +144,7 @@ class GRPO:
             missing = [f for f in need if f not in fields]
             if missing:
                 raise UserError("data.paths", where, f"The prompt has no field {missing[0]!r}, which the reward "
-                                f"{need[missing[0]]} needs.", f"Give every row a {missing[0]!r} field, or choose "
+                                f"{need[missing[0]]} needs.", f"Give every row the field {missing[0]!r}, or choose "
                                 "other objective.rewards.").on_every_rank()
 
     def terms(self) -> int:
