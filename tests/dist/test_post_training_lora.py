@@ -86,9 +86,10 @@ def test_the_reference_is_the_policy_with_its_adapters_off(runs, name):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_dpo_lora_equals_the_single_process(runs, name):
     ref, got = runs["single"][0][0], runs[name][0][0]
+    losses = [v for _, v in ref["summary"]["train_losses"]]
+    assert abs(losses[1] - losses[0]) > 1e-3  # the first step moved the adapters: no comparison of idle runs
     assert got["full"].keys() == ref["full"].keys()
     worst = max((got["full"][k].float() - ref["full"][k].float()).abs().max().item() for k in ref["full"])
     assert worst < 1e-4, (name, worst)
     for r in runs[name][0]:  # every rank logs the all-reduced step loss
-        assert [v for _, v in r["summary"]["train_losses"]] == pytest.approx(
-            [v for _, v in ref["summary"]["train_losses"]], abs=1e-5)
+        assert [v for _, v in r["summary"]["train_losses"]] == pytest.approx(losses, abs=1e-5)

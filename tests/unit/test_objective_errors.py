@@ -9,6 +9,7 @@ import json
 import textwrap
 
 import pytest
+import torch
 
 from conftest import TINY, train_py
 from shardyard.errors import UserError
@@ -125,3 +126,20 @@ def test_an_objective_target_that_does_not_import_exits_2(tmp_path):
     proc = train_py(*TINY_RUN, *DPO, "objective._target_=no_such_package.MyObjective", run_dir=tmp_path / "run")
     flat = exits_2_naming(proc, "objective._target_", "no_such_package.MyObjective")
     assert "No module named 'no_such_package'" in flat, flat
+
+
+def test_a_reference_checkpoint_of_another_shape_is_refused_naming_the_tensor(tmp_path):
+    """``objective.reference_weights``: a checkpoint whose tensors are not the policy's (here a model with a wider
+    hidden size) exits 2 naming the key and the first tensor that differs; the policy's own shape passes."""
+    from safetensors.torch import save_file
+
+    from shardyard.model import shape_model, signature
+
+    for name, hidden in (("same", 64), ("wider", 96)):
+        cfg = compose([*TINY, *DPO, f"model.hidden_size={hidden}"])
+        (tmp_path / name).mkdir()
+        save_file({k: torch.zeros(shape) for k, shape in signature(shape_model(cfg.model)).items()},
+                  str(tmp_path / name / "model.safetensors"))
+    validate(compose([*TINY, *DPO, f"objective.reference_weights={tmp_path}/same"]), None)
+    e = refused([*TINY, *DPO, f"objective.reference_weights={tmp_path}/wider"])
+    assert e.key == "objective.reference_weights" and "model.embed_tokens.weight" in e.paragraph(), e.paragraph()

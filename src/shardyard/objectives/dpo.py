@@ -87,7 +87,6 @@ class DPO:
             self.cached = RefCache(self, s).splits()
         elif not self.adapters:  # LoRA/QLoRA: the policy with its adapters disabled; else a frozen copy placed as the policy
             self.reference = s.backend.reference_model(s.build)
-        else: s.backend.reference_model(s.build)  # PROOF
 
     def terms(self) -> int:
         return 1
