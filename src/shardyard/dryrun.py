@@ -140,21 +140,29 @@ def simulate(cfg: DictConfig, batch: Plan, role: Role, replica: bool = False) ->
     try:
         backend.init()
 
-        def build(allow_meta: bool) -> torch.nn.Module:  # on the meta device: the engine materialises it
-            model = build_model(cfg.model, cfg.seed, on_meta=True)
+        def build(allow_meta: bool, model_cfg: Any = None) -> torch.nn.Module:  # on the meta device: the engine
+            m = cfg.model if model_cfg is None else model_cfg  # materialises it (model_cfg: a reference's section)
+            model = build_model(m, cfg.seed, on_meta=True)
             return adapters.apply(model, cfg.peft, cfg.seed, COMPUTE_DTYPES[cfg.precision.name])
 
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         # The wrapping runs as in the run, on the meta tensors (FSDP2's sharding reads values fake tensors do not
         # have), and storage comes from the fake mode.
+        from shardyard.objectives import held
+
         with materialized_in(mode):
             backend.prepare(build, cfg.train.steps)
+            if held(cfg.objective)[0] and batch.facts.trainable is None:  # DPO, GRPO with a KL term: the frozen
+                backend.reference_model(build)  # reference, held as the engine holds the policy (the plan's `reference`)
         gpu = memory_plan.hardware(batch_cfg, batch).device == "cuda"  # the hardware simulated, not this machine
         with mode, assume_uniform_routing(), (gpu_attention() if gpu else contextlib.nullcontext()):
             # An engine whose schedule talks to its peers to run (the pipeline's shape handshake) plays its part
             # of a step alone here.
             run_micro = getattr(backend, "simulated_forward_backward", backend.forward_backward)
-            ids = torch.randint(0, int(batch.facts.embedding_rows or 2), (batch.micro_batch_size, batch.seq_len))
+            # A micro-batch as the objective runs it (DPO: a chosen and a rejected row per pair; GRPO: G prompt +
+            # completion rows per prompt), through the plain loss: the activations of one forward and backward.
+            rows = batch.micro_batch_size * batch.sequences_per_sample
+            ids = torch.randint(0, int(batch.facts.embedding_rows or 2), (rows, batch.sequence_len or batch.seq_len))
             weight = torch.ones(())
             accum = min(batch.grad_accum_steps, 2)  # what accumulation holds shows from the second micro-batch on
             # The measured step is a second one, as every step after the first runs: the engine set up (FSDP2 on
@@ -365,7 +373,7 @@ def planned(e: Any, hw: Any) -> dict[str, float]:
     worker's own runtime is not a tensor, so it is left out of the peak."""
     d = {k: e.device.get(k, 0.0) + e.host.get(k, 0.0) for k in {*e.device, *e.host}}  # offload: fake tensors
     # live in one pool, so what the plan puts in host RAM is counted with the device's
-    return {"params": d.get("params", 0.0), "grads": d.get("grads", 0.0),
+    return {"params": d.get("params", 0.0) + d.get("reference", 0.0), "grads": d.get("grads", 0.0),
             "optimizer": d.get("optimizer", 0.0) + d.get("master", 0.0), "buffers": d.get("buffers", 0.0),
             "activations": d.get("activations", 0.0),
             "peak": e.device_peak + e.host_peak - d.get("runtime", 0.0)}

@@ -55,13 +55,33 @@ class Problem:
     def question(self) -> str:
         return f"What is {self.a} {self.op} {self.b}? {INSTRUCTION}"
 
-    def solution(self, value: int | None = None) -> str:
-        """The assistant's reply in the stated format (``value``: another, e.g. wrong, answer)."""
+    def solution(self, value: int | None = None, worked: bool = False) -> str:
+        """The assistant's reply in the stated format (``value``: another, e.g. wrong, answer). ``worked``: an
+        addition written out column by column first, ones first, each with its carry (``worked_sum``): the
+        reasoning-then-answer form of R1, which a small model learns far sooner than the bare sum."""
         v = self.answer if value is None else value
+        if worked and self.op == "+" and value is None:
+            return f"{worked_sum(self.a, self.b)} Answer: {v}"
         return f"{self.a} {self.op} {self.b} = {v}. Answer: {v}"
 
-    def messages(self) -> list[dict]:
-        return [{"role": "user", "content": self.question()}, {"role": "assistant", "content": self.solution()}]
+    def messages(self, worked: bool = False) -> list[dict]:
+        return [{"role": "user", "content": self.question()},
+                {"role": "assistant", "content": self.solution(worked=worked)}]
+
+
+def worked_sum(a: int, b: int) -> str:
+    """``a + b`` column by column: ``47 + 85: 7 + 5 = 12, write 2 carry 1; 4 + 8 + 1 = 13, write 3 carry 1; write 1.``"""
+    da, db = str(a)[::-1], str(b)[::-1]
+    steps, carry = [], 0
+    for i in range(max(len(da), len(db))):
+        x, y = int(da[i]) if i < len(da) else 0, int(db[i]) if i < len(db) else 0
+        s = x + y + carry
+        terms = f"{x} + {y}" + (f" + {carry}" if carry else "")
+        carry = s // 10
+        steps.append(f"{terms} = {s}, write {s % 10}" + (f" carry {carry}" if carry else ""))
+    if carry:
+        steps.append(f"write {carry}")
+    return f"{a} + {b}: " + "; ".join(steps) + "."
 
 
 def held_out(p: Problem) -> bool:
@@ -125,17 +145,19 @@ class ArithmeticData(SFTData):
     the part of the space that is not held out), tokenized, labelled and packed exactly as ``data=sft``."""
 
     def __init__(self, max_examples: int = 3000, digits: int = 2, ops: str = "+-", seed: int = 0,
-                 chat_template: str | None = None, packing: bool = True, truncation: str = "truncate"):
+                 chat_template: str | None = None, packing: bool = True, truncation: str = "truncate",
+                 worked: bool = False):
         check(digits, ops, max_examples)
         super().__init__([], chat_template=chat_template, packing=packing, truncation=truncation,
                          max_examples=max_examples)
-        self.digits, self.ops, self.seed = digits, ops, seed
+        self.digits, self.ops, self.seed, self.worked = digits, ops, seed, worked
 
     def conversations(self) -> Iterator[tuple[str, list[dict]]]:
         for p in problems(self.max_examples, self.digits, self.ops, self.seed, held=False):
-            yield f"arithmetic:{p.key}", p.messages()
+            yield f"arithmetic:{p.key}", p.messages(self.worked)
 
     def fingerprint(self) -> str:
+        worked = "|worked" if self.worked else ""  # absent: the key of caches made before the option
         settings = (f"arithmetic-v1|{self.digits}|{self.ops}|{self.seed}|{self.max_examples}|{self.chat_template}|"
-                    f"{self.packing}|{self.truncation}|{HELD_OUT_PERCENT}")
+                    f"{self.packing}|{self.truncation}|{HELD_OUT_PERCENT}{worked}")
         return hashlib.sha256(settings.encode()).hexdigest()[:16]

@@ -90,6 +90,10 @@ def test_recipe_trains_scaled_down(recipe, tmp_path):
         summary = json.loads(path.read_text())
         (first_step, first), (last_step, last) = summary["eval_losses"][0], summary["eval_losses"][-1]
         assert (first_step, last_step) == (0, 3)
-        assert math.isfinite(first) and math.isfinite(last) and last < first, (path, summary["eval_losses"])
+        assert math.isfinite(first) and math.isfinite(last), (path, summary["eval_losses"])
+        if "eval/reward" in summary["final_eval"]:  # GRPO: a random init (smoke drops model.weights) earns no reward
+            assert all(math.isfinite(v) for _, v in summary["train_losses"]) and summary["steps"] == 3, summary
+        else:
+            assert last < first, (path, summary["eval_losses"])
         config = (path.parent / "config.yaml").read_text()
         assert f"name: {recipe.engine}\n" in config  # the recipe's own engine, not a stand-in

@@ -607,6 +607,10 @@ class ArithmeticDataConfig(DataConfig):
     """As ``data=sft``'s: several conversations per ``seq_len`` row, never seeing each other."""
     truncation: Truncation = Truncation.truncate
     """As ``data=sft``'s: ``truncate`` or ``drop`` a conversation longer than ``seq_len``."""
+    worked: bool = False
+    """Additions written out column by column before the answer ("47 + 85: 7 + 5 = 12, write 2 carry 1; 4 + 8 + 1
+    = 13, write 3 carry 1; write 1. Answer: 132"): the reasoning-then-answer form a small model learns far sooner
+    than the bare sum (the R1-Zero-style recipe's SFT stage)."""
 
 
 @dataclass
