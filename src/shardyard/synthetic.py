@@ -113,7 +113,13 @@ def problems(n: int, digits: int, ops: str, seed: int, held: bool, stream: int =
         return [part[i] for i in rng.permutation(len(part))[:n]]
     out: list[Problem] = []
     seen: set[str] = set()
-    while len(out) < n:  # the space is large (>= 400k), each part >= 10% of it: this ends quickly
+    draws = 0
+    while len(out) < n:  # the space is large (>= 400k), each part >= 10% of it: this ends quickly unless n nears it
+        draws += 1
+        if draws > 50 * n + 10_000:  # the part holds fewer distinct problems than asked: never spin
+            raise UserError("data.max_examples", n, f"The {'held-out' if held else 'training'} part of the problem "
+                            f"space ({digits}-digit operands, ops {ops!r}) has too few distinct problems for it.",
+                            "Use a smaller data.max_examples, or more data.digits or data.ops.")
         a, b = (int(x) for x in rng.integers(0, top, size=2))
         o = ops[int(rng.integers(0, len(ops)))]
         p = Problem(max(a, b), o, min(a, b)) if o == "-" else Problem(a, o, b)

@@ -63,6 +63,8 @@ def _one_run(rank: int, world: int, overrides: list[str], run_dir: str) -> None:
         out["ep_rows_sent"] = {name: list(m.ep_rows_sent) for name, m in backend.hf_model().named_modules()
                                if hasattr(m, "ep_rows_sent")}
         out["reference_built"] = "reference" in backend.__dict__  # a post-training objective's (reference_model)
+        objective = backend.hf_model().__dict__.get("shardyard_objective")
+        out["ref_cache_built"] = getattr(objective, "cache_built", None)  # DPO's precompute_ref_logps built its cache
 
     out["summary"] = worker.main(cfg, plan, after_train=grab)
     torch.save(out, os.path.join(run_dir, f"rank{rank}.pt"))

@@ -705,12 +705,20 @@ def _validate_reference_weights(cfg: DictConfig) -> None:
     (read from the files' headers, against the policy built on the meta device), so the reference loads on every
     engine; else exit 2 naming the first tensor that differs."""
     from shardyard.model import shape_model, signature
+    from shardyard.objectives import held
 
     w = cfg.objective.get("reference_weights")
+    key = "objective.reference_weights"
+    if w and cfg.peft.name != "none":
+        raise UserError(key, w, f"With peft={cfg.peft.name} the reference is the policy with its adapters disabled "
+                        "(no second model), so other reference weights would not be used.",
+                        "Drop objective.reference_weights, or train without adapters (peft=none).")
+    if w and not held(cfg.objective)[0] and not cfg.objective.get("precompute_ref_logps"):
+        raise UserError(key, w, "This objective holds no reference model (GRPO with objective.beta=0: no KL term).",
+                        "Drop objective.reference_weights, or set objective.beta above 0.")
     if not w or cfg.plan.hardware is not None:  # planning for other machines: their files are not here to check
         return
     d = os.path.expanduser(w)
-    key = "objective.reference_weights"
     from shardyard.weights import _weight_files, has_weights
 
     if not os.path.isdir(d) or not has_weights(d):

@@ -209,7 +209,7 @@ def train(cfg: DictConfig, plan: Plan, backend: Backend) -> dict:
         result = loop.train(cfg, plan, backend, stream, val, mon, start_step=start, after_step=after_step,
                             after_eval=trial.should_stop if trial else None, history=ckpt.history,
                             balancer=balancer, objective=objective)
-        summary = _finish(cfg, plan, backend, prepared, result, ckpt)
+        summary = _finish(cfg, plan, backend, prepared, result, ckpt, objective)
     except BaseException as e:  # mark wandb/mlflow runs failed, flush the event files, then re-raise
         mon.fail(e.paragraph() if isinstance(e, UserError) else f"{type(e).__name__}: {e}")
         try:
@@ -224,7 +224,7 @@ def train(cfg: DictConfig, plan: Plan, backend: Backend) -> dict:
 
 
 def _finish(cfg: DictConfig, plan: Plan, backend: Backend, prepared: data.Prepared, result: loop.LoopResult,
-            ckpt: Checkpointer) -> dict:
+            ckpt: Checkpointer, objective: objectives.Objective) -> dict:
     """Export, sample and summary. A resumed run's curves start from its own history (metrics.jsonl), so it
     reports what an uninterrupted run would."""
     rank0 = backend.rank == 0
@@ -250,7 +250,8 @@ def _finish(cfg: DictConfig, plan: Plan, backend: Backend, prepared: data.Prepar
         "speed_options": result.speed_options,  # what model.loss_chunk/compile/checkpointing did (model.SpeedProbe)
         "final_eval": result.final_eval,  # the last evaluation's metrics (DPO's reward accuracy, GRPO's reward, ...)
     }
-    if "eval/ppl" in result.final_eval or not result.final_eval:  # objective=lm (a resumed run may evaluate nothing)
+    if "eval/ppl" in result.final_eval or (not result.final_eval and objective.data_kind == "text"):  # objective=lm
+        # (a resumed run may evaluate nothing: its history's eval losses are cross-entropies then)
         summary["final_eval_ppl"] = float(np.exp(min(eval_losses[-1][1], 50.0)))
     if cfg.train.sample_tokens > 0 and result.pruned_at is None:  # every rank: sharded engines all-gather inside the forward
         summary["sample"] = sample_text(backend.hf_model(), prepared.tokenizer_dir, cfg.train, seed=cfg.seed,

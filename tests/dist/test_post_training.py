@@ -94,8 +94,9 @@ def test_grpo_resumes_bit_for_bit_inside_a_round(tmp_path):
 
 def test_dpo_precomputed_reference_is_cached_verified_and_equals_the_live_one(tmp_path):
     """``objective.precompute_ref_logps`` on FSDP (a sharded reference, each replica its share of the pairs): the
-    first run builds the reference and caches every pair's log-probs, the second finds the cache and builds no
-    reference, a damaged cache is rebuilt (never read); all three train to the live reference's weights."""
+    first run builds the reference, caches every pair's log-probs and frees the reference before training; the
+    second finds the cache and builds no reference; a damaged cache is rebuilt (never read); all three train to the
+    live reference's weights."""
     base = [*OBJECTIVES["dpo"], "backend=fsdp", "train.micro_batch_size=4", f"data.cache_dir={tmp_path}/cache"]
     pre = [*base, "objective.precompute_ref_logps=true"]
     live, built, found = run_many(2, [(base, str(tmp_path / "live")), (pre, str(tmp_path / "built")),
@@ -104,7 +105,24 @@ def test_dpo_precomputed_reference_is_cached_verified_and_equals_the_live_one(tm
     arr = cache / "train.npy"
     arr.write_bytes(arr.read_bytes()[:-4] + b"\x00\x00\xc0\x7f")  # the last pair's rejected log-prob: NaN
     [damaged] = run_many(2, [(pre, str(tmp_path / "damaged"))])
-    assert [r["reference_built"] for r in (live[0], built[0], found[0], damaged[0])] == [True, True, False, True]
+    runs = (live[0], built[0], found[0], damaged[0])
+    assert [r["reference_built"] for r in runs] == [True, False, False, False]  # held while training: live only
+    assert [r["ref_cache_built"] for r in runs] == [False, True, False, True]
     for run in (built, found, damaged):
         for k, v in live[0]["full"].items():
             assert (run[0]["full"][k] - v).abs().max() < 1e-5, k
+
+
+def test_grpo_samples_with_the_sharded_policy_on_fsdp_and_zero3(tmp_path):
+    """Real rollouts (no injection) on the engines whose forward gathers parameters (FSDP2's units, ZeRO-3's
+    fetches): every rank runs the same number of forwards (lockstep), so two steps and a greedy evaluation of the
+    held-out prompts end, and the rewards and completion lengths they log are those of real completions."""
+    base = [*OBJECTIVES["grpo"], "objective._target_=shardyard.objectives.grpo.GRPO", "train.micro_batch_size=4",
+            "train.eval_every_n_steps=2", "train.eval_batches=1"]
+    engines = ("fsdp", "zero3")
+    for engine, (out, _) in zip(engines, run_many(2, [([*base, f"backend={e}"], str(tmp_path / e)) for e in engines])):
+        metrics = [json.loads(line) for line in open(tmp_path / engine / "metrics.jsonl")]
+        sampled = [m for m in metrics if "train/completion_len" in m]
+        assert sampled and all(0 < m["train/completion_len"] <= 6 for m in sampled), (engine, sampled)
+        assert all(m["train/reward"] > 0 for m in sampled), (engine, sampled)  # completion_length: > 0 chars
+        assert "eval/reward" in out["summary"]["final_eval"], engine

@@ -58,6 +58,11 @@ def refused(overrides: list[str]) -> UserError:
     ([*DPO, "objective._target_=no_such_package.MyObjective"], "objective._target_", "no_such_package.MyObjective",
      "cannot be imported"),
     ([*DPO, "+objective.gamma=1"], "objective.gamma", 1, "No schema or plug-in reads this key"),
+    ([*GRPO, "objective.eval_max_new_tokens=0"], "objective.eval_max_new_tokens", 0, "at least one token"),
+    ([*DPO, "peft=lora", "objective.reference_weights=/somewhere"], "objective.reference_weights", "/somewhere",
+     "adapters disabled"),
+    ([*GRPO, "objective.reference_weights=/somewhere"], "objective.reference_weights", "/somewhere",
+     "no reference model"),
 ])
 def test_bad_objective_values_name_their_key(overrides, key, value, says):
     e = refused(overrides)

@@ -90,3 +90,18 @@ def replica(build: Callable[..., torch.nn.Module], cfg: DictConfig, device: torc
     name = cfg.precision.name
     frozen_forward(model, None if name == "fp32" else lambda: torch.autocast(device.type, dtype=COMPUTE_DTYPES[name]))
     return model
+
+
+def release(backend: Any) -> None:
+    """Drop the engine's reference model (``Backend.reference_model`` keeps it in ``backend.reference``) once it is
+    no longer needed (DPO's precomputed log-probs): a DeepSpeed engine is destroyed (its hooks and buffers, ZeRO-3's
+    partitions released), any other reference simply freed."""
+    ref = backend.__dict__.pop("reference", None)
+    if ref is not None and hasattr(ref, "destroy"):
+        from shardyard.backends.deepspeed_patches import release_zero3
+
+        module = ref.module
+        stage = ref.zero_optimization_stage()
+        ref.destroy()
+        if stage == 3:
+            release_zero3(module)

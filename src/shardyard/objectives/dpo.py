@@ -31,6 +31,7 @@ import torch
 from shardyard import moe
 from shardyard.adapters import is_peft
 from shardyard.backends import Backend
+from shardyard.backends.reference import release as release_reference
 from shardyard.errors import UserError
 from shardyard.objectives import Setup, install, pairs, to_device
 from shardyard.objectives.losses import dpo_loss, token_logps
@@ -63,6 +64,8 @@ class DPO:
         self.reference: Optional[torch.nn.Module] = None
         self.cached: dict[str, np.ndarray] = {}
         """``precompute_ref_logps``: each split's reference log-probs (summed over the response), ``[pairs, 2]``."""
+        self.cache_built = False
+        """``precompute_ref_logps``: this run computed them (and built the reference for it, then freed it)."""
         self.sums: dict[str, torch.Tensor] = {}
 
     @staticmethod
@@ -72,8 +75,9 @@ class DPO:
 
     @staticmethod
     def held(o: Any) -> tuple[bool, float]:
-        """A reference model, no rollouts (``objectives.held``)."""
-        return True, 0.0
+        """A reference model (none while training when its log-probs are precomputed), no rollouts
+        (``objectives.held``)."""
+        return not bool(o.get("precompute_ref_logps")), 0.0
 
     def setup(self, s: Setup) -> None:
         hf = s.backend.hf_model()
@@ -224,11 +228,16 @@ class RefCache:
         from shardyard.weights import weights_dir
 
         cfg = self.s.cfg
-        weights = weights_dir(cfg.model)
-        files = ([(f, os.path.getsize(os.path.join(weights, f)), os.stat(os.path.join(weights, f)).st_mtime_ns)
-                  for f in sorted(os.listdir(weights))] if weights else f"init seed {cfg.seed}")
-        what = {"model": OmegaConf.to_container(cfg.model, resolve=True), "weights": files,
-                "precision": cfg.precision.name}
+
+        def files(d: Optional[str]) -> Any:
+            return [(f, os.path.getsize(os.path.join(d, f)), os.stat(os.path.join(d, f)).st_mtime_ns)
+                    for f in sorted(os.listdir(d))] if d else None
+
+        what = {"model": OmegaConf.to_container(cfg.model, resolve=True),
+                "weights": files(weights_dir(cfg.model)) or f"init seed {cfg.seed}",
+                "reference_weights": files(self.dpo.reference_weights), "precision": cfg.precision.name,
+                # with adapters the reference is the base they sit on (QLoRA: quantised)
+                "peft": OmegaConf.to_container(cfg.peft, resolve=True) if self.dpo.adapters else None}
         return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
 
     def splits(self) -> dict[str, np.ndarray]:
@@ -250,6 +259,7 @@ class RefCache:
         from shardyard.token_cache import _locked, publish
 
         b, dpo = self.b, self.dpo
+        dpo.cache_built = True
         reference = None if dpo.adapters else b.reference_model(self.s.build)
         model = b.hf_model()
         mb = int(self.s.cfg.train.micro_batch_size)
@@ -285,3 +295,4 @@ class RefCache:
             print(f"shardyard | DPO: the reference log-probs of {sum(map(len, computed.values())):,} pairs cached "
                   f"in {self.out}", flush=True)
         b.barrier()
+        release_reference(b)  # 3: the training holds the policy alone

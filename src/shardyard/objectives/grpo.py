@@ -50,7 +50,8 @@ class GRPO:
     data_kind = "prompts"
     """The rows it trains on (a data option's ``kind``), checked at validation."""
     loss_falls = False
-    """The loop's warnings on a flat or oscillating train loss apply: the surrogate's value is no measure of progress (the reward is)."""
+    """The loop's warnings on a flat or oscillating train loss do not apply: the surrogate's value is no measure of
+    progress (the reward is)."""
 
     def __init__(self, name: str = "grpo", num_generations: int = 8, max_new_tokens: int = 64,
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, epsilon: float = 0.2,
@@ -84,6 +85,9 @@ class GRPO:
                    "top_p is in (0, 1] and top_k at least 0 (0: no top-k filter).", "Use top_p=1.0 and top_k=0.")
         if max_new_tokens < 1:
             refuse("max_new_tokens", max_new_tokens, "A completion has at least one token.", "Use e.g. 64.")
+        if eval_max_new_tokens is not None and eval_max_new_tokens < 1:
+            refuse("eval_max_new_tokens", eval_max_new_tokens, "A completion has at least one token.",
+                   "Use null (max_new_tokens) or e.g. 64.")
         self.name, self.G, self.max_new_tokens = name, num_generations, max_new_tokens
         self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
         self.epsilon, self.epsilon_high, self.beta = epsilon, epsilon_high if epsilon_high is not None else epsilon, beta
@@ -98,7 +102,7 @@ class GRPO:
     @staticmethod
     def sequences(o: Any, seq_len: int) -> tuple[int, int]:
         """Per prompt: G rows of the prompt (``seq_len``, left-padded) and its completion (``objectives.sequences``)."""
-        return int(o.num_generations), seq_len + int(o.max_new_tokens)
+        return int(o.num_generations), seq_len + max(int(o.max_new_tokens), int(o.get("eval_max_new_tokens") or 0))
 
     @staticmethod
     def held(o: Any) -> tuple[bool, float]:
@@ -146,6 +150,11 @@ class GRPO:
                 raise UserError("data.paths", where, f"The prompt has no field {missing[0]!r}, which the reward "
                                 f"{need[missing[0]]} needs.", f"Give every row the field {missing[0]!r}, or choose "
                                 "other objective.rewards.").on_every_rank()
+            for fn in self.rewards:  # e.g. an answer that is not one number: every completion would score 0
+                problem = fn.check(fields)
+                if problem:
+                    raise UserError("data.paths", where, f"The reward {fn.name} cannot grade this prompt: {problem}.",
+                                    "Fix the row, or choose other objective.rewards.").on_every_rank()
 
     def terms(self) -> int:
         return 1
@@ -234,7 +243,7 @@ class GRPO:
             return group_advantages(total, self.G, self.scale)
         centred = group_advantages(total, self.G, "none")
         moments = torch.stack([total.sum(), (total ** 2).sum(), torch.tensor(float(len(total)), dtype=torch.float64)])
-        s, s2, n = (backend.all_reduce_mean(moments.to(backend.device)) * backend.world_size).tolist()
+        s, s2, n = (backend.all_reduce_mean(moments.to(backend.device)) * backend.dp_size).tolist()  # replicas
         std = max((s2 - s * s / n) / max(n - 1, 1), 0.0) ** 0.5  # unbiased, as torch.std
         return centred / (std + 1e-4)
 
@@ -346,11 +355,13 @@ class GRPO:
                    for k, v in {**x, "targets": y}.items()}
         save_file(tensors, os.path.join(d, "rollouts.safetensors"))
         with open(os.path.join(d, "round.json"), "w") as f:
-            json.dump({"round": self.round, "micro_batches": len(self.buffer)}, f)
+            json.dump({"round": self.round, "micro_batches": len(self.buffer), "dp_rank": self.backend.dp_rank,
+                       "dp_size": self.backend.dp_size}, f)
 
     def load(self, path: str, rank: int, same_world: bool) -> None:
-        """A checkpoint inside a round, resumed at the world size that saved it: that round's rollouts back. At
-        another world size the ranks' shares differ: the round is sampled again from the restored policy."""
+        """A checkpoint inside a round, resumed at the layout that saved it: that round's rollouts back. At another
+        world size or data-parallel layout the ranks' shares differ: the round is sampled again from the restored
+        policy."""
         d = os.path.join(path, STATE_DIR, f"rank{rank}")
         if not same_world or not os.path.isfile(os.path.join(d, "round.json")):
             return
@@ -358,6 +369,8 @@ class GRPO:
 
         with open(os.path.join(d, "round.json")) as f:
             meta = json.load(f)
+        if (meta.get("dp_rank"), meta.get("dp_size")) != (self.backend.dp_rank, self.backend.dp_size):
+            return  # another data-parallel layout (fsdp_tp's tp changed): this rank's share differs, sample it again
         tensors = load_file(os.path.join(d, "rollouts.safetensors"), device=str(self.backend.device))
         buffer: list = [({}, None) for _ in range(meta["micro_batches"])]
         for key, t in tensors.items():
