@@ -231,3 +231,18 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if not allowed:
         terminalreporter.line("Each needs what `make test` installs (as root). Install it, or set "
                               "SHARDYARD_ALLOW_SKIPS=1 to let this machine pass without it.")
+
+
+def byte_bpe(text: str, eos: str = "<|endoftext|>"):
+    """A small byte-level BPE tokenizer (vocab 300) trained on ``text``, ``eos`` its end-of-text and pad token: the
+    post-training data tests' tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    t = Tokenizer(models.BPE())
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=[eos], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    t.train_from_iterator([text] * 20, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=t, eos_token=eos, pad_token=eos)

@@ -6,6 +6,8 @@ import json
 import numpy as np
 import pytest
 
+from conftest import byte_bpe
+
 from shardyard import sft, synthetic
 from shardyard.errors import UserError
 from shardyard.preference import PreferenceData
@@ -15,16 +17,7 @@ EOS = "<|endoftext|>"
 
 @pytest.fixture(scope="module")
 def tok():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    t = Tokenizer(models.BPE())
-    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    t.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=[EOS], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    t.train_from_iterator(["### Question:\n### Answer:\nParis is the capital of France. Lyon. Hello there."] * 20, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=t, eos_token=EOS, pad_token=EOS)
+    return byte_bpe("### Question:\n### Answer:\nParis is the capital of France. Lyon. Hello there.", EOS)
 
 
 def write(path, records):

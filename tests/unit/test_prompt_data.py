@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+from conftest import byte_bpe
+
 from shardyard import data, sft, synthetic
 from shardyard.errors import UserError
 from shardyard.prompts import PromptData
@@ -16,16 +18,7 @@ EOS = "<|endoftext|>"
 
 @pytest.fixture(scope="module")
 def tok():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    t = Tokenizer(models.BPE())
-    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    t.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=[EOS], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    t.train_from_iterator(["### Question:\n### Answer:\nWhat is the capital of France? Be brief."] * 20, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=t, eos_token=EOS, pad_token=EOS)
+    return byte_bpe("### Question:\n### Answer:\nWhat is the capital of France? Be brief.", EOS)
 
 
 def test_prompts_are_left_padded_with_their_fields(tok, tmp_path):

@@ -8,6 +8,8 @@ import datasets
 import numpy as np
 import pytest
 
+from conftest import byte_bpe
+
 from shardyard import data, sft
 from shardyard.errors import UserError
 from shardyard.preference import PreferenceData
@@ -24,16 +26,7 @@ PROMPT_ROWS = [{"prompt": f"What is {i} + 1?", "answer": str(i + 1)} for i in ra
 
 @pytest.fixture(scope="module")
 def tok():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    t = Tokenizer(models.BPE())
-    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    t.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=[EOS], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    t.train_from_iterator(["### Question:\n### Answer:\nWhat is 1 + 2? It is 3."] * 20, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=t, eos_token=EOS, pad_token=EOS)
+    return byte_bpe("### Question:\n### Answer:\nWhat is 1 + 2? It is 3.", EOS)
 
 
 def saved(tmp_path, rows, name, split: dict | None = None):
