@@ -504,3 +504,43 @@ def test_speed_options_on_the_gpus_keep_the_losses(option, runs, tmp_path):
     test_speed_features.py; this shows CUDA kernels and inductor's GPU code give the same training)."""
     got = curve(train(tmp_path, *BF16, "backend=fsdp", WORLD, option)[1])
     assert_close(got, curve(runs("bf16", "single")[1]), BF16_REL, f"fsdp x{N} GPUs with {option} vs 1 GPU")
+
+
+DS_TP = 2 if N >= 2 else 1
+"""engine=deepspeed's tensor-parallel degree on this machine: 2 ranks over NCCL, or 1 on one GPU."""
+
+
+def test_deepspeed_inference_on_the_gpus_generates_the_tokens_of_transformers_generate(tmp_path):
+    """engine=deepspeed on CUDA (shardyard.ds_inference): DeepSpeed's AutoTP at tp 2 over NCCL (tp 1 on one GPU,
+    where tp 2 is refused naming tp_size) in fp32 generates greedily, KV-cached, the tokens transformers' own
+    ``generate`` gives on one GPU, for LLaMA (grouped-query attention) and DeepSeek-V3 (MLA + MoE); each rank on
+    its own GPU holding its share. The CPU tier's test at tp 2 over gloo: tests/dist/test_ds_inference.py."""
+    out = tmp_path / "ds.pt"
+    code = f"""
+import json, sys, torch
+sys.path.insert(0, "tests/dist")
+import test_ds_inference as t
+from shardyard import ds_inference
+from shardyard.errors import UserError
+refused = None
+if {DS_TP} == 1:
+    try:
+        ds_inference.check(2, t._model("llama_gqa").config, "cuda")
+    except UserError as err:
+        refused = err.key
+ds_inference.run_ranks({DS_TP}, t._tp_generate, {str(out)!r}, {DS_TP}, "cuda", device_type="cuda")
+got = torch.load({str(out)!r})
+want = {{name: t._reference(name, "cuda") for name in t.MODELS}}
+report = {{name: dict(equal=torch.equal(got[name]["tokens"], want[name]), q_rows=got[name]["q_rows"],
+                      device=got[name]["device"], got=got[name]["tokens"].tolist(), want=want[name].tolist())
+          for name in t.MODELS}}
+print(json.dumps(dict(refused=refused, models=report)))
+"""
+    result = json.loads(in_child(code))
+    print(f"engine=deepspeed at tp {DS_TP} on {N} GPU(s): {result}")
+    if DS_TP == 1:
+        assert result["refused"] == "tp_size", result  # tp 2 on one GPU: refused before any rank starts
+    for name, r in result["models"].items():
+        rows, full = r["q_rows"]
+        assert rows * DS_TP == full and r["device"] == "cuda:0", (name, r)  # rank 0's share, on its GPU
+        assert r["equal"], (name, r["got"], r["want"])
