@@ -1,5 +1,5 @@
-"""The ``shardyard`` command (also ``python -m shardyard``): ``train``, ``plan``, ``data``, ``sbatch``, ``recipes [show NAME]``,
-``new DIR --recipe NAME``, ``lock``, ``report RUN_DIR``.
+"""The ``shardyard`` command (also ``python -m shardyard``): ``train``, ``plan``, ``data``, ``sbatch``, ``generate PATH``,
+``eval PATH``, ``recipes [show NAME]``, ``new DIR --recipe NAME``, ``lock``, ``report RUN_DIR``.
 
 ``python train.py ...`` (a checkout, or a project made by ``shardyard new``) and ``shardyard train ...`` are
 the same Hydra app; ``shardyard train`` uses the configs inside the installed package, from any directory.
@@ -35,6 +35,21 @@ def main(argv: list[str] | None = None) -> None:
         except UserError as err:
             report_and_exit(err)
         sys.exit(0)
+    if argv[:1] in (["generate"], ["eval"]) and not {"-h", "--help"} & set(argv):  # PATH, then KEY=VALUE arguments
+        from shardyard.errors import leave
+
+        try:
+            if argv[0] == "generate":
+                from shardyard import generate
+
+                generate.main(argv[1:])
+            else:
+                from shardyard import evaluate
+
+                evaluate.main(argv[1:])
+        except UserError as err:
+            report_and_exit(err)
+        leave(0)
     parser = argparse.ArgumentParser(
         prog="shardyard", description="shardyard tools. Training: python train.py ... in a checkout or a project made "
         "by `shardyard new`, or `shardyard train ...` from any directory.")
@@ -51,6 +66,12 @@ def main(argv: list[str] | None = None) -> None:
                         "(checkpoint.resume=auto)", description=_sbatch_keys(),
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     sb.add_argument("--submit", action="store_true", help="also submit it with sbatch")
+    sub.add_parser("generate", help="talk to a trained model: shardyard generate PATH prompt=TEXT [KEY=VALUE ...] "
+                   "(PATH: a run dir, a checkpoint of any engine, an HF export, or `latest`)",
+                   description=_generate_keys(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub.add_parser("eval", help="score a trained model: shardyard eval PATH [KEY=VALUE ...] [train.py data "
+                   "overrides] (perplexity on any data option, lm-evaluation-harness tasks)",
+                   description=_eval_keys(), formatter_class=argparse.RawDescriptionHelpFormatter)
     rec = sub.add_parser("recipes", help="the recipe book: list it (engine, model, hardware, planned memory, "
                          "purpose), or `shardyard recipes show NAME` for one recipe's whole config")
     rec.add_argument("action", nargs="?", choices=["list", "show"], default="list")
@@ -123,6 +144,22 @@ def _sbatch_keys() -> str:
                 and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)):
             lines.append(f"  {node.target.id:15} {doc.value.value}")
     return "\n".join(lines)
+
+
+def _generate_keys() -> str:
+    """``shardyard generate --help``: its keys, from the docstrings of ``GenerateOptions`` (the module imports
+    nothing heavy at its top)."""
+    from shardyard import generate
+
+    return generate.keys_help()
+
+
+def _eval_keys() -> str:
+    """``shardyard eval --help``: ``shardyard.evaluate``'s own text when it offers one."""
+    from shardyard import evaluate
+
+    keys = getattr(evaluate, "keys_help", None)
+    return keys() if callable(keys) else (evaluate.__doc__ or "shardyard eval PATH [KEY=VALUE ...]")
 
 
 def _recipes(action: str, name: str | None) -> None:

@@ -1,0 +1,361 @@
+"""Load what a run trained into one process, for ``shardyard generate`` and ``shardyard eval`` (issue 45).
+
+``load(PATH)`` takes any of:
+
+1. A run dir (it holds ``config.yaml``): its HF export ``hf/`` when there is one, else its newest checkpoint that
+   verifies (``checkpoints/latest`` first, then older ones).
+2. A checkpoint dir (``<run>/checkpoints/step-N``, it holds ``meta.json``) of any engine, verified first (every
+   file's sha256 against its manifest: a damaged or altered file exits 2 naming the checkpoint) and read into ONE
+   model built from the run's ``config.yaml`` exactly as a worker builds it (``model.build_model``, the base
+   weights of ``model.weights`` when the base is frozen, the adapters of ``peft``), without a process group:
+
+   - ``dcp`` (single, ddp, fsdp, fsdp_tp, pipeline): ``torch.distributed.checkpoint`` reads every rank's shards
+     into the whole tensors (``no_dist``), the metadata through ``safe_load.read_dcp_metadata`` (nothing
+     unpickled but data). Parameter names are the whole model's on every engine (a pipeline stage keeps
+     ``model.layers.17...``), so the keys match.
+   - ``torch-rank0`` (horovod): ``model.safetensors``.
+   - ``deepspeed`` (zero1/2/3 and their offload variants): DeepSpeed's ``zero_to_fp32`` merges the ranks' fp32
+     partitions, every pickle vetted first (``safe_load.unsafe_global_in``) and read with ``weights_only``
+     (``safe_load.weights_only_loads``). ZeRO-Infinity's NVMe checkpoints keep their fp32 masters in swap
+     files: refused, with the run's HF export as the way.
+
+   A checkpoint with adapters holds only them (the frozen base is re-read from ``model.weights``); they are
+   merged into the base as the HF export merges them (``adapters.merged_state``), so the model is a plain
+   transformers model either way.
+3. An HF export (``<run>/hf``, ``<run>/checkpoints/step-N/hf`` or any directory with ``config.json`` and
+   safetensors): the architecture from its ``config.json`` (``AutoModelForCausalLM.from_config``, as
+   ``model=hf`` builds it) and its weights through ``weights.load_weights`` (the loader of ``model.weights``:
+   safetensors only, FP8 blocks dequantised). A DeepSeek-V3 export with MTP depths (``num_nextn_predict_layers``,
+   ``export.py``) gets them attached and loaded (``mtp.attach``), so that speculative decoding can draft with
+   them; transformers' own ``from_pretrained`` would drop them. A plain ``CausalLM`` export (``model.safetensors``
+   without ``config.json``) is built from the run's config beside it.
+
+``PATH`` may also be ``latest``: the newest run dir under ``./outputs`` (where ``make train`` writes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import io
+import json
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from shardyard.errors import UserError
+
+LATEST = "latest"
+"""The ``PATH`` that names the newest run dir under ``./outputs``."""
+
+
+@dataclass
+class Trained:
+    """A trained model loaded into one process."""
+
+    model: torch.nn.Module
+    """In eval mode, on the device and dtype asked for: an HF-style causal LM that ``generation.generate`` drives
+    (keyword ``input_ids``, ``attention_mask``, ``position_ids``, a KV cache)."""
+    tokenizer: Any
+    """The run's HF tokenizer (the export's own, else the one the run trained or was given)."""
+    cfg: DictConfig | None
+    """The run's resolved config (its ``config.yaml``), or None for an export with no run around it."""
+    kind: str
+    """``export`` or ``checkpoint``: what was read."""
+    path: str
+    """The directory read (resolved: a run dir becomes its export or checkpoint)."""
+    run_dir: str | None
+    """Where results of eval/generate go by default: the run dir, or None for a bare export."""
+
+
+def load(path: str, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> Trained:
+    """``path`` (see the module docstring) loaded on ``device``, in ``dtype`` (default: fp32 on CPU, bf16 on a GPU
+    that has it, else fp16). Bad paths raise ``UserError("path", path, ...)``."""
+    device = torch.device(device)
+    if dtype is None:
+        dtype = torch.float32 if device.type == "cpu" else (
+            torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else torch.float16)
+    kind, where, run_dir = resolve(path)
+    cfg = _run_config(run_dir) if run_dir else None
+    if kind == "checkpoint":
+        if cfg is None:
+            raise UserError("path", path, f"The checkpoint {where} has no run config.yaml beside it (looked in "
+                            f"{os.path.dirname(os.path.dirname(where))}), and a checkpoint holds weights only: "
+                            "the model's architecture comes from the run's config.",
+                            "Point it at the checkpoint inside its run dir (<run>/checkpoints/step-N), at the "
+                            "run dir, or at the run's HF export (<run>/hf).")
+        model = _from_checkpoint(where, cfg, path)
+        tokenizer = _load_tokenizer(_checkpoint_tokenizer(where, run_dir, cfg))
+    else:
+        model = _from_export(where, cfg)
+        tokenizer = _load_tokenizer(where if os.path.isfile(os.path.join(where, "tokenizer.json"))
+                                    else _run_tokenizer(run_dir, cfg, path))
+    model.to(device=device, dtype=dtype)
+    model.eval()
+    return Trained(model, tokenizer, cfg, kind, where, run_dir)
+
+
+def model_config(path: str) -> Any:
+    """The HF config of what ``load(path)`` would build (for checks made before loading: ``ds_inference.check``),
+    from the export's ``config.json`` or the run's model built on the meta device."""
+    kind, where, run_dir = resolve(path)
+    if kind == "export" and os.path.isfile(os.path.join(where, "config.json")):
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(where, local_files_only=True)
+    assert run_dir is not None  # a checkpoint, or a plain module's export: inside a run
+    from shardyard.model import shape_model
+
+    return getattr(shape_model(_run_config(run_dir).model), "config", None)
+
+
+# ------------------------------------------------------------------------------------------- what PATH is
+def resolve(path: str) -> tuple[str, str, str | None]:
+    """``(kind, directory to read, run dir or None)`` for ``path``; a run dir becomes its export or newest good
+    checkpoint."""
+    given = path
+    if path == LATEST and not os.path.isdir(path):
+        path = _latest_run(given)
+    path = os.path.abspath(os.path.expanduser(path))
+    if not os.path.isdir(path):
+        raise UserError("path", given, "There is no such directory.",
+                        "Give a run dir (outputs/<date>/<time>), a checkpoint (<run>/checkpoints/step-N), an HF "
+                        "export (<run>/hf), or `latest` (the newest run under ./outputs).")
+    if _is_run(path):
+        export = os.path.join(path, "hf")
+        if _is_export(export):
+            return "export", export, path
+        return "checkpoint", _newest_good_checkpoint(path, given), path
+    if os.path.isfile(os.path.join(path, "meta.json")):
+        return "checkpoint", path, _run_of_checkpoint(path)
+    if _is_export(path):
+        parent = os.path.dirname(path)
+        run = (parent if _is_run(parent) else _run_of_checkpoint(parent)
+               if os.path.isfile(os.path.join(parent, "meta.json")) else None)
+        return "export", path, run
+    raise UserError("path", given, "It is neither a run dir (no config.yaml), a checkpoint (no meta.json) nor an HF "
+                    "export (no config.json or *.safetensors).",
+                    "Give a run dir (outputs/<date>/<time>), a checkpoint (<run>/checkpoints/step-N) or an HF "
+                    "export (<run>/hf, or any directory save_pretrained wrote with safetensors).")
+
+
+def _is_run(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "config.yaml"))
+
+
+def _is_export(path: str) -> bool:
+    return bool(glob.glob(os.path.join(path, "*.safetensors"))) and (
+        os.path.isfile(os.path.join(path, "config.json")) or _is_run(os.path.dirname(path)))
+
+
+def _run_of_checkpoint(ckpt: str) -> str | None:
+    """The run dir of a checkpoint in its default place (``<run>/checkpoints/step-N``)."""
+    run = os.path.dirname(os.path.dirname(ckpt))
+    return run if _is_run(run) else None
+
+
+def _latest_run(given: str) -> str:
+    runs = [os.path.dirname(c) for c in glob.glob(os.path.join("outputs", "*", "*", "config.yaml"))]
+    runs = [r for r in runs if _is_export(os.path.join(r, "hf")) or glob.glob(os.path.join(r, "checkpoints", "step-*"))]
+    if not runs:
+        raise UserError("path", given, f"No run under {os.path.abspath('outputs')} has an HF export or a checkpoint "
+                        "to load.", "Train one first (make train, or python train.py), or give a run dir's path.")
+    return max(runs, key=lambda r: (os.path.getmtime(os.path.join(r, "config.yaml")), r))
+
+
+def _run_config(run_dir: str) -> DictConfig:
+    cfg = OmegaConf.load(os.path.join(run_dir, "config.yaml"))
+    assert isinstance(cfg, DictConfig)
+    return cfg
+
+
+def _newest_good_checkpoint(run_dir: str, given: str) -> str:
+    """The run's ``checkpoints/latest``, or the newest checkpoint before it that verifies."""
+    from shardyard.checkpoint import verify
+    from shardyard.rundir import checkpoint_dir
+
+    cfg = _run_config(run_dir)
+    directory = checkpoint_dir(cfg) if cfg.checkpoint.dir else os.path.join(run_dir, "checkpoints")
+    names = sorted((n for n in (os.listdir(directory) if os.path.isdir(directory) else [])
+                    if n.startswith("step-") and os.path.isdir(os.path.join(directory, n))), reverse=True)
+    latest = os.path.join(directory, "latest")
+    if os.path.isfile(latest):
+        with open(latest) as f:
+            first = f.read().strip()
+        names = [first] + [n for n in names if n < first]  # never a step the run itself left behind
+    if not names:
+        raise UserError("path", given, f"The run has no HF export (hf/) and no checkpoint in {directory}.",
+                        "Train with checkpoint.save_final=true (the export) or checkpoint.every_n_steps=N, or point "
+                        "it at another run.")
+    skipped: list[str] = []
+    for name in names:
+        ckpt = os.path.join(directory, name)
+        problem = verify(ckpt)
+        if problem is None:
+            if skipped:
+                print(f"shardyard | {run_dir}: skipped {'; '.join(skipped)}; loading {ckpt}", file=sys.stderr)
+            return ckpt
+        skipped.append(f"{name} ({problem})")
+    raise UserError("path", given, f"None of its checkpoints verifies: {'; '.join(skipped)}.",
+                    "Point it at another run, or at a checkpoint of another run.")
+
+
+# ----------------------------------------------------------------------------------------------- exports
+def _from_export(path: str, cfg: DictConfig | None) -> torch.nn.Module:
+    from shardyard import mtp
+    from shardyard.weights import load_weights
+
+    _quiet()
+    if os.path.isfile(os.path.join(path, "config.json")):
+        from shardyard.model import hf
+
+        model = hf(path)
+        depth = int(getattr(model.config, "num_nextn_predict_layers", 0) or 0)
+        if depth and type(model).__name__ in mtp.FAMILIES:  # keep DeepSeek-V3's MTP depths (speculative decoding)
+            mtp.attach(model, OmegaConf.create({"depth": depth, "weight": 0.0, "final_weight": None,
+                                                "final_weight_from_step": None}))
+    else:  # a plain nn.Module's export (model.safetensors): its own builder, from the run's config
+        assert cfg is not None  # _is_export: a config.json, or a run dir around it
+        from shardyard.model import build_model
+
+        model = build_model(cfg.model, cfg.seed)
+    try:
+        load_weights(model, path)
+    except UserError as e:
+        raise UserError("path", path, e.problem, e.fix) from None
+    return model
+
+
+# ------------------------------------------------------------------------------------------- checkpoints
+def _from_checkpoint(path: str, cfg: DictConfig, given: str) -> torch.nn.Module:
+    from shardyard import adapters
+    from shardyard.checkpoint import verify
+    from shardyard.model import build_model
+    from shardyard.weights import load_weights, weights_dir
+
+    problem = verify(path)
+    if problem is not None:
+        raise UserError("path", given, f"The checkpoint {path} cannot be used: {problem}.",
+                        "Use another checkpoint of the run (checkpoints/step-N), or its HF export (<run>/hf).")
+    with open(os.path.join(path, "meta.json")) as f:
+        meta = json.load(f)
+    _quiet()
+    model = build_model(cfg.model, cfg.seed)
+    peft = cfg.get("peft")
+    if peft is not None and adapters.method(peft).quantized_base:
+        raise UserError("path", given, "It is a QLoRA checkpoint (a 4-bit base, which bitsandbytes runs on a GPU "
+                        "only, and shardyard reads the adapters into one process on any device).",
+                        "Load the run's HF export (<run>/hf: the merged model in full precision).")
+    model = adapters.apply(model, peft, cfg.seed, torch.float32) if peft is not None else model
+    base = weights_dir(cfg.model)
+    if adapters.frozen(model):  # the checkpoint holds the adapters only: the base from model.weights
+        if base is None or not os.path.isdir(base):
+            raise UserError("path", given, f"It holds adapters only, and their base (model.weights={base}) is not "
+                            "there.", "Restore the base model's directory, or load the run's HF export.")
+        load_weights(model, base)
+    fmt = meta.get("format")
+    state = _READERS.get(fmt)
+    if state is None:
+        raise UserError("path", given, f"Its format {fmt!r} (engine {meta.get('engine')}) is not one shardyard "
+                        f"reads into one process ({', '.join(_READERS)}).", "Load the run's HF export (<run>/hf).")
+    got = state(path, model, meta, given)
+    wanted = adapters.checkpoint_state(model)
+    missing = sorted(set(wanted) - set(got))
+    if missing:
+        raise UserError("path", given, f"It lacks {len(missing)} tensor(s) of the model built from the run's "
+                        f"config, e.g. {missing[:3]}.", "Load it with the run's own config.yaml beside it, or load "
+                        "the run's HF export.")
+    model.load_state_dict(got, strict=False)
+    if adapters.is_peft(model):  # merged as the export merges them: a plain transformers model
+        merged = adapters.merged_state(model.state_dict(), model)
+        peft_model: Any = model
+        model = peft_model.unload()  # the base model without the adapter layers
+        model.load_state_dict(merged, strict=False)
+    return model
+
+
+def _dcp_state(path: str, model: torch.nn.Module, meta: dict, given: str) -> dict[str, torch.Tensor]:
+    """Every rank's shards of a DCP checkpoint read into whole tensors, in this one process."""
+    import torch.distributed.checkpoint as dcp
+
+    from shardyard.adapters import checkpoint_state
+    from shardyard.safe_load import dcp_reader, read_dcp_metadata, weights_only_loads
+
+    metadata = read_dcp_metadata(path)
+    saved = {k[len("model."):] for k in metadata.state_dict_metadata if k.startswith("model.")}
+    want = {k: v.detach().clone() for k, v in checkpoint_state(model).items() if k in saved}
+    state = {"model": want}
+    with weights_only_loads(source=os.path.join(path, "*.distcp")):
+        dcp.load(state, storage_reader=dcp_reader(path, metadata), no_dist=True)
+    return state["model"]
+
+
+def _rank0_state(path: str, model: torch.nn.Module, meta: dict, given: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(path, "model.safetensors"))
+
+
+def _deepspeed_state(path: str, model: torch.nn.Module, meta: dict, given: str) -> dict[str, torch.Tensor]:
+    """DeepSpeed's ``zero_to_fp32``: the fp32 masters of every rank's partitions, merged."""
+    if meta.get("training_state", {}).get("nvme"):
+        raise UserError("path", given, "It is a ZeRO-Infinity checkpoint: its fp32 weights live in per-rank NVMe "
+                        "swap files, which DeepSpeed's zero_to_fp32 does not read.",
+                        "Load the run's HF export (<run>/hf, written with checkpoint.save_final=true, or "
+                        "checkpoint.export_hf=true for one beside every checkpoint).")
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from shardyard.adapters import frozen
+    from shardyard.backends.deepspeed import _safe_globals
+    from shardyard.safe_load import refused, unsafe_global_in, weights_only_loads
+
+    allowed = _safe_globals()
+    found = unsafe_global_in(path, allowed)
+    if found:
+        raise refused(found[0], found[1], "a DeepSpeed checkpoint")
+    with weights_only_loads(allowed, source=path), contextlib.redirect_stdout(io.StringIO()), \
+            contextlib.redirect_stderr(io.StringIO()):  # its progress bars
+        state = get_fp32_state_dict_from_zero_checkpoint(path, tag="zero", exclude_frozen_parameters=frozen(model))
+    return dict(state)
+
+
+_READERS = {"dcp": _dcp_state, "torch-rank0": _rank0_state, "deepspeed": _deepspeed_state}
+"""A checkpoint's ``meta.json`` ``format`` -> what reads its model tensors (names as ``model.state_dict()``)."""
+
+
+# -------------------------------------------------------------------------------------------- tokenizers
+def _checkpoint_tokenizer(ckpt: str, run_dir: str | None, cfg: DictConfig) -> str:
+    beside = os.path.join(ckpt, "hf")  # checkpoint.export_hf=true
+    if os.path.isfile(os.path.join(beside, "tokenizer.json")):
+        return beside
+    return _run_tokenizer(run_dir, cfg, ckpt)
+
+
+def _run_tokenizer(run_dir: str | None, cfg: DictConfig | None, given: str) -> str:
+    """The run's export's tokenizer, else the one the run was given or trained (found in the data cache, or
+    trained again from the same text: the same tokenizer)."""
+    if run_dir and os.path.isfile(os.path.join(run_dir, "hf", "tokenizer.json")):
+        return os.path.join(run_dir, "hf")
+    if cfg is None:
+        raise UserError("path", given, "It has no tokenizer (tokenizer.json) and no run config beside it to find "
+                        "the run's.", "Copy the tokenizer's files (tokenizer.json, tokenizer_config.json) into it.")
+    from shardyard.data import open_sources, tokenizer_dir, tokenizer_path
+
+    return tokenizer_path(cfg) or tokenizer_dir(cfg.data, open_sources(cfg.data))
+
+
+def _load_tokenizer(path: str) -> Any:
+    from shardyard.data import load_tokenizer
+
+    return load_tokenizer(path)
+
+
+def _quiet() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()

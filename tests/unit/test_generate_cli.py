@@ -1,0 +1,147 @@
+"""``shardyard generate`` (issue 45) on a tiny HF export built here (a 2-layer Llama with a byte-level BPE tokenizer
+and a chat template): stop strings cut the completion where the unstopped one holds them first, streaming prints
+the completion's exact text, a seed fixes sampled completions, rows of messages go through the chat template, and
+bad inputs (a prompt file's bad line, an existing out file, a path that is nothing loadable) exit 2 naming them."""
+
+import io
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import byte_bpe
+from shardyard import generate, inference
+from shardyard.errors import UserError
+
+TEXT = "def main(args):\n    return parse(args)\nimport os\nclass Parser:\n    pass\n" * 4
+TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    d = tmp_path_factory.mktemp("export")
+    tok = byte_bpe(TEXT)
+    tok.chat_template = TEMPLATE
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # a larger init than HF's 0.02: completions that vary with the prompt
+        for p in model.parameters():
+            p.normal_(0, 0.3) if p.dim() > 1 else None
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def trained(export):
+    return inference.load(export)
+
+
+def rows(trained, prompts, **keys):
+    opts = generate.GenerateOptions(**{"max_new_tokens": 24, **keys})
+    return generate.complete(trained.model, trained.tokenizer, prompts, opts)
+
+
+def test_stop_strings_cut_where_the_unstopped_completion_holds_them(trained):
+    full = rows(trained, ["def main("])[0]
+    assert full["tokens"] == 24 and full["stop_reason"] == "length", full
+    text = full["completion"]
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    want = text[:text.find(stop)]
+    got = rows(trained, ["def main("], stop=[stop])[0]
+    assert (got["completion"], got["stop_reason"]) == (want, "stop"), (got, want, stop)
+    assert got["tokens"] < 24
+    assert generate.cut("ab<x>cd<y>", ["<y>", "<x>"]) == ("ab", True)
+
+
+def test_streaming_prints_the_completion(trained, export):
+    """One prompt: the text printed as tokens come is the completion of the non-streamed run (stop strings held
+    back until they cannot start one)."""
+    for stop in ([], ["s"]):
+        want = rows(trained, ["import os\n"], stop=stop)[0]["completion"]
+        out = io.StringIO()
+        got = generate.main([export, "prompt=import os\n", "max_new_tokens=24", "device=cpu",
+                             *(f"stop={s}" for s in stop)], stdout=out)
+        assert got is not None and got[0]["completion"] == want
+        assert out.getvalue() == want + "\n", (out.getvalue(), want)
+        assert len(want) > 5
+
+
+def test_seed_fixes_sampled_completions(trained):
+    prompts = ["def main(", "class Parser:"]
+    a = rows(trained, prompts, temperature=1.0, top_k=50, seed=3)
+    b = rows(trained, prompts, temperature=1.0, top_k=50, seed=3)
+    c = rows(trained, prompts, temperature=1.0, top_k=50, seed=4)
+    assert a == b and a != c
+
+
+def test_chat_rows_go_through_the_template(trained):
+    messages = [{"role": "user", "content": "def main("}]
+    rendered = trained.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert rendered == "<user>def main(\n<assistant>"
+    chat = rows(trained, [messages])[0]
+    plain_chat = rows(trained, ["def main("], chat=True)[0]
+    raw, text = rows(trained, ["def main(", rendered])  # batched: left-padded, as generation.generate takes them
+    assert chat["completion"] == plain_chat["completion"] == text["completion"]  # chat=true: one user message
+    assert chat["completion"] != raw["completion"]
+
+
+def test_prompt_file_bad_line_names_file_and_line(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "a"}\n\n{"messages": [{"role": "user", "content": "b"}]}\n{"prompt": 3}\n')
+    with pytest.raises(UserError) as err:
+        generate.read_prompts(generate.parse(["x", f"file={f}"])[1])
+    assert (err.value.key, err.value.value) == ("file", f"{f}:4")
+    f.write_text('{"prompt": "a"}\nnot json\n')
+    with pytest.raises(UserError) as err:
+        generate.read_prompts(generate.parse(["x", f"file={f}"])[1])
+    assert err.value.value == f"{f}:2"
+    got = generate.read_prompts(generate.parse(["x", "prompt=z", "file=-"])[1],
+                                io.StringIO('{"messages": [{"role": "user", "content": "b"}]}\n'))
+    assert got == ["z", [{"role": "user", "content": "b"}]]
+
+
+def test_out_file_is_never_overwritten(trained, export, tmp_path):
+    out = tmp_path / "rows.jsonl"
+    generate.main([export, "prompt=a", "prompt=b", f"out={out}", "max_new_tokens=3", "device=cpu"])
+    written = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["prompt"] for r in written] == ["a", "b"] and all(r["tokens"] == 3 for r in written)
+    assert set(written[0]) == {"prompt", "completion", "tokens", "stop_reason"}
+    with pytest.raises(UserError) as err:
+        generate.main([export, "prompt=a", f"out={out}"])
+    assert (err.value.key, err.value.value) == ("out", str(out))
+    assert [json.loads(line) for line in out.read_text().splitlines()] == written
+
+
+def test_cli_generates_and_refuses_a_path_that_is_nothing_loadable(export, tmp_path):
+    """Two subprocesses of the command: a completion printed; a directory that is no run dir, checkpoint or
+    export exits 2 with one paragraph naming it."""
+    ok = subprocess.run([sys.executable, "-m", "shardyard", "generate", export, "prompt=def main(",
+                         "max_new_tokens=5", "prompt=import os"], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert [json.loads(line)["tokens"] for line in ok.stdout.splitlines()] == [5, 5]
+    (tmp_path / "notes.txt").write_text("x")
+    bad = subprocess.run([sys.executable, "-m", "shardyard", "generate", str(tmp_path), "prompt=x"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2, bad.stderr[-2000:]
+    assert "error in `path`" in bad.stderr and str(tmp_path) in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize("command", ["generate", "eval"])
+def test_cli_forwards_path_and_keys(command, tmp_path, capsys):
+    """``shardyard generate`` and ``shardyard eval`` hand PATH and the KEY=VALUE arguments to their module: a path
+    that is not there exits 2 with the paragraph naming it (in-process: a success ends in ``os._exit``)."""
+    from shardyard import cli
+
+    with pytest.raises(SystemExit) as done:
+        cli.main([command, str(tmp_path / "missing"), "max_new_tokens=4" if command == "generate" else "batches=1"])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and "error in `path`" in err and "missing" in err, err
