@@ -196,20 +196,43 @@ class SFTRows:
         return inputs, torch.from_numpy(self.targets[idx].astype(np.int64))
 
 
+def utf8_column(strings: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """A column of strings as ``PromptRows`` reads it: one UTF-8 byte buffer (``uint8``) and int64 offsets
+    (``n + 1``, row ``i`` is ``buffer[offsets[i]:offsets[i + 1]]``). Each row takes its own bytes: a fixed-width
+    ``np.str_`` array pads every row to the longest one at 4 bytes a character (one 100 KB field made each of
+    10^6 rows 400 KB)."""
+    encoded = [s.encode("utf-8") for s in strings]
+    offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
+    np.cumsum([len(b) for b in encoded], out=offsets[1:])
+    return np.frombuffer(b"".join(encoded), dtype=np.uint8).copy(), offsets
+
+
+class _Utf8Column:
+    """One string column of ``PromptRows`` (``utf8_column``), memory-mapped: a row read decodes its bytes only."""
+
+    def __init__(self, prefix: str, name: str):
+        self.bytes = np.load(f"{prefix}.{name}.utf8.npy", mmap_mode="r")
+        self.offsets = np.load(f"{prefix}.{name}.offsets.npy", mmap_mode="r")
+
+    def __getitem__(self, i: int) -> str:
+        lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
+        return self.bytes[lo:hi].tobytes().decode("utf-8")
+
+
 @dataclass
 class PromptRows:
     """Prompts of one split (``data=prompts``, ``shardyard.prompts``): ``get(indices)`` returns the left-padded
-    prompts (``prompt_ids``, ``prompt_mask``) and each row's other fields (a dict per row)."""
+    prompts (``prompt_ids``, ``prompt_mask``) and each row's other fields (a dict per row). Every array is
+    memory-mapped; the string columns are read per row (``utf8_column``), never whole."""
 
     prefix: str
-    """``<token dir>/<split>``: ``<prefix>.prompt_ids.npy``, ``.prompt_mask.npy``, ``.fields.npy``, ``.where.npy``."""
+    """``<token dir>/<split>``: ``<prefix>.prompt_ids.npy``, ``.prompt_mask.npy``, and per string column
+    (``fields``: a JSON object per row, ``where``) ``.<column>.utf8.npy`` and ``.<column>.offsets.npy``."""
 
     def __post_init__(self):
-        def load(name: str) -> np.ndarray:
-            return np.load(f"{self.prefix}.{name}.npy", mmap_mode="r")
-
-        self.prompt_ids, self.prompt_mask = load("prompt_ids"), load("prompt_mask")
-        self.fields, self.wheres = load("fields"), load("where")
+        self.prompt_ids = np.load(f"{self.prefix}.prompt_ids.npy", mmap_mode="r")
+        self.prompt_mask = np.load(f"{self.prefix}.prompt_mask.npy", mmap_mode="r")
+        self._fields, self._where = _Utf8Column(self.prefix, "fields"), _Utf8Column(self.prefix, "where")
         self.n = len(self.prompt_ids)
 
     def __len__(self) -> int:
@@ -221,17 +244,15 @@ class PromptRows:
         idx = np.asarray(indices, dtype=np.int64)
         inputs = {"prompt_ids": torch.from_numpy(self.prompt_ids[idx].astype(np.int64)),
                   "prompt_mask": torch.from_numpy(self.prompt_mask[idx].astype(np.int64))}
-        return inputs, [json.loads(str(self.fields[i])) for i in idx]
+        return inputs, self.fields(idx)
+
+    def fields(self, indices) -> list[dict]:
+        """Each row's fields other than the prompt (what the rewards read)."""
+        return [json.loads(self._fields[int(i)]) for i in indices]
 
     def where(self, indices) -> list[str]:
         """Where each row came from: ``file:line`` (``DIR row N`` for a saved dataset), or ``generated:<i>``."""
-        return [str(self.wheres[int(i)]) for i in indices]
-
-    def fields_all(self) -> list[dict]:
-        return [json.loads(str(f)) for f in self.fields]
-
-    def where_all(self) -> list[str]:
-        return [str(w) for w in self.wheres]
+        return [self._where[int(i)] for i in indices]
 
 
 def permute(i: np.ndarray, n: int, key: list[int]) -> np.ndarray:

@@ -8,8 +8,10 @@ it). A prompt longer than that is dropped, and counted. Every other field of the
 (e.g. ``{"answer": "42"}``) for the rewards, with where the record came from (``file:line``).
 
 Arrays (``<split>.`` in the token cache, read by ``data.PromptRows``): ``prompt_ids`` ``[n, seq_len]`` int32
-(left padding: the pad id), ``prompt_mask`` ``[n, seq_len]`` int8 (1 = a prompt token), ``fields`` (unicode, one
-JSON object per row), ``where`` (unicode, ``file:line`` or ``generated:<i>``).
+(left padding: the pad id), ``prompt_mask`` ``[n, seq_len]`` int8 (1 = a prompt token), and two string columns,
+``fields`` (one JSON object per row) and ``where`` (``file:line`` or ``generated:<i>``), each as one UTF-8 byte
+buffer and int64 row offsets (``fields.utf8``, ``fields.offsets``: ``data.utf8_column``), so a row takes its own
+bytes: no row is padded to the longest one.
 
 Without ``data.paths``: generated arithmetic problems with an ``answer`` field, from the held-out part of the
 problem space that ``data=arithmetic`` (the SFT set) never contains (``shardyard.synthetic``); their val split
@@ -26,6 +28,7 @@ from typing import Iterator
 import numpy as np
 
 from shardyard import synthetic
+from shardyard.data import utf8_column
 from shardyard.errors import UserError
 from shardyard.sft import ROLES, SUFFIXES, _json_type, named_template, template_for, user_rows
 
@@ -96,7 +99,7 @@ class PromptData:
     def fingerprint(self) -> str:
         from shardyard.sources import _files_fingerprint
 
-        settings = f"prompts-v1|{self.prompt_field}|{self.chat_template}"
+        settings = f"prompts-v2|{self.prompt_field}|{self.chat_template}"
         if self.files:
             return _files_fingerprint(self.files, settings)
         generated = f"{settings}|{self.max_examples}|{self.digits}|{self.ops}|{self.seed}|{synthetic.HELD_OUT_PERCENT}"
@@ -130,9 +133,10 @@ class PromptData:
 def left_padded(rows: list[tuple[list[int], str, str]], seq_len: int, pad: int) -> dict[str, np.ndarray]:
     """``(ids, fields JSON, where)`` rows as the arrays ``data.PromptRows`` reads: ids left-padded with ``pad``."""
     n = len(rows)
-    out: dict[str, np.ndarray] = {"prompt_ids": np.full((n, seq_len), pad, np.int32), "prompt_mask": np.zeros((n, seq_len), np.int8),
-           "fields": np.array([f for _, f, _ in rows], dtype=np.str_) if n else np.zeros(0, dtype="<U1"),
-           "where": np.array([w for _, _, w in rows], dtype=np.str_) if n else np.zeros(0, dtype="<U1")}
+    out: dict[str, np.ndarray] = {"prompt_ids": np.full((n, seq_len), pad, np.int32),
+                                  "prompt_mask": np.zeros((n, seq_len), np.int8)}
+    for column, strings in (("fields", [f for _, f, _ in rows]), ("where", [w for _, _, w in rows])):
+        out[f"{column}.utf8"], out[f"{column}.offsets"] = utf8_column(strings)
     for r, (ids, _, _) in enumerate(rows):
         if ids:
             out["prompt_ids"][r, seq_len - len(ids):] = ids

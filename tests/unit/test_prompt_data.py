@@ -3,7 +3,9 @@ field kept; the generated prompts come from a part of the arithmetic space the S
 tokenizer spells numbers digit by digit."""
 
 import json
+import os
 
+import numpy as np
 import pytest
 
 from conftest import byte_bpe
@@ -14,6 +16,12 @@ from shardyard.prompts import PromptData
 from shardyard.testing import compose
 
 EOS = "<|endoftext|>"
+
+
+def column(arrays: dict, name: str) -> list[str]:
+    """A string column of the arrays ``PromptRows`` reads, decoded row by row from its UTF-8 buffer and offsets."""
+    buf, off = arrays[f"{name}.utf8"], arrays[f"{name}.offsets"]
+    return [bytes(buf[a:b]).decode("utf-8") for a, b in zip(off[:-1], off[1:])]
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +46,9 @@ def test_prompts_are_left_padded_with_their_fields(tok, tmp_path):
         ids = tok(text, add_special_tokens=False)["input_ids"]
         assert rows["prompt_ids"][r].tolist() == [tok.pad_token_id] * (40 - len(ids)) + ids  # LEFT padding
         assert rows["prompt_mask"][r].tolist() == [0] * (40 - len(ids)) + [1] * len(ids)
-    assert [json.loads(f) for f in rows["fields"]] == [{"answer": "4", "level": 1}, {"answer": "Paris", "tags": ["geo"]}]
-    assert rows["where"].tolist() == [f"{path}:1", f"{path}:2"]
+    assert [json.loads(f) for f in column(rows, "fields")] == [{"answer": "4", "level": 1},
+                                                               {"answer": "Paris", "tags": ["geo"]}]
+    assert column(rows, "where") == [f"{path}:1", f"{path}:2"]
 
 
 @pytest.mark.parametrize("record,key,problem", [
@@ -85,9 +94,42 @@ def test_prompt_rows_through_the_cache_and_a_digit_tokenizer(tmp_path):
     assert isinstance(train, data.PromptRows) and len(train) + len(val) == 300 and len(val) > 20
     x, fields = train.get([0, 3])
     assert x["prompt_ids"].shape == (2, cfg.data.seq_len) and x["prompt_mask"][:, -1].tolist() == [1, 1]
-    assert fields == train.fields_all()[0:4:3] and train.where([0]) == [train.where_all()[0]]
+    assert fields == train.fields([0, 3]) and all(w.startswith("generated:") for w in train.where([0, 3]))
     tok = data.load_tokenizer(prep.tokenizer_dir)
     text = tok.decode(x["prompt_ids"][0][x["prompt_mask"][0].bool()])
     assert text.endswith("### Answer:\n") and fields[0]["answer"].isdigit()
     pieces = [tok.decode([i]) for i in tok("What is 123 + 4567? Answer: 4690", add_special_tokens=False)["input_ids"]]
     assert [p for p in pieces if any(c.isdigit() for c in p)] == list("12345674690")
+
+
+def test_a_huge_field_costs_its_row_only(tmp_path):
+    """The string columns (each row's fields as JSON, and where it came from) are one UTF-8 buffer and row offsets:
+    the cache holds about the rows' own bytes (measured: 129.5 KB for 127.5 KB of JSON and ``file:line``).
+    Stored as numpy unicode (``np.str_``, before: cache key prompts-v1), every row was padded to the longest at 4
+    bytes a character: 8.5 MB here (the train split's 53 rows x 4 x 40,028 characters of fields), 66x (and
+    10^6 prompts with one 100 KB field: 400 GB). Rows read back equal the input, non-ASCII text included, and the
+    cache's manifest hashes the new files."""
+    big = "é漢🙂" * 13_333 + "x"  # 40,000 characters, 120 KB of UTF-8 (2-, 3- and 4-byte characters)
+    records = [{"prompt": f"What is {i} + 1?", "answer": str(i + 1), "note": "naïve ½ ✓"} for i in range(60)]
+    records.insert(17, {"prompt": "Long one?", "answer": "0", "essay": big})
+    folder = tmp_path / "données"
+    folder.mkdir()
+    path = folder / "p.jsonl"
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    cfg = compose(["data=prompts", f"data.paths=['{path}']", f"data.cache_dir={tmp_path / 'c'}",
+                   "data.tokenizer.vocab_size=300", "data.seq_len=64"])
+    prep = data.prepare(cfg)
+    splits = {split: data.open_split(prep, split, cfg.data.seq_len) for split in ("train", "val")}
+    want = {f"{path}:{i + 1}": {k: v for k, v in r.items() if k != "prompt"} for i, r in enumerate(records)}
+    got = {}
+    for rows in splits.values():
+        every = list(range(len(rows)))
+        got.update(zip(rows.where(every), rows.get(every)[1]))
+    assert got == want and got[f"{path}:18"]["essay"] == big
+    json_bytes = sum(len(json.dumps(f, ensure_ascii=False).encode()) + len(w.encode()) for w, f in want.items())
+    files = [f"{split}.{c}.{a}.npy" for split in splits for c in ("fields", "where") for a in ("utf8", "offsets")]
+    stored = sum(os.path.getsize(os.path.join(prep.token_dir, f)) for f in files)
+    assert json_bytes < stored < 2 * json_bytes, (stored, json_bytes)
+    manifest = json.loads(open(os.path.join(prep.token_dir, "shardyard_cache.json")).read())["files"]
+    assert all(manifest[f]["size"] == os.path.getsize(os.path.join(prep.token_dir, f)) for f in files)
+    assert np.load(os.path.join(prep.token_dir, "train.fields.offsets.npy")).dtype == np.int64

@@ -80,9 +80,19 @@ def test_row_sources_read_saved_datasets_like_jsonl(tok, tmp_path, kind):
     jsonl, ds = saved(tmp_path, rows, "rows")
     _, dd = saved(tmp_path, rows, "dd", {"train": slice(0, 8), "test": slice(8, 12)})
     never = lambda name: False  # noqa: E731
-    want = make([jsonl]).tokenize_rows(tok, 64, never)
-    got = make([ds]).tokenize_rows(tok, 64, never)
-    split = make([dd]).tokenize_rows(tok, 64, lambda name: is_val(name, 0.0))
+
+    def rows_of(built: dict) -> dict:  # string columns (prompts: data.utf8_column) decoded, one str per row
+        def strings(arrays: dict) -> dict:
+            out = {a: v for a, v in arrays.items() if not a.endswith((".utf8", ".offsets"))}
+            for a in [a[:-5] for a in arrays if a.endswith(".utf8")]:
+                buf, off = arrays[f"{a}.utf8"], arrays[f"{a}.offsets"]
+                out[a] = np.array([bytes(buf[i:j]).decode() for i, j in zip(off[:-1], off[1:])], dtype=object)
+            return out
+        return {k: strings(v) if k in ("train", "val") else v for k, v in built.items()}
+
+    want = rows_of(make([jsonl]).tokenize_rows(tok, 64, never))
+    got = rows_of(make([ds]).tokenize_rows(tok, 64, never))
+    split = rows_of(make([dd]).tokenize_rows(tok, 64, lambda name: is_val(name, 0.0)))
     for a in want["train"]:
         if a == "where":
             assert got["train"][a].tolist() == [f"{ds} row {i}" for i in range(12)]

@@ -125,8 +125,7 @@ class GRPO:
         self.adapters = is_peft(hf)
         # The KL term's reference: the policy with its adapters off (LoRA), else a frozen copy placed as the policy.
         self.reference = b.reference_model(s.build) if self.beta > 0 and not self.adapters else None
-        for rows in [s.train_rows, *s.val_rows.values()]:
-            self._check_fields(rows)
+        self._check_fields([s.train_rows, *s.val_rows.values()], b)
         dev = b.device
         self.one = torch.ones(1, device=dev)
         F = len(self.rewards)
@@ -137,24 +136,57 @@ class GRPO:
         self.gen_s, self.since = 0.0, time.perf_counter()
         install(hf, self)
 
-    def _check_fields(self, rows: Any) -> None:
-        if not hasattr(rows, "fields_all"):
-            raise UserError("data", type(rows).__name__, "GRPO samples completions of prompts: it needs prompt rows.",
-                            "Use data=prompts (rows with a prompt and the fields the rewards need).").on_every_rank()
+    def _check_fields(self, splits: list, backend: Backend) -> None:
+        """Every row of ``splits`` (the train rows, then each held-out source's) has the fields the rewards read and
+        passes their ``check``. Each rank parses its strided share of every split (rows ``rank::world``: a 10^7-row
+        set costs a rank 1/world of it), stopping at its first bad row; one all-reduce of a ``[splits, world]``
+        table (each rank's first bad row in its own slot) tells every rank the first bad row of all, which every
+        rank then checks again and raises with, the same ``UserError`` on every rank (``on_every_rank``)."""
+        for rows in splits:
+            if not hasattr(rows, "fields") or not hasattr(rows, "where"):
+                raise UserError("data", type(rows).__name__, "GRPO samples completions of prompts: it needs prompt "
+                                "rows.", "Use data=prompts (rows with a prompt and the fields the rewards need)."
+                                ).on_every_rank()
         need = {f: fn.name for fn in self.rewards for f in fn.fields}
         if not need:
             return
-        for fields, where in zip(rows.fields_all(), rows.where_all()):
+
+        def problem(fields: dict) -> Optional[tuple[str, str]]:
+            """What is wrong with a row, and the fix; None when the rewards can grade it."""
             missing = [f for f in need if f not in fields]
             if missing:
-                raise UserError("data.paths", where, f"The prompt has no field {missing[0]!r}, which the reward "
-                                f"{need[missing[0]]} needs.", f"Give every row the field {missing[0]!r}, or choose "
-                                "other objective.rewards.").on_every_rank()
+                return (f"The prompt has no field {missing[0]!r}, which the reward {need[missing[0]]} needs.",
+                        f"Give every row the field {missing[0]!r}, or choose other objective.rewards.")
             for fn in self.rewards:  # e.g. an answer that is not one number: every completion would score 0
-                problem = fn.check(fields)
-                if problem:
-                    raise UserError("data.paths", where, f"The reward {fn.name} cannot grade this prompt: {problem}.",
-                                    "Fix the row, or choose other objective.rewards.").on_every_rank()
+                why = fn.check(fields)
+                if why:
+                    return (f"The reward {fn.name} cannot grade this prompt: {why}.",
+                            "Fix the row, or choose other objective.rewards.")
+            return None
+
+        rank, world = backend.rank, backend.world_size
+        table = torch.zeros(len(splits), world, dtype=torch.float64)  # 1 + this rank's first bad row; 0: none
+        for k, rows in enumerate(splits):
+            for i in range(rank, len(rows), world):
+                try:
+                    bad = problem(rows.fields([i])[0]) is not None
+                except Exception:  # a user's check that raised: every rank raises it below, at the first bad row
+                    bad = True
+                if bad:
+                    table[k, rank] = i + 1
+                    break
+            if table[k, rank] > 0:
+                break  # the error is in this split or an earlier one: the later splits need not be read
+        # The minimum over ranks, with the one reduction every engine has (Horovod has no torch.distributed group):
+        # all_reduce_mean x world sums the table, each slot written by one rank only, so every rank sees them all.
+        table = (backend.all_reduce_mean(table.to(backend.device)) * world).round().cpu().long()
+        for k, rows in enumerate(splits):
+            firsts = table[k][table[k] > 0]
+            if len(firsts):
+                i = int(firsts.min()) - 1
+                found = problem(rows.fields([i])[0]) or ("The rewards' check of this prompt failed on another rank.",
+                                                        "Make the rewards' check give the same answer every time.")
+                raise UserError("data.paths", rows.where([i])[0], *found).on_every_rank()
 
     def terms(self) -> int:
         return 1
