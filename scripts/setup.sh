@@ -33,8 +33,8 @@ else
   say "installing torch==2.13.0 (CPU)"
   $VPY -m pip install -q torch==2.13.0
 fi
-say "installing shardyard (editable) with its dev, deepspeed, monitors, slurm, sweep, finetune and fp8 extras"
-$VPY -m pip install -q -e '.[dev,deepspeed,monitors,slurm,sweep,finetune,fp8]'
+say "installing shardyard (editable) with its dev, deepspeed, monitors, slurm, sweep, finetune, fp8 and eval extras"
+$VPY -m pip install -q -e '.[dev,deepspeed,monitors,slurm,sweep,finetune,fp8,eval]'
 if [ "${SHARDYARD_SKIP_HOROVOD:-0}" = 1 ]; then
   say "skipping Horovod (SHARDYARD_SKIP_HOROVOD=1): backend=horovod will be unavailable"
 else

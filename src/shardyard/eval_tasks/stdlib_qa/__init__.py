@@ -1,0 +1,1 @@
+"""The stdlib Q&A multiple-choice task (``tasks=[stdlib_qa]``)."""

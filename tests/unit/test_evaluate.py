@@ -1,0 +1,100 @@
+"""``shardyard eval``'s command line, its bad inputs (exit 2 naming the key), and the shipped local harness task.
+(Scores and perplexities of trained runs: tests/e2e/test_eval_tasks.py.)"""
+
+import importlib
+import inspect
+import json
+import os
+import sys
+
+import pytest
+
+from shardyard import evaluate
+from shardyard.errors import UserError
+
+
+def test_keys_are_options_and_the_rest_train_py_overrides():
+    path, opts, overrides = evaluate.parse(["outputs/run", "tasks=[stdlib_qa, hellaswag]", "limit=0.5",
+                                            "batch_size=4", "perplexity=false", "data=text_files",
+                                            "data.paths=[/c]", "eval_batches=0", "num_fewshot=3"])
+    assert path == "outputs/run" and overrides == ["data=text_files", "data.paths=[/c]"]
+    assert (opts.tasks, opts.limit, opts.batch_size, opts.perplexity, opts.eval_batches, opts.num_fewshot) == (
+        ["stdlib_qa", "hellaswag"], 0.5, 4, False, 0, 3)
+    assert evaluate.parse(["p", "limit=20"])[1].limit == 20
+
+
+@pytest.mark.parametrize("arg,key", [("batch_size=0", "batch_size"), ("limit=-1", "limit"), ("limit=2.5", "limit"),
+                                     ("perplexity=maybe", "perplexity"), ("num_fewshot=x", "num_fewshot")])
+def test_bad_values_name_their_key(arg, key):
+    with pytest.raises(UserError) as e:
+        evaluate.parse(["outputs/run", arg])
+    assert e.value.key == key
+
+
+@pytest.mark.parametrize("args", [[], ["a", "b"]])
+def test_one_path(args):
+    with pytest.raises(UserError, match="one PATH"):
+        evaluate.parse(args)
+
+
+def test_help_lists_every_key_with_its_docstring():
+    text = evaluate.keys_help()
+    for f in evaluate.fields(evaluate.EvalOptions):
+        assert f"  {f.name} " in text, f.name
+    assert "lm-evaluation-harness tasks" in text
+
+
+def test_an_existing_out_file_is_never_overwritten(tmp_path):
+    (tmp_path / "r.json").write_text("{}")
+    with pytest.raises(UserError) as e:
+        evaluate._out_path(str(tmp_path / "r.json"), None)
+    assert e.value.key == "out"
+    assert evaluate._out_path(None, str(tmp_path)).startswith(str(tmp_path / "eval") + os.sep)
+
+
+def test_without_lm_eval_tasks_exit_2_naming_the_extra(monkeypatch, capsys):
+    from shardyard import cli
+
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # what `import lm_eval` meets where it is not installed
+    with pytest.raises(SystemExit) as e:  # "nowhere" is never read: the harness is looked for first
+        cli.main(["eval", "nowhere", "tasks=[stdlib_qa]"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "error in `tasks`" in err and "shardyard[eval]" in err, err
+
+
+def test_an_unknown_task_exits_2_naming_tasks_and_close_names(capsys):
+    pytest.importorskip("lm_eval", reason="the eval extra (pip install -e '.[eval]'): make setup installs it")
+    from shardyard import cli
+
+    with pytest.raises(SystemExit) as e:  # checked before any model loads (the path is never read)
+        cli.main(["eval", "nowhere", "tasks=[stdlib_q]"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "error in `tasks`" in err and "stdlib_qa" in err and "include_path" in err, err
+
+
+def test_shipped_stdlib_qa_rows_are_right_about_the_stdlib():
+    """Every row: four distinct modules, and the target is the module that defines the function (checked here by
+    importing it), the others ones that do not."""
+    sys.path.insert(0, os.path.join(evaluate.TASKS_DIR, "stdlib_qa"))
+    try:
+        task = importlib.import_module("stdlib_qa")
+    finally:
+        sys.path.pop(0)
+    rows = [json.loads(line) for line in open(task.DATA)]
+    assert 50 <= len(rows) <= 200
+    assert len({r["module"] for r in rows}) >= 30
+    for r in rows:
+        mods = [c.split(" import ")[0].strip() for c in r["choices"]]
+        assert len(set(mods)) == 4 and r["choices"][r["answer"]] == f" {r['module']} import {r['name']}", r
+        module = importlib.import_module(mods[r["answer"]])
+        fn = getattr(module, r["name"])
+        assert inspect.isfunction(fn) and fn.__module__ == module.__name__, r  # os.path's: posixpath (ntpath)
+        assert all(getattr(importlib.import_module(m), r["name"], None) is not fn for i, m in enumerate(mods)
+                   if i != r["answer"]), r
+        assert r["question"].startswith(f"# {r['name']}: ") and r["question"].endswith("\nfrom")
+    loaded = task.load()["test"]  # the task's custom_dataset, as lm-eval calls it
+    assert len(loaded) == len(rows) and loaded[0]["choices"] == rows[0]["choices"]
+    yaml_text = open(os.path.join(evaluate.TASKS_DIR, "stdlib_qa", "stdlib_qa.yaml")).read()
+    assert "task: stdlib_qa" in yaml_text and "output_type: multiple_choice" in yaml_text
