@@ -55,33 +55,39 @@ class Problem:
     def question(self) -> str:
         return f"What is {self.a} {self.op} {self.b}? {INSTRUCTION}"
 
-    def solution(self, value: int | None = None, worked: bool = False) -> str:
+    def solution(self, value: int | None = None, worked: bool = False, slip: bool = False) -> str:
         """The assistant's reply in the stated format (``value``: another, e.g. wrong, answer). ``worked``: an
         addition written out column by column first, ones first, each with its carry (``worked_sum``): the
-        reasoning-then-answer form of R1, which a small model learns far sooner than the bare sum."""
-        v = self.answer if value is None else value
+        reasoning-then-answer form of R1, which a small model learns far sooner than the bare sum. ``slip``: the
+        worked addition of a teacher who forgets every carry, and the (wrong) answer it then states."""
         if worked and self.op == "+" and value is None:
-            return f"{worked_sum(self.a, self.b)} Answer: {v}"
+            text, v = worked_sum(self.a, self.b, forget_carries=slip)
+            return f"{text} Answer: {v}"
+        v = self.answer if value is None else value
         return f"{self.a} {self.op} {self.b} = {v}. Answer: {v}"
 
-    def messages(self, worked: bool = False) -> list[dict]:
+    def messages(self, worked: bool = False, slip: bool = False) -> list[dict]:
         return [{"role": "user", "content": self.question()},
-                {"role": "assistant", "content": self.solution(worked=worked)}]
+                {"role": "assistant", "content": self.solution(worked=worked, slip=slip)}]
 
 
-def worked_sum(a: int, b: int) -> str:
-    """``a + b`` column by column: ``47 + 85: 7 + 5 = 12, write 2 carry 1; 4 + 8 + 1 = 13, write 3 carry 1; write 1.``"""
+def worked_sum(a: int, b: int, forget_carries: bool = False) -> tuple[str, int]:
+    """``a + b`` column by column and the number it writes: ``47 + 85: 7 + 5 = 12, write 2 carry 1; 4 + 8 + 1 = 13,
+    write 3 carry 1; write 1.`` and 132. ``forget_carries``: a teacher's slip, every carry dropped (``7 + 5 = 12,
+    write 2; 4 + 8 = 12, write 2.`` and 22): each column is right, the answer is not."""
     da, db = str(a)[::-1], str(b)[::-1]
-    steps, carry = [], 0
+    steps, carry, written = [], 0, []
     for i in range(max(len(da), len(db))):
         x, y = int(da[i]) if i < len(da) else 0, int(db[i]) if i < len(db) else 0
         s = x + y + carry
         terms = f"{x} + {y}" + (f" + {carry}" if carry else "")
-        carry = s // 10
+        carry = 0 if forget_carries else s // 10
+        written.append(s % 10)
         steps.append(f"{terms} = {s}, write {s % 10}" + (f" carry {carry}" if carry else ""))
     if carry:
         steps.append(f"write {carry}")
-    return f"{a} + {b}: " + "; ".join(steps) + "."
+        written.append(carry)
+    return f"{a} + {b}: " + "; ".join(steps) + ".", int("".join(map(str, reversed(written))))
 
 
 def held_out(p: Problem) -> bool:
@@ -152,18 +158,31 @@ class ArithmeticData(SFTData):
 
     def __init__(self, max_examples: int = 3000, digits: int = 2, ops: str = "+-", seed: int = 0,
                  chat_template: str | None = None, packing: bool = True, truncation: str = "truncate",
-                 worked: bool = False):
+                 worked: bool = False, slip: float = 0.0):
         check(digits, ops, max_examples)
+        if isinstance(slip, bool) or not isinstance(slip, (int, float)) or not 0 <= slip <= 1:
+            raise UserError("data.slip", slip, "It is the fraction of worked solutions whose carries the teacher "
+                            "forgets, between 0 and 1.", "Use e.g. data.slip=0.6, or 0 for a teacher without slips.")
+        if slip and not worked:
+            raise UserError("data.slip", slip, "Only a worked solution (data.worked=true) has carries to forget.",
+                            "Add data.worked=true, or drop data.slip.")
         super().__init__([], chat_template=chat_template, packing=packing, truncation=truncation,
                          max_examples=max_examples)
-        self.digits, self.ops, self.seed, self.worked = digits, ops, seed, worked
+        self.digits, self.ops, self.seed, self.worked, self.slip = digits, ops, seed, worked, float(slip)
 
     def conversations(self) -> Iterator[tuple[str, list[dict]]]:
         for p in problems(self.max_examples, self.digits, self.ops, self.seed, held=False):
-            yield f"arithmetic:{p.key}", p.messages(self.worked)
+            yield f"arithmetic:{p.key}", p.messages(self.worked, slip=self.slips(p))
+
+    def slips(self, p: Problem) -> bool:
+        """Whether the teacher forgets the carries of this problem's worked solution: a stable hash of the problem
+        and the seed below ``slip`` (the same problems at every run with the same settings)."""
+        h = int.from_bytes(hashlib.sha1(f"slip|{self.seed}|{p.key}".encode()).digest()[:8], "little")
+        return h % 1_000_000 < self.slip * 1_000_000
 
     def fingerprint(self) -> str:
         worked = "|worked" if self.worked else ""  # absent: the key of caches made before the option
+        worked += f"|slip{self.slip}" if self.slip else ""
         settings = (f"arithmetic-v1|{self.digits}|{self.ops}|{self.seed}|{self.max_examples}|{self.chat_template}|"
                     f"{self.packing}|{self.truncation}|{HELD_OUT_PERCENT}{worked}")
         return hashlib.sha256(settings.encode()).hexdigest()[:16]

@@ -133,3 +133,31 @@ def test_a_huge_field_costs_its_row_only(tmp_path):
     manifest = json.loads(open(os.path.join(prep.token_dir, "shardyard_cache.json")).read())["files"]
     assert all(manifest[f]["size"] == os.path.getsize(os.path.join(prep.token_dir, f)) for f in files)
     assert np.load(os.path.join(prep.token_dir, "train.fields.offsets.npy")).dtype == np.int64
+
+
+def test_a_slipping_teacher_forgets_every_carry_of_its_share_of_problems():
+    """``data.slip``: the worked solutions of about that share of the problems drop every carry and state the sum
+    that follows (each column right, the answer wrong); the others are exact; the split is stable per problem."""
+    assert synthetic.worked_sum(47, 85) == ("47 + 85: 7 + 5 = 12, write 2 carry 1; 4 + 8 + 1 = 13, write 3 carry 1; "
+                                            "write 1.", 132)
+    assert synthetic.worked_sum(47, 85, forget_carries=True) == ("47 + 85: 7 + 5 = 12, write 2; 4 + 8 = 12, write 2.",
+                                                                 22)
+    assert synthetic.worked_sum(5, 7, forget_carries=True) == ("5 + 7: 5 + 7 = 12, write 2.", 2)
+    sure, slipping = (synthetic.ArithmeticData(max_examples=3000, ops="+", worked=True, slip=s) for s in (0.0, 0.6))
+    slipped = carrying = 0
+    for (name, good), (name2, conv) in zip(sure.conversations(), slipping.conversations()):
+        a, b = map(int, name.removeprefix("arithmetic:").split("+"))
+        stated = int(conv[1]["content"].rsplit("Answer: ", 1)[1])
+        assert name == name2 and good[1]["content"].endswith(f"Answer: {a + b}")
+        carries = "carry" in good[1]["content"]
+        carrying += carries
+        if conv != good:  # a slip: no carry written, each column's own sum, the digits it wrote as the answer
+            slipped += 1
+            assert carries and "carry" not in conv[1]["content"] and stated != a + b
+            assert stated == int("".join(str((int(x) + int(y)) % 10) for x, y in zip(f"{a:02d}", f"{b:02d}")))
+    assert abs(slipped / carrying - 0.6) < 0.05, (slipped, carrying)  # the problems with a carry to forget
+    assert sure.fingerprint() != slipping.fingerprint()
+    with pytest.raises(UserError, match="data.slip"):
+        synthetic.ArithmeticData(worked=True, slip=1.5)
+    with pytest.raises(UserError, match="data.worked=true"):
+        synthetic.ArithmeticData(slip=0.5)

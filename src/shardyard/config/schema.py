@@ -611,6 +611,11 @@ class ArithmeticDataConfig(DataConfig):
     """Additions written out column by column before the answer ("47 + 85: 7 + 5 = 12, write 2 carry 1; 4 + 8 + 1
     = 13, write 3 carry 1; write 1. Answer: 132"): the reasoning-then-answer form a small model learns far sooner
     than the bare sum (the R1-Zero-style recipe's SFT stage)."""
+    slip: float = 0.0
+    """With ``worked``: the fraction of problems (a stable hash of each) whose worked solution comes from a teacher
+    who forgets every carry, stating the wrong sum that follows ("47 + 85: 7 + 5 = 12, write 2; 4 + 8 = 12, write
+    2. Answer: 22"). SFT then imitates an unreliable teacher; the R1-Zero-style recipe's GRPO stage unlearns the
+    slips from the answer reward alone. 0: a teacher without slips."""
 
 
 @dataclass
