@@ -1,12 +1,14 @@
-"""``shardyard eval``'s lm-evaluation-harness part: the harness's tasks (its own, shardyard's shipped local ones,
-the user's ``include_path``) run through ``lm_eval.simple_evaluate`` with the harness's ``HFLM`` wrapper over a
-loaded model object. ``lm_eval`` (the ``eval`` extra) is imported only inside these functions."""
+"""The lm-evaluation-harness in shardyard: the harness's tasks (its own, shardyard's shipped local ones, the user's
+``include_path``) run through ``lm_eval.simple_evaluate`` with the harness's ``HFLM`` wrapper over a loaded model
+object (``shardyard eval``), or, during training (``train.eval_tasks``), over the engine's model on every rank in
+lockstep (``InTraining``). ``lm_eval`` (the ``eval`` extra) is imported only inside these functions."""
 
 from __future__ import annotations
 
 import difflib
 import os
-from typing import Any
+import random
+from typing import Any, Callable
 
 from shardyard.errors import UserError
 
@@ -14,62 +16,67 @@ TASKS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "eval_tasks
 """The local tasks shipped with shardyard (one directory per task: its harness YAML and data)."""
 
 
-def require_harness() -> None:
-    """``lm_eval`` is importable, or a ``UserError`` naming ``tasks`` and the extra that installs it."""
+def require_harness(key: str = "tasks", instead: str = "leave tasks unset for perplexity alone") -> None:
+    """``lm_eval`` is importable, or a ``UserError`` naming ``key`` (the option that asked for tasks), the extra
+    that installs it, and ``instead``: what to do without it."""
     try:
         import lm_eval  # noqa: F401
     except ImportError:
-        raise UserError("tasks", "(lm-eval not installed)", "The lm-evaluation-harness (the `lm-eval` package) is "
+        raise UserError(key, "(lm-eval not installed)", "The lm-evaluation-harness (the `lm-eval` package) is "
                         "not installed, and scoring tasks needs it.",
                         "Install shardyard's eval extra: pip install 'shardyard[eval]' (or pip install lm-eval), "
-                        "or leave tasks unset for perplexity alone.") from None
+                        f"or {instead}.") from None
 
 
-def task_manager(include_path: str | None, defaults: bool = True) -> Any:
+def task_manager(include_path: str | None, defaults: bool = True, include_key: str = "include_path") -> Any:
     """lm-eval's ``TaskManager`` over shardyard's shipped tasks, ``include_path`` and (``defaults``) the harness's
-    own (indexing those 14,000 task YAMLs takes about 11 s on 2 cores; the local ones alone 0.1 s)."""
+    own (indexing those 14,000 task YAMLs takes about 11 s on 2 cores; the local ones alone 0.1 s).
+    ``include_key``: the option that gave ``include_path``, named when it is no directory."""
     from lm_eval.tasks import TaskManager
 
     paths = [TASKS_DIR]
     if include_path:
         if not os.path.isdir(include_path):
-            raise UserError("include_path", include_path, "There is no such directory.",
+            raise UserError(include_key, include_path, "There is no such directory.",
                             "Give the directory holding your task YAMLs (each with `task: NAME`).")
         paths.append(os.path.abspath(include_path))
     return TaskManager(include_path=paths, include_defaults=defaults)
 
 
-def check_tasks(tasks: list[str], include_path: str | None) -> Any:
+def check_tasks(tasks: list[str], include_path: str | None, key: str = "tasks",
+                include_key: str = "include_path") -> Any:
     """Every task name is one the harness knows (shipped, ``include_path``, its own); returns the manager that
-    holds them: the local tasks' alone when they are all local."""
-    local = task_manager(include_path, defaults=False)
+    holds them: the local tasks' alone when they are all local. ``key``, ``include_key``: the options that named
+    the tasks and the directory (``shardyard eval``'s, or ``train.eval_tasks``')."""
+    local = task_manager(include_path, defaults=False, include_key=include_key)
     if all(t in set(local.all_tasks) for t in tasks):
         return local
-    manager = task_manager(include_path)
+    manager = task_manager(include_path, include_key=include_key)
     known = set(manager.all_tasks)
     unknown = [t for t in tasks if t not in known]
     if unknown:
         close = sorted({c for t in unknown for c in difflib.get_close_matches(t, known, n=3, cutoff=0.6)})
-        raise UserError("tasks", unknown[0] if len(unknown) == 1 else unknown,
+        raise UserError(key, unknown[0] if len(unknown) == 1 else unknown,
                         "The lm-evaluation-harness knows no such task" + (f" (close: {', '.join(close)})." if close
                                                                           else "."),
                         "Use a task `lm-eval ls tasks` lists, the shipped stdlib_qa, or your own task YAML in a "
-                        f"directory given as include_path=DIR (shipped ones live in {TASKS_DIR}).")
+                        f"directory given as {include_key}=DIR (shipped ones live in {TASKS_DIR}).")
     return manager
 
 
 def harness(model: Any, tokenizer: Any, tasks: list[str], *, include_path: str | None = None,
             limit: float | None = None, num_fewshot: int | None = None, batch_size: int = 8, seed: int = 1234,
-            manager: Any = None) -> dict:
+            manager: Any = None, lm: Any = None) -> dict:
     """Scores of ``tasks`` through ``lm_eval.simple_evaluate`` with the harness's ``HFLM`` over the loaded model
     object: ``{task: {metric: value, "<metric>_stderr": stderr}}``. ``manager``: a ``TaskManager`` holding the
-    tasks (``check_tasks``'), when already built."""
+    tasks (``check_tasks``'), when already built; ``lm``: the harness's model wrapper, when already built
+    (``InTraining``'s lockstep one; ``model``, ``tokenizer`` and ``batch_size`` are then its)."""
     require_harness()
     manager = manager or check_tasks(tasks, include_path)
     import lm_eval
     from lm_eval.models.huggingface import HFLM
 
-    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+    lm = lm or HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
     out = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
                                   task_manager=manager, log_samples=False, random_seed=seed, numpy_random_seed=seed,
                                   torch_random_seed=seed, fewshot_random_seed=seed, verbosity="WARNING")
@@ -89,3 +96,138 @@ def scores(out: Any) -> dict:
             row[metric if filt == "none" else f"{metric},{filt}"] = value
         tasks[task] = row
     return tasks
+
+
+# ----------------------------------------------------------------------------------------------- during training
+class InTraining:
+    """``train.eval_tasks``: the harness's tasks scored at every evaluation of a run (the final one too) on the model
+    being trained, as ``shardyard eval`` scores them (``harness``: the same ``simple_evaluate`` call, seeds and
+    ``HFLM`` tokenization), so the run's last row equals ``shardyard eval`` on its export.
+
+    The model may be sharded (FSDP, ZeRO-3, tensor parallel), where every rank must join every forward. So every
+    rank runs the harness in lockstep: lm-eval is told it runs in one process (its own distributed code, through
+    accelerate, never starts), builds the same requests on every rank, and hands them to ``_lockstep_lm``'s
+    ``loglikelihood``, which shares them out over the data-parallel replicas itself (see there) and gives every
+    rank all the answers; lm-eval's metrics are then computed on every rank alike, and rank 0's monitors log
+    them. The random states of ``random``, numpy and torch are put back after each call (lm-eval seeds all three),
+    so a run with tasks trains as it would without. Generation tasks (``generate_until``) are refused."""
+
+    def __init__(self, tasks: list[str], backend: Any, tokenizer_dir: str, *, batch_size: int,
+                 limit: float | None = None, include_path: str | None = None):
+        """``backend``: the engine (its ``hf_model()``, ``all_reduce_mean``, ``dp_rank``, ``dp_size``);
+        ``tokenizer_dir``: the run's tokenizer (the one its export carries); ``batch_size``: requests per forward
+        on each rank."""
+        self.tasks, self.backend, self.tokenizer_dir = list(tasks), backend, tokenizer_dir
+        self.batch_size, self.limit, self.include_path = batch_size, limit, include_path
+        self.lm: Any = None
+        self.manager: Any = None
+
+    @classmethod
+    def of(cls, train: Any, backend: Any, tokenizer_dir: str, batch_size: int) -> "InTraining | None":
+        """The run's (``train``: its ``train`` section), or None when it names no ``eval_tasks``."""
+        tasks = list(train.get("eval_tasks") or [])
+        if not tasks:
+            return None
+        limit = train.get("eval_tasks_limit")
+        return cls(tasks, backend, tokenizer_dir, batch_size=batch_size,
+                   limit=int(limit) if limit is not None and limit >= 1 else limit,
+                   include_path=train.get("eval_tasks_include_path"))
+
+    def __call__(self, step: int) -> dict:
+        """Every rank, together: ``{"eval/<task>/<metric>": value}`` (stderr as ``<metric>_stderr``)."""
+        import numpy as np
+        import torch
+
+        from shardyard.token_cache import load_tokenizer
+
+        model = self.backend.hf_model()
+        if self.lm is None:
+            self.manager = check_tasks(self.tasks, self.include_path, key="train.eval_tasks",
+                                       include_key="train.eval_tasks_include_path")
+            self.lm = _lockstep_lm(model, load_tokenizer(self.tokenizer_dir), self.batch_size,
+                                   share=lambda t: self.backend.all_reduce_mean(t) * self.backend.dp_size,
+                                   dp_rank=self.backend.dp_rank, dp_size=self.backend.dp_size)
+        states = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
+                  torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None)
+        was_training = model.training
+        local_rank = os.environ.get("LOCAL_RANK")
+        os.environ["LOCAL_RANK"] = "0"  # lm-eval returns results where LOCAL_RANK is 0 only: every rank, here
+        model.eval()
+        try:
+            results = harness(model, None, self.tasks, include_path=self.include_path, limit=self.limit,
+                              manager=self.manager, lm=self.lm)
+        finally:
+            model.train(was_training)
+            if local_rank is None:
+                del os.environ["LOCAL_RANK"]
+            else:
+                os.environ["LOCAL_RANK"] = local_rank
+            random.setstate(states[0])
+            np.random.set_state(states[1])
+            torch.set_rng_state(states[2])
+            if states[3] is not None:
+                torch.cuda.set_rng_state_all(states[3])
+        return {f"eval/{task}/{metric}": float(value) for task, row in results.items() for metric, value in row.items()}
+
+
+def _lockstep_lm(model: Any, tokenizer: Any, batch_size: int, *, share: Callable[[Any], Any], dp_rank: int,
+                 dp_size: int) -> Any:
+    """The harness's ``HFLM`` over ``model`` (tokenization, truncation and scoring as ``shardyard eval``'s), whose
+    log-likelihoods are computed by ``dp_size`` data-parallel replicas together, every rank of the world calling
+    this with the same requests:
+
+    1. the requests are ordered longest first (the same order on every rank) and taken in rounds of
+       ``batch_size x dp_size``; replica ``dp_rank`` takes every ``dp_size``-th request of a round (strided);
+    2. each round is one forward per rank of a ``[batch_size, longest in the round]`` batch, right-padded, with
+       dummy rows where a replica's share is short, so every rank runs the same forwards with the same shapes
+       (a sharded model gathers its weights inside them; tensor-parallel peers, one replica, run the same rows);
+    3. each request's ``(log-likelihood, greedy)`` is written into a ``[requests, 2]`` float64 tensor of zeros
+       at its own index; ``share`` (the mean over the world times ``dp_size``: the sum over the replicas) gives
+       every rank all of them, exactly."""
+    import torch
+    import torch.nn.functional as F
+    from lm_eval.models.huggingface import HFLM
+
+    class Lockstep(HFLM):
+        def get_model_info(self) -> dict:
+            return {}  # HFLM's asks the hub for the model's revision: nothing to ask about a model in training
+
+        def generate_until(self, requests: Any, disable_tqdm: bool = False) -> list:
+            tasks = sorted({r.task_name for r in requests if getattr(r, "task_name", None)})
+            raise UserError("train.eval_tasks", tasks or "(a generation task)", "Generation tasks (output_type "
+                            "generate_until) are not scored during training: only log-likelihood and multiple-"
+                            "choice tasks run in lockstep on every rank.",
+                            "Score them after the run with `shardyard eval RUN tasks=[...]`, and keep "
+                            "train.eval_tasks to log-likelihood and multiple-choice tasks.").on_every_rank()
+
+        def _loglikelihood_tokens(self, requests: Any, disable_tqdm: bool = False,
+                                  override_bs: Any = None) -> list:
+            rows = [((ctx + cont)[-(self.max_length + 1):][:-1], cont) for _, ctx, cont in requests]  # HFLM's
+            order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))  # 1
+            out = torch.zeros(len(rows), 2, dtype=torch.float64, device=self.device)
+            per_round = batch_size * dp_size
+            for start in range(0, len(order), per_round):
+                members = order[start:start + per_round]
+                mine = members[dp_rank::dp_size]
+                width = max(len(rows[i][0]) for i in members)
+                batch = torch.zeros(batch_size, width, dtype=torch.long, device=self.device)  # 2: dummy rows: 0s
+                for j, i in enumerate(mine):
+                    batch[j, :len(rows[i][0])] = torch.tensor(rows[i][0], dtype=torch.long)
+                logp = F.log_softmax(self._model_call(batch), dim=-1, dtype=self.softmax_dtype)
+                for j, i in enumerate(mine):
+                    inp, cont = rows[i]
+                    picked = logp[j, len(inp) - len(cont):len(inp)]
+                    want = torch.tensor(cont, dtype=torch.long, device=self.device)
+                    out[i, 0] = float(picked.gather(1, want[:, None]).sum())  # 3
+                    out[i, 1] = float(bool((picked.argmax(-1) == want).all()))
+            every = share(out) if rows else out
+            answers = [(float(every[i, 0]), bool(every[i, 1] > 0.5)) for i in range(len(rows))]
+            for (key, _, _), answer in zip(requests, answers):
+                if key is not None:
+                    self.cache_hook.add_partial("loglikelihood", key, answer)
+            return answers
+
+    was_training = model.training
+    lm = Lockstep(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)  # sets eval mode
+    model.train(was_training)
+    return lm

@@ -147,10 +147,13 @@ def evaluate(backend: Backend, val: dict, batches: int, plan: Plan, weights: dic
 def train(cfg: DictConfig, plan: Plan, backend: Backend, stream: TrainStream, val: dict,
           monitors: Monitors, start_step: int = 0, after_step: Callable[[int], None] | None = None,
           after_eval: Callable[[int, dict], bool] | None = None, history: dict | None = None,
-          balancer: Balancer | None = None, *, objective: Objective) -> LoopResult:
+          balancer: Balancer | None = None, *, objective: Objective,
+          eval_tasks: Callable[[int], dict] | None = None) -> LoopResult:
     """Steps ``start_step .. train.steps``; ``after_step(done)`` runs after each (checkpointing), and
     ``after_eval(step, metrics)`` after each evaluation: True stops the run there (a sweep's pruner; every
     rank must return the same). ``balancer``: a MoE model's routing balance, stepped after every update.
+    ``eval_tasks(step)``: more metrics of each evaluation, called on every rank (``train.eval_tasks``: the
+    lm-evaluation-harness's scores, ``harness.InTraining``).
     ``objective``: what the step optimises (``shardyard.objectives``, set up already).
     The plan's FLOPs per token turn throughput into TFLOP/s and MFU. The loop is where the step's parts meet, so
     it reads the whole ``cfg``; each part it builds gets only its sections."""
@@ -170,6 +173,8 @@ def train(cfg: DictConfig, plan: Plan, backend: Backend, stream: TrainStream, va
         if metrics is None:  # the held-out cross-entropy (objective=lm) and its perplexity
             metrics = evaluate(backend, val, tr.eval_batches, plan, weights=stream.weights())
             metrics["eval/ppl"] = math.exp(min(metrics["eval/loss"], 50.0))
+        if eval_tasks is not None:  # logged in the evaluation's row, to every monitor
+            metrics.update(eval_tasks(step))
         loss = metrics["eval/loss"]
         res.eval_losses.append((step, loss))
         res.final_eval = metrics

@@ -236,6 +236,7 @@ def validate(cfg: DictConfig, env: DistEnv | None) -> Plan:
     src = validate_data(cfg)
     _validate_finetune(cfg, src, facts)
     _validate_objective(cfg, src)
+    _validate_eval_tasks(cfg)
     _validate_balance(m.balance, facts)
     _validate_groups(m, facts)
     _validate_ep(cfg.backend, p.dims, facts)
@@ -698,6 +699,31 @@ def _validate_objective(cfg: DictConfig, src: Any) -> None:
     if m.get("mtp") is not None and int(m.mtp.depth):
         raise UserError("model.mtp.depth", m.mtp.depth, f"objective={o.name} trains the main head only; multi-token "
                         "prediction depths are a pre-training objective.", "Use model.mtp.depth=0.")
+
+
+def _validate_eval_tasks(cfg: DictConfig) -> None:
+    """``train.eval_tasks``: the harness installed, every task one it knows (``harness.check_tasks``: the shipped,
+    ``train.eval_tasks_include_path``'s, its own), a positive limit, and an engine whose ranks each run the whole
+    model's forward (every rank scores the tasks in lockstep: ``harness.InTraining``)."""
+    from shardyard import harness
+    from shardyard.backends import engine
+
+    tr = cfg.train
+    tasks = list(tr.get("eval_tasks") or [])
+    if not tasks:
+        return
+    if not getattr(engine(cfg.backend), "post_training", True):
+        raise UserError("train.eval_tasks", tasks, "The harness scores each request with one forward of the whole "
+                        f"model on every rank, and backend={cfg.backend.name} splits the model into pipeline stages.",
+                        "Score the run's export after training with `shardyard eval RUN tasks=[...]`, or use "
+                        "backend=fsdp, zero3, fsdp_tp, ddp or zero1/zero2 for scores during training.")
+    limit = tr.get("eval_tasks_limit")
+    if limit is not None and not (limit > 0 and (limit < 1 or limit == int(limit))):
+        raise UserError("train.eval_tasks_limit", limit, "It must be a count of documents per task (or a fraction "
+                        "below 1).", "Use e.g. train.eval_tasks_limit=100, or leave it unset for every document.")
+    harness.require_harness("train.eval_tasks", "leave train.eval_tasks unset")
+    harness.check_tasks(tasks, tr.get("eval_tasks_include_path"), key="train.eval_tasks",
+                        include_key="train.eval_tasks_include_path")
 
 
 def _validate_reference_weights(cfg: DictConfig) -> None:

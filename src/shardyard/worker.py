@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from shardyard import data, drills, loop, moe, monitors, objectives
+from shardyard import data, drills, harness, loop, moe, monitors, objectives
 from shardyard.backends import Backend
 from shardyard.backends.process_group import elastic_start
 from shardyard.checkpoint import Checkpointer
@@ -208,7 +208,9 @@ def train(cfg: DictConfig, plan: Plan, backend: Backend) -> dict:
         trial = Trial.of(OmegaConf.select(cfg, "sweep"), backend)
         result = loop.train(cfg, plan, backend, stream, val, mon, start_step=start, after_step=after_step,
                             after_eval=trial.should_stop if trial else None, history=ckpt.history,
-                            balancer=balancer, objective=objective)
+                            balancer=balancer, objective=objective,
+                            eval_tasks=harness.InTraining.of(cfg.train, backend, prepared.tokenizer_dir,
+                                                             plan.micro_batch_size))
         summary = _finish(cfg, plan, backend, prepared, result, ckpt, objective)
     except BaseException as e:  # mark wandb/mlflow runs failed, flush the event files, then re-raise
         mon.fail(e.paragraph() if isinstance(e, UserError) else f"{type(e).__name__}: {e}")

@@ -28,6 +28,7 @@ class ConsoleMonitor:
 
     def __init__(self, run_dir: str, config: DictConfig, style: str = "auto"):
         self.total, self.t0 = config.train.steps, time.perf_counter()
+        self.tasks = tuple(f"eval/{t}/" for t in config.train.get("eval_tasks") or [])  # train.eval_tasks' scores
         self.rich = style == "rich" or (style == "auto" and sys.stdout.isatty())
         self.progress = None
         if self.rich:
@@ -54,7 +55,8 @@ class ConsoleMonitor:
                 print(f"step {step:>{len(str(self.total))}}/{self.total} | {info} | eta {_fmt_time(eta)}", flush=True)
         if "eval/loss" in m:
             line = (f"eval @ step {step}: loss {m['eval/loss']:.4f}" + (f" | ppl {m['eval/ppl']:.2f}" if "eval/ppl" in m else "")
-                    + _headlines(m, "eval/"))
+                    + _headlines(m, "eval/") + "".join(f" | {k[5:]} {v:.4f}" for k, v in m.items()
+                                                       if k.startswith(self.tasks) and "_stderr" not in k))
             (self.progress.console.print if self.progress is not None else print)(line)
 
     def fail(self, error: str) -> None:

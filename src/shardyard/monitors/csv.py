@@ -2,7 +2,8 @@
 
 The columns are the same for every engine and device, so CSVs of different runs line up; a metric not
 reported at a step (eval metrics between evaluations, MFU on CPU) is an empty cell. The training and the
-evaluation metrics of one step share its row.
+evaluation metrics of one step share its row. A run with ``train.eval_tasks`` gains a column per harness metric
+(``eval/<task>/<metric>``) when the first evaluation reports it (the file is rewritten once with the wider header).
 """
 
 from __future__ import annotations
@@ -19,6 +20,12 @@ class CsvMonitor:
 
         self.path, self.fields = os.path.join(run_dir, file), ["step", *METRICS]
         self.fresh = not os.path.exists(self.path) or os.path.getsize(self.path) == 0
+        tasks = (config.get("train") or {}).get("eval_tasks") or []
+        self.task_prefixes = tuple(f"eval/{t}/" for t in tasks)  # their metrics' columns, added as they come
+        if not self.fresh:  # an earlier attempt's columns (its harness metrics) stay
+            with open(self.path, newline="") as f:
+                header = next(csv.reader(f), [])
+            self.fields += [c for c in header if c not in self.fields]
         self._open()
         if self.fresh:  # a resumed run appends below the header it wrote before
             self.writer.writeheader()
@@ -51,8 +58,29 @@ class CsvMonitor:
     def log(self, step: int, metrics: dict) -> None:
         if self.row and self.row["step"] != step:
             self._flush()
+        new = [k for k in metrics if k not in self.fields and k.startswith(self.task_prefixes)]
+        if new:
+            self._widen(new)
         self.row.setdefault("step", step)
         self.row.update(metrics)
+
+    def _widen(self, columns: list[str]) -> None:
+        """New columns at the right: the rows so far rewritten under the wider header, beside the file and renamed
+        over it."""
+        import io
+
+        from shardyard.monitors.jsonl import replace_atomically
+
+        self.f.close()
+        with open(self.path, newline="") as f:
+            rows = list(csv.DictReader(f))
+        self.fields += columns
+        out = io.StringIO()
+        writer = csv.DictWriter(out, fieldnames=self.fields, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+        replace_atomically(self.path, out.getvalue())
+        self._open()
 
     def _flush(self) -> None:
         if self.row:
