@@ -36,8 +36,6 @@ def main(argv: list[str] | None = None) -> None:
             report_and_exit(err)
         sys.exit(0)
     if argv[:1] in (["generate"], ["eval"]) and not {"-h", "--help"} & set(argv):  # PATH, then KEY=VALUE arguments
-        from shardyard.errors import leave
-
         try:
             if argv[0] == "generate":
                 from shardyard import generate
@@ -49,7 +47,8 @@ def main(argv: list[str] | None = None) -> None:
                 evaluate.main(argv[1:])
         except UserError as err:
             report_and_exit(err)
-        leave(0)
+        sys.stdout.flush()
+        sys.exit(0)  # not errors.leave's os._exit: a caller in this process (a test) goes on
     parser = argparse.ArgumentParser(
         prog="shardyard", description="shardyard tools. Training: python train.py ... in a checkout or a project made "
         "by `shardyard new`, or `shardyard train ...` from any directory.")
@@ -125,25 +124,13 @@ def _data(overrides: list[str]) -> None:
 
 def _sbatch_keys() -> str:
     """``shardyard sbatch --help``: its own keys, from the docstrings of ``SbatchOptions``."""
-    import ast
-    import dataclasses
-    import inspect
-
     from shardyard import sbatch
+    from shardyard.options import keys_help
 
-    lines = ["shardyard sbatch recipe=NAME nodes=N gpus_per_node=G [KEY=VALUE ...] [overrides] [--submit]",
-             "writes outputs/sbatch/JOB_NAME/job.sbatch (every other KEY=VALUE is a train.py override). Keys:"]
-    try:
-        cls = ast.parse(inspect.getsource(sbatch.SbatchOptions)).body[0]
-    except (OSError, TypeError):  # installed without sources: the names alone
-        return "\n".join(lines + ["  " + ", ".join(f.name for f in dataclasses.fields(sbatch.SbatchOptions))])
-    assert isinstance(cls, ast.ClassDef)
-    body = cls.body
-    for node, doc in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(doc, ast.Expr)
-                and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)):
-            lines.append(f"  {node.target.id:15} {doc.value.value}")
-    return "\n".join(lines)
+    return keys_help(sbatch.SbatchOptions, [
+        "shardyard sbatch recipe=NAME nodes=N gpus_per_node=G [KEY=VALUE ...] [overrides] [--submit]",
+        "writes outputs/sbatch/JOB_NAME/job.sbatch (every other KEY=VALUE is a train.py override). Keys:"],
+        one_line=False)
 
 
 def _generate_keys() -> str:

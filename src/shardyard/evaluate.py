@@ -169,16 +169,9 @@ def evaluate(trained: Any, opts: EvalOptions, overrides: list[str], manager: Any
 
 
 def _dtype(name: str | None) -> Any:
-    import torch
+    from shardyard.options import dtype
 
-    if name is None:
-        return None
-    known = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16}
-    if name not in known:
-        raise UserError("dtype", name, "It is not a dtype shardyard eval knows.",
-                        "Use dtype=float32, dtype=bfloat16 or dtype=float16 (or leave it unset: the saved dtype).")
-    return known[name]
+    return dtype(name)
 
 
 def _out_path(out: str | None, run_dir: str | None) -> str:
@@ -375,21 +368,10 @@ def table(results: dict) -> str:
 
 def keys_help() -> str:
     """``shardyard eval --help``: its own keys, from ``EvalOptions``' field docstrings."""
-    import ast
-    import inspect
+    from shardyard.options import keys_help as help_of
 
-    lines = ["shardyard eval PATH [KEY=VALUE ...] [train.py data overrides]",
-             "PATH: a run dir, a checkpoint dir or an HF export. Keys:"]
-    try:
-        cls = ast.parse(inspect.getsource(EvalOptions)).body[0]
-    except (OSError, TypeError):
-        return "\n".join(lines + ["  " + ", ".join(f.name for f in fields(EvalOptions))])
-    assert isinstance(cls, ast.ClassDef)
-    for node, doc in zip(cls.body, cls.body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(doc, ast.Expr)
-                and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)):
-            lines.append(f"  {node.target.id:13} {' '.join(doc.value.value.split())}")
-    return "\n".join(lines)
+    return help_of(EvalOptions, ["shardyard eval PATH [KEY=VALUE ...] [train.py data overrides]",
+                                 "PATH: a run dir, a checkpoint dir or an HF export. Keys:"], width=13)
 
 
 if __name__ == "__main__":  # python -m shardyard.evaluate PATH ... (also `shardyard eval`)

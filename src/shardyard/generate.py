@@ -9,13 +9,21 @@ prompt one user message. Generation is batched (``batch_size`` prompts, left-pad
 a generator seeded by ``seed``. A row ends at the tokenizer's eos, at ``max_new_tokens``, or once its text holds a
 ``stop`` string (the completion is cut before it).
 
-One prompt and no ``out``: the completion streams to the terminal as it is generated. Otherwise one JSON row per
+Every ``KEY=VALUE`` value is taken literally: ``prompt=[1, 2]`` is one prompt, and several prompts (or stop strings)
+are several ``prompt=`` (``stop=``) arguments. A prompt whose tokens plus ``max_new_tokens`` do not fit the model's
+positions (``max_position_embeddings``, else the run's ``data.seq_len``) is refused before anything is generated.
+A row also ends at the model's ``generation_config.eos_token_id`` (an int or a list: a chat model's end of turn).
+
+One prompt and no ``out``: the completion streams to the terminal as it is generated (``stream=true`` with several
+prompts is refused: streaming prints one completion). Otherwise one JSON row per
 prompt (``prompt``, ``completion``, ``tokens``, ``stop_reason``: ``eos`` | ``stop`` | ``length``) goes to
 ``out=FILE`` (never overwritten) or stdout.
 
 ``engine=deepspeed`` runs DeepSpeed's inference engine (``deepspeed.init_inference``, tensor parallel over
 ``tp_size`` processes: ``shardyard.ds_inference``); ``speculative=mtp`` decodes greedily with the model's MTP depths
-as the draft (``shardyard.speculative``) and prints the acceptance rate.
+as the draft (``shardyard.speculative``) and prints the acceptance rate, tokens per main-model forward and tokens
+per second; ``compare=true`` also decodes the prompts plainly (greedy, KV-cached, one at a time), checks the
+tokens are the same (exit 1 if not) and prints the measured speed-up.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import time
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Callable, Optional, TextIO
 
+from shardyard import options
 from shardyard.errors import UserError
 
 if TYPE_CHECKING:  # torch is imported where it runs: `shardyard --help` builds this command's help
@@ -39,7 +48,7 @@ class GenerateOptions:
     """The keys of ``shardyard generate PATH [KEY=VALUE ...]``."""
 
     prompt: list = field(default_factory=list)
-    """A prompt (repeatable: ``prompt=a prompt=b``; or one list, ``prompt='[a, b]'``)."""
+    """A prompt, taken literally (repeat the key for several: ``prompt=a prompt=b``)."""
     file: Optional[str] = None
     """A JSONL file of prompts, one row each: ``{"prompt": "..."}`` or ``{"messages": [{"role": "user", "content":
     "..."}]}``; ``-`` reads stdin."""
@@ -59,21 +68,25 @@ class GenerateOptions:
     seed: int = 0
     """Seeds the sampling generator: the same seed gives the same completions."""
     stop: list = field(default_factory=list)
-    """Stop strings (repeatable, or a list ``stop='[a, b]'``; ``\\n`` is a newline): a row ends once its text holds
-    one, and its completion is cut before it."""
+    """A stop string, taken literally but for ``\\n`` (a newline) and ``\\t`` (repeat the key for several): a row
+    ends once its text holds one, and its completion is cut before it."""
     batch_size: int = 8
     """Prompts generated together (left-padded to the longest of the batch)."""
     out: Optional[str] = None
     """Write the JSONL rows here (a new file: an existing one is never overwritten); default stdout."""
     stream: Optional[bool] = None
-    """Print the completion token by token; default: when there is one prompt and no ``out``."""
+    """Print the completion token by token (one prompt only); default: when there is one prompt and no ``out``."""
     engine: str = "hf"
     """``hf``: the model in this process (CPU or one GPU); ``deepspeed``: DeepSpeed's inference engine, tensor
     parallel over ``tp_size`` processes."""
     tp_size: int = 1
     """``engine=deepspeed``: tensor-parallel degree (processes; GPUs on a GPU machine)."""
     speculative: str = "none"
-    """``mtp``: greedy speculative decoding with the model's multi-token-prediction depths as the draft."""
+    """``mtp``: greedy speculative decoding with the model's multi-token-prediction depths as the draft (prints the
+    acceptance rate, tokens per forward and tokens/s)."""
+    compare: bool = False
+    """With ``speculative=mtp``: also decode the prompts plainly (greedy, KV-cached, one at a time), check the
+    tokens are identical (exit 1 if not) and print the measured speed-up."""
     device: str = "auto"
     """``cpu``, ``cuda`` or ``auto`` (a GPU when there is one)."""
     dtype: Optional[str] = None
@@ -81,7 +94,7 @@ class GenerateOptions:
 
 
 _CHOICES = {"engine": ("hf", "deepspeed"), "speculative": ("none", "mtp"), "device": ("auto", "cpu", "cuda"),
-            "dtype": (None, "float32", "bfloat16", "float16")}
+            "dtype": options.DTYPES}
 
 
 def parse(args: list[str]) -> tuple[str, GenerateOptions]:
@@ -98,44 +111,11 @@ def parse(args: list[str]) -> tuple[str, GenerateOptions]:
             raise UserError(key if eq else "shardyard generate", arg, "It is not a key of shardyard generate." if eq
                             else "Arguments after PATH are KEY=VALUE.",
                             f"Use one of {', '.join(kinds)} (shardyard generate --help says what each does).")
-        setattr(opts, key, _value(key, value, kinds[key].type, getattr(opts, key)))
+        if key in ("prompt", "stop"):  # one literal item per argument
+            getattr(opts, key).append(_unescape(value) if key == "stop" else value)
+        else:
+            setattr(opts, key, options.value(key, value, kinds[key].type, _CHOICES))
     return args[0], opts
-
-
-def _value(key: str, value: str, kind: Any, now: Any) -> Any:
-    kind = str(kind)
-    if kind == "list":
-        items = _yaml_list(key, value) if value.startswith("[") else [value]
-        return [*now, *(_unescape(str(v)) if key == "stop" else str(v) for v in items)]
-    if value.lower() in ("null", "none") and kind.startswith("Optional"):
-        return None
-    if "bool" in kind:
-        if value.lower() not in ("true", "false"):
-            raise UserError(key, value, "It is true or false.", f"Write {key}=true or {key}=false.")
-        return value.lower() == "true"
-    if kind in ("int", "float"):
-        try:
-            return int(value) if kind == "int" else float(value)
-        except ValueError:
-            raise UserError(key, value, f"It must be a{'n integer' if kind == 'int' else ' number'}.",
-                            f"Write e.g. {key}={1 if kind == 'int' else 0.7}.") from None
-    if key in _CHOICES and value not in _CHOICES[key]:
-        raise UserError(key, value, f"It is one of {', '.join(str(c) for c in _CHOICES[key] if c)}.",
-                        f"Write e.g. {key}={_CHOICES[key][1]}.")
-    return value
-
-
-def _yaml_list(key: str, value: str) -> list:
-    import yaml
-
-    try:
-        items = yaml.safe_load(value)
-    except yaml.YAMLError as e:
-        raise UserError(key, value, f"It is not a list ({str(e).splitlines()[0]}).",
-                        f"Write {key}='[a, b]', or give {key}=... once per item.") from None
-    if not isinstance(items, list):
-        raise UserError(key, value, "It is not a list.", f"Write {key}='[a, b]', or give {key}=... once per item.")
-    return items
 
 
 def _unescape(s: str) -> str:
@@ -145,7 +125,13 @@ def _unescape(s: str) -> str:
 # ---------------------------------------------------------------------------------------------- prompts
 def read_prompts(opts: GenerateOptions, stdin: TextIO | None = None) -> list[Any]:
     """The prompts: strings, or lists of messages (chat rows), in order: ``prompt=`` ones, then the file's."""
+    return read_prompts_at(opts, stdin)[0]
+
+
+def read_prompts_at(opts: GenerateOptions, stdin: TextIO | None = None) -> tuple[list[Any], list[str]]:
+    """``read_prompts`` and where each came from (``prompt=...`` or ``FILE:LINE``), for the errors that name one."""
     rows: list[Any] = list(opts.prompt)
+    places = [f"prompt={p[:40] + '...' if len(p) > 40 else p!r}" for p in opts.prompt]
     if opts.file is not None:
         name = "<stdin>" if opts.file == "-" else opts.file
         if opts.file == "-":
@@ -157,13 +143,18 @@ def read_prompts(opts: GenerateOptions, stdin: TextIO | None = None) -> list[Any
             except OSError as e:
                 raise UserError("file", opts.file, f"It cannot be read ({e.strerror}).",
                                 "Give a JSONL file of prompts, or file=- for stdin.") from None
+        before = len(rows)
         for n, line in enumerate(lines, 1):
             if line.strip():
                 rows.append(_row(line, f"{name}:{n}"))
+                places.append(f"{name}:{n}")
+        if len(rows) == before:
+            raise UserError("file", opts.file, f"It holds no prompt ({len(lines)} line(s), none with a JSON row).",
+                            'Give a JSONL file with one {"prompt": "..."} or {"messages": [...]} row per line.')
     if not rows:
         raise UserError("prompt", "(none)", "There is no prompt to generate from.",
                         'Give prompt="..." (repeatable), file=prompts.jsonl or file=- (stdin).')
-    return rows
+    return rows, places
 
 
 def _row(line: str, where: str) -> Any:
@@ -197,20 +188,22 @@ def render(tokenizer: Any, prompt: Any, opts: GenerateOptions) -> str:
 class Watcher:
     """``generation.generate``'s ``stop`` hook (called once per generated token with every row's completion so
     far): ends a row whose text holds a stop string, and prints row 0's new text as it comes (``out``), holding back
-    what could still become a stop string or an unfinished UTF-8 character."""
+    what could still become a stop string or an unfinished UTF-8 character. A stop string newly completed by the
+    last token lies in the row's last few tokens: only those are decoded (``window``: the longest stop string's
+    bytes plus 8 tokens), so each token costs the same however long the completion grows."""
 
-    def __init__(self, tokenizer: Any, stops: list[str], out: TextIO | None = None, offset: int = 0):
+    def __init__(self, tokenizer: Any, stops: list[str], out: TextIO | None = None):
         self.tok, self.stops, self.out = tokenizer, [s for s in stops if s], out
-        self.offset = offset  # columns of ``ids`` before the completion (speculative decoding passes whole rows)
+        self.window = max((len(s.encode("utf-8")) for s in self.stops), default=0) + 8
         self.printed = ""
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         import torch
 
-        texts = [self.text(row[self.offset:]) for row in ids.tolist()]
         if self.out is not None:
-            self._show(texts[0])
-        return torch.tensor([cut(t, self.stops)[1] for t in texts], dtype=torch.bool, device=ids.device)
+            self._show(self.text(ids[0].tolist()))
+        tails = ids[:, -self.window:].tolist()
+        return torch.tensor([cut(self.text(t), self.stops)[1] for t in tails], dtype=torch.bool, device=ids.device)
 
     def text(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
@@ -243,60 +236,148 @@ def cut(text: str, stops: list[str]) -> tuple[str, bool]:
 
 
 # ------------------------------------------------------------------------------------------ generation
+def eos_ids(tokenizer: Any, model: torch.nn.Module) -> list[int]:
+    """The tokens that end a row: the tokenizer's eos and the model's ``generation_config.eos_token_id`` (an int
+    or a list: Llama-3's ``<|eot_id|>``, a chat model's end of turn), in that order, each once."""
+    from shardyard.generation import hf_model
+
+    config = getattr(hf_model(model), "generation_config", None)
+    more = getattr(config, "eos_token_id", None)
+    found = [tokenizer.eos_token_id, *(more if isinstance(more, (list, tuple)) else [more])]
+    return list(dict.fromkeys(int(i) for i in found if i is not None))
+
+
+def positions(model: torch.nn.Module, cfg: Any) -> tuple[int, str] | None:
+    """How many positions (prompt and completion) the model takes, and what says so: its config's
+    ``max_position_embeddings`` (or ``n_positions``), else the run's ``data.seq_len``; None when neither is known."""
+    from shardyard.generation import hf_model
+
+    config = getattr(hf_model(model), "config", None)
+    for name in ("max_position_embeddings", "n_positions"):
+        if isinstance(getattr(config, name, None), int):
+            return int(getattr(config, name)), f"its config's {name}"
+    seq_len = cfg.get("data", {}).get("seq_len") if cfg is not None else None
+    return (int(seq_len), "the run's data.seq_len") if isinstance(seq_len, int) else None
+
+
+@dataclass
+class _Speed:
+    """``speculative=mtp``'s counts over the prompts, and the plain decoding's (``compare``)."""
+
+    stats: Any = None
+    seconds: float = 0.0
+    plain_seconds: float = 0.0
+    plain_tokens: int = 0
+
+
 def complete(model: torch.nn.Module, tokenizer: Any, prompts: list[Any], opts: GenerateOptions, *,
              lockstep: bool = False, stream: TextIO | None = None,
-             on_row: Callable[[dict], None] | None = None) -> list[dict]:
+             on_row: Callable[[dict], None] | None = None, places: list[str] | None = None,
+             limit: tuple[int, str] | None = None) -> list[dict]:
     """One row per prompt (``prompt``, ``completion``, ``tokens``, ``stop_reason``), ``batch_size`` at a time through
     ``generation.generate`` (or ``speculative.generate_mtp`` per prompt). ``stream``: row 0's text as it comes
-    (one prompt). ``lockstep``: every batch runs all ``max_new_tokens`` forwards (tensor-parallel ranks)."""
+    (one prompt). ``lockstep``: every batch runs all ``max_new_tokens`` forwards (tensor-parallel ranks).
+    ``limit``: the model's positions (``positions``): a prompt that does not fit with ``max_new_tokens`` is a
+    ``UserError`` naming it (``places``: where each prompt came from) before anything is generated."""
     import torch
 
     from shardyard.generation import generate
 
     device = next(model.parameters()).device
-    eos = tokenizer.eos_token_id
-    pad = next((i for i in (tokenizer.pad_token_id, eos) if i is not None), 0)
+    eos = eos_ids(tokenizer, model)
+    pad = next((i for i in (tokenizer.pad_token_id, *eos) if i is not None), 0)
+    encoded_all = [tokenizer(render(tokenizer, p, opts), add_special_tokens=False).input_ids or [pad] for p in prompts]
+    if limit is not None:
+        _check_fits(encoded_all, places or [f"prompt {i + 1}" for i in range(len(prompts))], opts, limit)
     g = torch.Generator(device=device).manual_seed(opts.seed)
+    speed = _Speed()
     rows: list[dict] = []
     for start in range(0, len(prompts), opts.batch_size):
         batch = prompts[start:start + opts.batch_size]
-        encoded = [tokenizer(render(tokenizer, p, opts), add_special_tokens=False).input_ids or [pad] for p in batch]
+        encoded = encoded_all[start:start + opts.batch_size]
         width = max(map(len, encoded))
         ids = torch.tensor([[pad] * (width - len(e)) + e for e in encoded], device=device)
         mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded], device=device)
         watcher = Watcher(tokenizer, opts.stop, stream)
         if opts.speculative == "mtp":
-            outs = [_speculative(model, ids[i:i + 1, width - len(e):], opts, eos, watcher)
-                    for i, e in enumerate(encoded)]
+            outs = [_speculative(model, ids[i:i + 1, width - len(e):], opts, eos, pad, watcher, speed, places,
+                                 start + i) for i, e in enumerate(encoded)]
         else:
             out, kept = generate(model, ids, mask, max_new_tokens=opts.max_new_tokens, temperature=opts.temperature,
                                  top_k=opts.top_k, top_p=opts.top_p, eos_id=eos, pad_id=pad, generator=g,
                                  lockstep=lockstep, stop=watcher if (opts.stop or stream) else None)
             outs = [o[m.bool()].tolist() for o, m in zip(out, kept)]
         for prompt, tokens in zip(batch, outs):
-            text, stopped = cut(watcher.text(tokens), opts.stop)
-            reason = "stop" if stopped else "eos" if tokens and tokens[-1] == eos else "length"
+            ended = bool(tokens) and tokens[-1] in eos
+            text, stopped = cut(watcher.text(tokens[:-1] if ended else tokens), opts.stop)
+            reason = "stop" if stopped else "eos" if ended else "length"
             row = {"prompt": prompt, "completion": text, "tokens": len(tokens), "stop_reason": reason}
             rows.append(row)
             if on_row is not None:
                 on_row(row)
         if stream is not None:
-            watcher.finish(rows[0]["completion"])
+            watcher.finish(rows[start]["completion"])
+    if speed.stats is not None:
+        _report_speed(speed, opts)
     return rows
 
 
-def _speculative(model: torch.nn.Module, ids: torch.Tensor, opts: GenerateOptions, eos: int | None,
-                 watcher: Watcher) -> list[int]:
+def _check_fits(encoded: list[list[int]], places: list[str], opts: GenerateOptions, limit: tuple[int, str]) -> None:
+    most, what = limit
+    for tokens, place in zip(encoded, places):
+        if len(tokens) + opts.max_new_tokens > most:
+            room = most - len(tokens)
+            need = len(tokens) + opts.max_new_tokens
+            raise UserError("max_new_tokens", opts.max_new_tokens, f"The prompt {place} is {len(tokens)} tokens, "
+                            f"and with max_new_tokens={opts.max_new_tokens} it needs {need} positions; the model "
+                            f"takes {most} ({what}).",
+                            f"Use max_new_tokens<={room}." if room > 0 else
+                            f"Shorten that prompt to fewer than {most} tokens.")
+
+
+def _speculative(model: torch.nn.Module, ids: torch.Tensor, opts: GenerateOptions, eos: list[int], pad: int,
+                 watcher: Watcher, speed: _Speed, places: list[str] | None, index: int) -> list[int]:
+    """One prompt by ``speculative.generate_mtp``; ``compare``: decoded plainly too, the tokens checked equal."""
+    import torch
+
     from shardyard import speculative
+    from shardyard.generation import generate
 
     stop = watcher if (opts.stop or watcher.out is not None) else None
+    t0 = time.perf_counter()
     tokens, stats = speculative.generate_mtp(model, ids, max_new_tokens=opts.max_new_tokens, eos_id=eos, stop=stop)
-    print(f"shardyard | speculative=mtp: {stats.accepted}/{stats.drafted} drafted tokens accepted "
-          f"({100 * stats.acceptance_rate:.1f}%), {len(tokens)} tokens in {stats.forwards} forwards of the main "
-          f"model ({stats.tokens_per_forward:.2f} tokens per forward: the speed-up over one token per forward, "
-          "before the drafts' own cost)",
-          file=sys.stderr, flush=True)
-    return tokens.tolist()
+    speed.seconds += time.perf_counter() - t0
+    speed.stats = stats if speed.stats is None else speed.stats.add(stats)
+    got = tokens.tolist()
+    if opts.compare:
+        plain_stop = Watcher(watcher.tok, opts.stop) if opts.stop else None
+        t0 = time.perf_counter()
+        out, kept = generate(model, ids, torch.ones_like(ids), max_new_tokens=opts.max_new_tokens, temperature=0.0,
+                             eos_id=eos, pad_id=pad, stop=plain_stop)
+        want = out[0][kept[0].bool()].tolist()
+        speed.plain_seconds += time.perf_counter() - t0
+        speed.plain_tokens += len(want)
+        if got != want:
+            place = places[index] if places else f"prompt {index + 1}"
+            at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+            raise SystemExit(f"shardyard generate: speculative=mtp gave other tokens than plain greedy decoding for "
+                             f"{place}: they differ from token {at} on ({got[at:at + 5]} against {want[at:at + 5]}). "
+                             "Speculative decoding must give greedy decoding's tokens; in bf16/fp16 a near-tie can "
+                             "round differently (speculative.py's docstring): compare in dtype=float32.")
+    return got
+
+
+def _report_speed(speed: _Speed, opts: GenerateOptions) -> None:
+    stats = speed.stats
+    line = (f"shardyard | speculative=mtp: {stats.accepted}/{stats.drafted} drafted tokens accepted "
+            f"({100 * stats.acceptance_rate:.1f}%), {stats.tokens} tokens in {stats.forwards} main-model forwards "
+            f"({stats.tokens_per_forward:.2f} tokens per forward), {stats.tokens / max(speed.seconds, 1e-9):.1f} "
+            "tokens/s")
+    if opts.compare:
+        plain = speed.plain_tokens / max(speed.plain_seconds, 1e-9)
+        line += (f"; plain greedy decoding: the same tokens, {plain:.1f} tokens/s: speed-up "
+                 f"{speed.plain_seconds / max(speed.seconds, 1e-9):.2f}x")
+    print(line, file=sys.stderr, flush=True)
 
 
 def check(opts: GenerateOptions) -> None:
@@ -322,9 +403,15 @@ def check(opts: GenerateOptions) -> None:
     if opts.speculative == "mtp" and opts.engine != "hf":
         raise UserError("speculative", opts.speculative, "MTP speculative decoding runs on engine=hf.",
                         "Use engine=hf with speculative=mtp.")
+    if opts.compare and opts.speculative != "mtp":
+        raise UserError("compare", opts.compare, "It compares speculative decoding with plain decoding.",
+                        "Add speculative=mtp, or drop compare.")
     if opts.out is not None and os.path.exists(opts.out):
         raise UserError("out", opts.out, "That file exists, and shardyard generate never overwrites one.",
                         "Give a new file name, or remove the old file first.")
+    if opts.out is not None and not os.path.isdir(os.path.dirname(os.path.abspath(opts.out))):
+        raise UserError("out", opts.out, f"Its directory {os.path.dirname(os.path.abspath(opts.out))} does not "
+                        "exist.", "Create the directory first, or give a file in an existing one.")
 
 
 def _device(opts: GenerateOptions) -> torch.device:
@@ -338,13 +425,13 @@ def _device(opts: GenerateOptions) -> torch.device:
 
 
 def _dtype(opts: GenerateOptions) -> torch.dtype | None:
-    import torch
-
-    return getattr(torch, opts.dtype) if opts.dtype else None
+    return options.dtype(opts.dtype)
 
 
-def run(path: str, opts: GenerateOptions, prompts: list[Any], stdout: TextIO | None = None) -> list[dict]:
-    """Load ``path`` and generate (``engine=hf``, in this process); rows written to ``out`` or ``stdout``."""
+def run(path: str | Any, opts: GenerateOptions, prompts: list[Any], stdout: TextIO | None = None,
+        places: list[str] | None = None) -> list[dict]:
+    """Load ``path`` (or what ``inference.resolve`` made of it) and generate (``engine=hf``, in this process); rows
+    written to ``out`` or ``stdout``."""
     from shardyard import inference
 
     stdout = stdout or sys.stdout
@@ -357,11 +444,13 @@ def run(path: str, opts: GenerateOptions, prompts: list[Any], stdout: TextIO | N
             raise UserError("speculative", opts.speculative, f"The model in {trained.path} has no multi-token-"
                             "prediction depths to draft with.", "Use speculative=none, or a DeepSeek-V3 run "
                             "trained with model.mtp.depth>=1.")
-    return _emit(trained.model, trained.tokenizer, prompts, opts, stdout)
+    return _emit(trained.model, trained.tokenizer, prompts, opts, stdout, places=places,
+                 limit=positions(trained.model, trained.cfg))
 
 
 def _emit(model: torch.nn.Module, tokenizer: Any, prompts: list[Any], opts: GenerateOptions, stdout: TextIO,
-          lockstep: bool = False, write: bool = True) -> list[dict]:
+          lockstep: bool = False, write: bool = True, places: list[str] | None = None,
+          limit: tuple[int, str] | None = None) -> list[dict]:
     streaming = opts.stream if opts.stream is not None else (len(prompts) == 1 and opts.out is None)
     sink: TextIO | None = None
     if write and opts.out is not None:
@@ -377,7 +466,7 @@ def _emit(model: torch.nn.Module, tokenizer: Any, prompts: list[Any], opts: Gene
     t0 = time.perf_counter()
     try:
         rows = complete(model, tokenizer, prompts, opts, lockstep=lockstep,
-                        stream=stdout if (streaming and write) else None, on_row=on_row)
+                        stream=stdout if (streaming and write) else None, on_row=on_row, places=places, limit=limit)
     finally:
         if sink is not None and sink is not stdout:
             sink.close()
@@ -389,54 +478,46 @@ def _emit(model: torch.nn.Module, tokenizer: Any, prompts: list[Any], opts: Gene
     return rows
 
 
-def _deepspeed_rank(path: str, opts: GenerateOptions, prompts: list[Any]) -> None:
-    """One tensor-parallel rank of ``engine=deepspeed`` (``ds_inference.run_ranks``): every rank loads the model and
-    generates in lockstep (the tensor-parallel forwards are collectives); rank 0 writes."""
-    import torch
-
+def _deepspeed_rank(source: Any, opts: GenerateOptions, prompts: list[Any], places: list[str]) -> None:
+    """One tensor-parallel rank of ``engine=deepspeed`` (``ds_inference.run_ranks``): every rank reads the model
+    into host memory in the target dtype (``source``: resolved, its checkpoint verified once by the caller) and
+    hands it to DeepSpeed, which splits it and moves only this rank's share to its device (``cuda:LOCAL_RANK``);
+    the ranks generate in lockstep (the tensor-parallel forwards are collectives); rank 0 writes."""
     from shardyard import ds_inference, inference
 
     device = _device(opts)
-    if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    dtype = _dtype(opts) or inference.default_dtype(device)
     with contextlib.redirect_stdout(sys.stderr):
-        trained = inference.load(path, device=device, dtype=_dtype(opts))
-    dtype = next(trained.model.parameters()).dtype
+        trained = inference.load(source, device="cpu", dtype=dtype)
     model = ds_inference.wrap(trained.model, tp_size=opts.tp_size, dtype=dtype, device_type=device.type)
-    _emit(model, trained.tokenizer, prompts, opts, sys.stdout, lockstep=True, write=ds_inference.rank() == 0)
+    _emit(model, trained.tokenizer, prompts, opts, sys.stdout, lockstep=True, write=ds_inference.rank() == 0,
+          places=places, limit=positions(trained.model, trained.cfg))
 
 
 def main(args: list[str], stdin: TextIO | None = None, stdout: TextIO | None = None) -> list[dict] | None:
-    """The command: parse, check, read the prompts, generate."""
+    """The command: parse, check, read the prompts, generate. ``PATH`` is resolved (a checkpoint hashed) once."""
     from shardyard import inference
 
     path, opts = parse(args)
     check(opts)
-    inference.resolve(path)  # a path that is nothing loadable is named before any prompt is read (stdin)
-    prompts = read_prompts(opts, stdin)
+    source = inference.resolve(path)  # a path that is nothing loadable is named before any prompt is read (stdin)
+    prompts, places = read_prompts_at(opts, stdin)
+    if opts.stream and len(prompts) > 1:
+        raise UserError("stream", opts.stream, f"Streaming prints one completion as it is generated, and there are "
+                        f"{len(prompts)} prompts.", "Drop stream=true (each prompt's row is written as JSONL), or "
+                        "give one prompt.")
     if opts.engine == "deepspeed":
         from shardyard import ds_inference
 
-        ds_inference.check(opts.tp_size, inference.model_config(path), _device(opts).type)
-        ds_inference.run_ranks(opts.tp_size, _deepspeed_rank, path, opts, prompts, device_type=_device(opts).type)
+        device_type = _device(opts).type
+        ds_inference.check(opts.tp_size, inference.model_config(source), device_type)
+        ds_inference.run_ranks(opts.tp_size, _deepspeed_rank, source, opts, prompts, places, device_type=device_type)
         return None
-    return run(path, opts, prompts, stdout)
+    return run(source, opts, prompts, stdout, places)
 
 
 def keys_help() -> str:
     """``shardyard generate --help``: the keys, from the docstrings of ``GenerateOptions``."""
-    import ast
-    import inspect
-
-    lines = ["shardyard generate PATH [KEY=VALUE ...]", "PATH: a run dir, a checkpoint (<run>/checkpoints/step-N), "
-             "an HF export (<run>/hf) or `latest` (the newest run under ./outputs). Keys:"]
-    try:
-        cls = ast.parse(inspect.getsource(GenerateOptions)).body[0]
-    except (OSError, TypeError):
-        return "\n".join(lines + ["  " + ", ".join(f.name for f in fields(GenerateOptions))])
-    assert isinstance(cls, ast.ClassDef)
-    for node, doc in zip(cls.body, cls.body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(doc, ast.Expr)
-                and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)):
-            lines.append(f"  {node.target.id:15} {' '.join(doc.value.value.split())}")
-    return "\n".join(lines)
+    return options.keys_help(GenerateOptions, [
+        "shardyard generate PATH [KEY=VALUE ...]", "PATH: a run dir, a checkpoint (<run>/checkpoints/step-N), an HF "
+        "export (<run>/hf) or `latest` (the newest run under ./outputs). Keys:"])

@@ -45,14 +45,14 @@ StopCheck = Callable[[torch.Tensor], torch.Tensor]
 
 
 def generate(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens: int,
-             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, eos_id: int | None, pad_id: int,
-             generator: torch.Generator | None = None, lockstep: bool = False, kv_cache: bool = True,
+             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, eos_id: int | list[int] | None,
+             pad_id: int, generator: torch.Generator | None = None, lockstep: bool = False, kv_cache: bool = True,
              stop: StopCheck | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(completion_ids [B, max_new_tokens], completion_mask [B, max_new_tokens])`` for left-padded prompts
     ``prompt_ids [B, P]`` with ``prompt_mask [B, P]`` (1: a real token), on the prompts' device. See the module
     docstring; ``kv_cache=False`` recomputes the whole prefix at every token (the reference the cache is checked
     against, and ``bench/generate.py``'s baseline); ``eos_id=None``: rows end only at ``max_new_tokens`` (or
-    ``stop``)."""
+    ``stop``); a list: a row ends at any of them (a chat model's end-of-turn token beside its eos)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
@@ -69,6 +69,8 @@ def generate(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torc
     mask[:, :P] = prompt_mask
     forward = _stepper(model, ids, mask, P, kv_cache)
     finished = torch.zeros(B, dtype=torch.bool, device=device)
+    eos = None if eos_id is None else torch.tensor([eos_id] if isinstance(eos_id, int) else list(eos_id),
+                                                   dtype=torch.long, device=device)
     with _inference(model):
         for t in range(N):
             scores = forward(t)  # [B, V] fp32: the logits of the token at column P + t
@@ -76,8 +78,8 @@ def generate(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torc
             live = ~finished
             ids[:, P + t] = torch.where(live, token, torch.full_like(token, pad_id))
             mask[:, P + t] = live.long()
-            if eos_id is not None:
-                finished = finished | (live & (token == eos_id))
+            if eos is not None:
+                finished = finished | (live & torch.isin(token, eos))
             if stop is not None:  # issue 45's stop strings: a row ends after the token that completes one
                 finished = finished | (live & stop(ids[:, P:P + t + 1]))
             if not lockstep and t < N - 1 and bool(finished.all()):  # the loop's one host sync per token
@@ -119,9 +121,9 @@ def _stepper(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, P: i
     columns the loop has filled), by the fastest way ``model`` allows."""
     if not _takes_keywords(model):
         return _plain_steps(model, ids, mask, P)
-    hf = _hf_model(model)
+    hf = hf_model(model)
     params = inspect.signature(type(hf).forward).parameters
-    cache_kw = next((k for k in ("cache", "past_key_values") if k in params), None)
+    cache_kw = cache_keyword(type(hf).forward)
     extra = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
 
     def positions(upto: int) -> torch.Tensor:
@@ -174,11 +176,18 @@ def _takes_keywords(model: torch.nn.Module) -> bool:
     return "attention_mask" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
-def _hf_model(model: Any) -> Any:
+def hf_model(model: Any) -> Any:
     """The transformers model inside DDP's and DeepSpeed's ``.module`` and peft's ``PeftModel``."""
     while hasattr(model, "module"):
         model = model.module
     return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def cache_keyword(forward: Any) -> str | None:
+    """The name ``forward`` takes its KV cache under (module docstring, point 4): ``cache`` or
+    ``past_key_values``; None when it takes neither."""
+    params = inspect.signature(forward).parameters
+    return next((k for k in ("cache", "past_key_values") if k in params), None)
 
 
 @contextlib.contextmanager

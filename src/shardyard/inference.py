@@ -42,7 +42,7 @@ import json
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -72,22 +72,38 @@ class Trained:
     """Where results of eval/generate go by default: the run dir, or None for a bare export."""
 
 
-def load(path: str, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> Trained:
-    """``path`` (see the module docstring) loaded on ``device``, in ``dtype`` (default: fp32 on CPU, bf16 on a GPU
-    that has it, else fp16). Bad paths raise ``UserError("path", path, ...)``."""
+class Source(NamedTuple):
+    """What ``resolve`` made of a ``PATH``: pass it to ``load`` (also in another process: it pickles) to read
+    it without resolving, and so without hashing its checkpoint, again."""
+
+    kind: str
+    """``export`` or ``checkpoint``."""
+    where: str
+    """The directory to read."""
+    run_dir: str | None
+    """The run dir around it, or None."""
+    given: str
+    """The ``PATH`` as the user gave it (what errors name)."""
+
+
+def default_dtype(device: str | torch.device) -> torch.dtype:
+    """fp32 on CPU, bf16 on a GPU that has it, else fp16."""
+    if torch.device(device).type == "cpu":
+        return torch.float32
+    return torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else torch.float16
+
+
+def load(path: str | Source, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> Trained:
+    """``path`` (see the module docstring; or what ``resolve`` made of one, its checkpoint verified then and not
+    again) loaded on ``device``, in ``dtype`` (default ``default_dtype(device)``). Bad paths raise
+    ``UserError("path", path, ...)``."""
     device = torch.device(device)
-    if dtype is None:
-        dtype = torch.float32 if device.type == "cpu" else (
-            torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else torch.float16)
-    kind, where, run_dir = resolve(path)
+    dtype = dtype or default_dtype(device)
+    kind, where, run_dir, given = path if isinstance(path, Source) else resolve(path)
+    path = given
     cfg = _run_config(run_dir) if run_dir else None
     if kind == "checkpoint":
-        if cfg is None:
-            raise UserError("path", path, f"The checkpoint {where} has no run config.yaml beside it (looked in "
-                            f"{os.path.dirname(os.path.dirname(where))}), and a checkpoint holds weights only: "
-                            "the model's architecture comes from the run's config.",
-                            "Point it at the checkpoint inside its run dir (<run>/checkpoints/step-N), at the "
-                            "run dir, or at the run's HF export (<run>/hf).")
+        assert cfg is not None  # resolve: a checkpoint inside its run dir
         model = _from_checkpoint(where, cfg, path)
         tokenizer = _load_tokenizer(_checkpoint_tokenizer(where, run_dir, cfg))
     else:
@@ -99,10 +115,10 @@ def load(path: str, *, device: str | torch.device = "cpu", dtype: torch.dtype | 
     return Trained(model, tokenizer, cfg, kind, where, run_dir)
 
 
-def model_config(path: str) -> Any:
+def model_config(path: str | Source) -> Any:
     """The HF config of what ``load(path)`` would build (for checks made before loading: ``ds_inference.check``),
     from the export's ``config.json`` or the run's model built on the meta device."""
-    kind, where, run_dir = resolve(path)
+    kind, where, run_dir, _ = path if isinstance(path, Source) else resolve(path)
     if kind == "export" and os.path.isfile(os.path.join(where, "config.json")):
         from transformers import AutoConfig
 
@@ -114,12 +130,14 @@ def model_config(path: str) -> Any:
 
 
 # ------------------------------------------------------------------------------------------- what PATH is
-def resolve(path: str) -> tuple[str, str, str | None]:
-    """``(kind, directory to read, run dir or None)`` for ``path``; a run dir becomes its export or newest good
-    checkpoint."""
+def resolve(path: str) -> Source:
+    """What ``path`` names; a run dir becomes its export or newest good checkpoint. A checkpoint is verified
+    here (every file's sha256), once: ``load(resolve(path))`` does not hash it again."""
     given = path
     if path == LATEST and not os.path.isdir(path):
         path = _latest_run(given)
+        print(f"shardyard | latest: {os.path.abspath(path)} (the run under ./outputs whose config.yaml is newest)",
+              file=sys.stderr)
     path = os.path.abspath(os.path.expanduser(path))
     if not os.path.isdir(path):
         raise UserError("path", given, "There is no such directory.",
@@ -128,15 +146,28 @@ def resolve(path: str) -> tuple[str, str, str | None]:
     if _is_run(path):
         export = os.path.join(path, "hf")
         if _is_export(export):
-            return "export", export, path
-        return "checkpoint", _newest_good_checkpoint(path, given), path
+            return Source("export", export, path, given)
+        return Source("checkpoint", _newest_good_checkpoint(path, given), path, given)
     if os.path.isfile(os.path.join(path, "meta.json")):
-        return "checkpoint", path, _run_of_checkpoint(path)
+        from shardyard.checkpoint import verify
+
+        run = _run_of_checkpoint(path)
+        if run is None:
+            raise UserError("path", given, f"The checkpoint {path} has no run config.yaml beside it (looked in "
+                            f"{os.path.dirname(os.path.dirname(path))}), and a checkpoint holds weights only: "
+                            "the model's architecture comes from the run's config.",
+                            "Point it at the checkpoint inside its run dir (<run>/checkpoints/step-N), at the "
+                            "run dir, or at the run's HF export (<run>/hf).")
+        problem = verify(path)
+        if problem is not None:
+            raise UserError("path", given, f"The checkpoint {path} cannot be used: {problem}.",
+                            "Use another checkpoint of the run (checkpoints/step-N), or its HF export (<run>/hf).")
+        return Source("checkpoint", path, run, given)
     if _is_export(path):
         parent = os.path.dirname(path)
         run = (parent if _is_run(parent) else _run_of_checkpoint(parent)
                if os.path.isfile(os.path.join(parent, "meta.json")) else None)
-        return "export", path, run
+        return Source("export", path, run, given)
     raise UserError("path", given, "It is neither a run dir (no config.yaml), a checkpoint (no meta.json) nor an HF "
                     "export (no config.json or *.safetensors).",
                     "Give a run dir (outputs/<date>/<time>), a checkpoint (<run>/checkpoints/step-N) or an HF "
@@ -173,20 +204,22 @@ def _run_config(run_dir: str) -> DictConfig:
     return cfg
 
 
+def _step_dir(directory: str, step: int) -> str:
+    """``step-N`` as the run named it (zero-padded or not)."""
+    return next((p for p in glob.glob(os.path.join(directory, "step-*"))
+                 if os.path.basename(p)[5:].isdigit() and int(os.path.basename(p)[5:]) == step),
+                os.path.join(directory, f"step-{step}"))
+
+
 def _newest_good_checkpoint(run_dir: str, given: str) -> str:
-    """The run's ``checkpoints/latest``, or the newest checkpoint before it that verifies."""
+    """The newest checkpoint of the run that verifies: the one ``checkpoint.resume=auto`` would resume from (the
+    complete ``step-N`` dirs newest first, ``rundir.checkpoint_steps``)."""
     from shardyard.checkpoint import verify
-    from shardyard.rundir import checkpoint_dir
+    from shardyard.rundir import checkpoint_dir, checkpoint_steps
 
     cfg = _run_config(run_dir)
     directory = checkpoint_dir(cfg) if cfg.checkpoint.dir else os.path.join(run_dir, "checkpoints")
-    names = sorted((n for n in (os.listdir(directory) if os.path.isdir(directory) else [])
-                    if n.startswith("step-") and os.path.isdir(os.path.join(directory, n))), reverse=True)
-    latest = os.path.join(directory, "latest")
-    if os.path.isfile(latest):
-        with open(latest) as f:
-            first = f.read().strip()
-        names = [first] + [n for n in names if n < first]  # never a step the run itself left behind
+    names = [os.path.basename(_step_dir(directory, s)) for s in reversed(checkpoint_steps(directory))]
     if not names:
         raise UserError("path", given, f"The run has no HF export (hf/) and no checkpoint in {directory}.",
                         "Train with checkpoint.save_final=true (the export) or checkpoint.every_n_steps=N, or point "
@@ -196,8 +229,8 @@ def _newest_good_checkpoint(run_dir: str, given: str) -> str:
         ckpt = os.path.join(directory, name)
         problem = verify(ckpt)
         if problem is None:
-            if skipped:
-                print(f"shardyard | {run_dir}: skipped {'; '.join(skipped)}; loading {ckpt}", file=sys.stderr)
+            print(f"shardyard | {run_dir}: {'skipped ' + '; '.join(skipped) + '; ' if skipped else ''}loading "
+                  f"{ckpt}", file=sys.stderr)
             return ckpt
         skipped.append(f"{name} ({problem})")
     raise UserError("path", given, f"None of its checkpoints verifies: {'; '.join(skipped)}.",
@@ -233,14 +266,9 @@ def _from_export(path: str, cfg: DictConfig | None) -> torch.nn.Module:
 # ------------------------------------------------------------------------------------------- checkpoints
 def _from_checkpoint(path: str, cfg: DictConfig, given: str) -> torch.nn.Module:
     from shardyard import adapters
-    from shardyard.checkpoint import verify
     from shardyard.model import build_model
     from shardyard.weights import load_weights, weights_dir
 
-    problem = verify(path)
-    if problem is not None:
-        raise UserError("path", given, f"The checkpoint {path} cannot be used: {problem}.",
-                        "Use another checkpoint of the run (checkpoints/step-N), or its HF export (<run>/hf).")
     with open(os.path.join(path, "meta.json")) as f:
         meta = json.load(f)
     _quiet()
@@ -262,7 +290,14 @@ def _from_checkpoint(path: str, cfg: DictConfig, given: str) -> torch.nn.Module:
     if state is None:
         raise UserError("path", given, f"Its format {fmt!r} (engine {meta.get('engine')}) is not one shardyard "
                         f"reads into one process ({', '.join(_READERS)}).", "Load the run's HF export (<run>/hf).")
-    got = state(path, model, meta, given)
+    try:
+        got = state(path, model, meta, given)
+    except UserError as e:  # safe_load's refusals name checkpoint.resume (training's key): here it is PATH
+        if e.key == "path":
+            raise
+        raise UserError("path", given, f"{e.value}: {e.problem}", "Load only checkpoints you or a trusted run "
+                        "wrote. If this one is yours, it was altered or is damaged: load an earlier checkpoint of "
+                        "the run (checkpoints/step-N) or its HF export (<run>/hf).") from None
     wanted = adapters.checkpoint_state(model)
     missing = sorted(set(wanted) - set(got))
     if missing:
@@ -287,7 +322,8 @@ def _dcp_state(path: str, model: torch.nn.Module, meta: dict, given: str) -> dic
 
     metadata = read_dcp_metadata(path)
     saved = {k[len("model."):] for k in metadata.state_dict_metadata if k.startswith("model.")}
-    want = {k: v.detach().clone() for k, v in checkpoint_state(model).items() if k in saved}
+    want = {k: v.detach() for k, v in checkpoint_state(model).items() if k in saved}  # read into the model's own
+    # tensors in place: no second copy of the model
     state = {"model": want}
     with weights_only_loads(source=os.path.join(path, "*.distcp")):
         dcp.load(state, storage_reader=dcp_reader(path, metadata), no_dist=True)

@@ -35,6 +35,7 @@ from typing import Any, Callable
 import torch
 
 from shardyard import mtp
+from shardyard.generation import cache_keyword, hf_model
 
 StopCheck = Callable[[torch.Tensor], torch.Tensor]
 """``stop(completion_ids[:, :t+1]) -> bool[1]``: as ``generation.StopCheck`` (the completion ends after token t)."""
@@ -83,16 +84,16 @@ class SpecStats:
 
 def available(model: Any) -> bool:
     """Whether ``model`` (or the transformers model inside a wrapper) has MTP depths to draft with."""
-    return mtp.depth(_unwrap(model)) > 0
+    return mtp.depth(hf_model(model)) > 0
 
 
-def generate_mtp(model: Any, prompt_ids: torch.Tensor, *, max_new_tokens: int, eos_id: int | None,
+def generate_mtp(model: Any, prompt_ids: torch.Tensor, *, max_new_tokens: int, eos_id: int | list[int] | None,
                  stop: StopCheck | None = None, depths: int | None = None) -> tuple[torch.Tensor, SpecStats]:
     """Greedy completion of one prompt ``prompt_ids [1, P]`` with speculation (module docstring): ``(tokens [N'],
     stats)``, the tokens up to and including the first ``eos_id`` or the token that ends a ``stop`` check, at most
     ``max_new_tokens``; equal to ``generation.generate(model, ..., temperature=0)``'s completion truncated there.
     ``depths``: draft with depths 1..``depths`` only (default: all)."""
-    hf = _unwrap(model)
+    hf = hf_model(model)
     have = mtp.depth(hf)
     if have == 0:
         raise ValueError(f"{type(hf).__name__} has no MTP depths to draft with (speculative.available is False)")
@@ -112,29 +113,23 @@ def generate_mtp(model: Any, prompt_ids: torch.Tensor, *, max_new_tokens: int, e
         hf.train(was)
 
 
-def _unwrap(model: Any) -> Any:
-    """The transformers model inside DDP's or DeepSpeed's ``.module`` and peft's ``PeftModel``."""
-    while hasattr(model, "module"):
-        model = model.module
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 def _cache_kw(fn: Any) -> str:
-    """The name a forward takes its KV cache under: ``cache`` (transformers 5.24) or ``past_key_values``."""
-    params = inspect.signature(fn).parameters
-    return "cache" if "cache" in params else "past_key_values"
+    """The name a forward takes its KV cache under (``generation.cache_keyword``; ``past_key_values`` when it
+    names neither: a ``**kwargs`` forward)."""
+    return cache_keyword(fn) or "past_key_values"
 
 
 class _Speculation:
     """One prompt's rounds (``run``). ``ids`` holds the sequence: the prompt, the accepted tokens, then the
     current round's next token and drafts."""
 
-    def __init__(self, hf: Any, prompt: torch.Tensor, N: int, eos_id: int | None, stop: StopCheck | None,
+    def __init__(self, hf: Any, prompt: torch.Tensor, N: int, eos_id: int | list[int] | None, stop: StopCheck | None,
                  D: int) -> None:
         from transformers import DynamicCache
 
         self.hf, self.inner, self.head = hf, hf.model, hf.get_output_embeddings()
-        self.N, self.eos_id, self.stop, self.D = N, eos_id, stop, D
+        self.N, self.stop, self.D = N, stop, D
+        self.eos = set() if eos_id is None else {eos_id} if isinstance(eos_id, int) else set(eos_id)
         self.P = prompt.size(1)
         self.device = prompt.device
         self.ids = torch.zeros((1, self.P + N + D + 1), dtype=torch.long, device=self.device)
@@ -162,7 +157,7 @@ class _Speculation:
         self.out.append(token)
         self.stats.tokens += 1
         t = len(self.out)
-        if t >= self.N or token == self.eos_id:
+        if t >= self.N or token in self.eos:
             return True
         return self.stop is not None and bool(self.stop(self.ids[:, self.P:self.P + t])[0])
 

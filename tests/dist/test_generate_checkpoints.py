@@ -1,7 +1,9 @@
 """Generation from a checkpoint equals generation from its HF export (issue 45): fsdp, zero3, pipeline and a LoRA
 run (ddp, adapter-only checkpoint over a pretrained base), each trained one step on 2 ranks, its checkpoint read
 into one process (``inference.load``) and greedy-decoded token for token against its final export (the same
-weights: the run ends at the checkpoint's step). A damaged checkpoint file exits 2 naming the checkpoint."""
+weights: the run ends at the checkpoint's step). ``shardyard generate`` with engine=deepspeed at tp 2 (on CPU, over
+gloo) writes the rows engine=hf writes, the checkpoint hashed once per command. A damaged checkpoint file, or one
+whose pickle asks for code, exits 2 naming the path."""
 
 import os
 
@@ -86,3 +88,54 @@ def test_damaged_checkpoint_exits_2_naming_it(runs, tmp_path):
     os.remove(run / "config.yaml")
     with pytest.raises(UserError, match="run config.yaml"):  # a checkpoint alone has no architecture
         inference.load(str(ckpt))
+
+
+def test_engine_deepspeed_tp2_writes_the_rows_of_engine_hf(runs, tmp_path, monkeypatch):
+    """The fsdp run's checkpoint through ``generate.main``: engine=hf, then engine=deepspeed tp_size=2 on CPU (each
+    rank reads the model on the CPU in the target dtype, DeepSpeed's AutoTP splits it): the same JSONL rows. The
+    command hashes the checkpoint once (``inference.resolve``); the ranks load what it resolved."""
+    import json
+
+    from shardyard import checkpoint, generate
+
+    calls = []
+    verify = checkpoint.verify
+    monkeypatch.setattr(checkpoint, "verify", lambda *a, **k: calls.append(a[0]) or verify(*a, **k))
+    ckpt = str(runs / "fsdp" / "checkpoints" / "step-00000001")
+    common = [ckpt, *(f"prompt={p}" for p in PROMPTS), "max_new_tokens=12", "device=cpu", "batch_size=2"]
+    generate.main([*common, f"out={tmp_path / 'hf.jsonl'}"])
+    assert calls == [ckpt]
+    generate.main([*common, "engine=deepspeed", "tp_size=2", f"out={tmp_path / 'ds.jsonl'}"])
+    hf, ds = ((tmp_path / n).read_text().splitlines() for n in ("hf.jsonl", "ds.jsonl"))
+    assert [json.loads(r)["tokens"] for r in hf] == [12, 12] and ds == hf, (ds, hf)
+
+
+def test_checkpoint_whose_pickle_asks_for_code_exits_2_naming_the_path(runs, tmp_path):
+    """A DCP ``.metadata`` replaced by a pickle that calls a function (its manifest hashes updated, so that it
+    verifies): refused before anything in it runs, the error naming ``path`` (not training's checkpoint.resume)."""
+    import hashlib
+    import json
+    import pickle
+    import shutil
+
+    from shardyard import inference
+    from shardyard.checkpoint import _meta_digest
+    from shardyard.errors import UserError
+
+    class Evil:
+        def __reduce__(self):
+            return (os.getcwd, ())
+
+    run = tmp_path / "run"
+    shutil.copytree(runs / "fsdp", run, ignore=shutil.ignore_patterns("hf"))
+    ckpt = run / "checkpoints" / "step-00000001"
+    data = pickle.dumps(Evil())
+    (ckpt / ".metadata").write_bytes(data)
+    meta = json.loads((ckpt / "meta.json").read_text())
+    meta["manifest"][".metadata"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    meta["meta_sha256"] = _meta_digest(meta)
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(UserError) as err:
+        inference.load(str(ckpt))
+    assert (err.value.key, err.value.value) == ("path", str(ckpt)), err.value
+    assert ".metadata" in err.value.problem and "trusted" in err.value.fix

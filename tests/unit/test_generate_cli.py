@@ -145,3 +145,92 @@ def test_cli_forwards_path_and_keys(command, tmp_path, capsys):
         cli.main([command, str(tmp_path / "missing"), "max_new_tokens=4" if command == "generate" else "batches=1"])
     err = capsys.readouterr().err
     assert done.value.code == 2 and "error in `path`" in err and "missing" in err, err
+
+
+def test_values_are_literal_and_lists_come_from_repeated_keys():
+    """``prompt=[1, 2, 3]`` is one prompt (no YAML reading of values); stop strings likewise, ``\\n`` a newline."""
+    _, opts = generate.parse(["x", "prompt=[1, 2, 3]", "prompt=[1, 2] sorted is", "stop=[", "stop=a\\nb",
+                              "stop=[{a: 1}]"])
+    assert opts.prompt == ["[1, 2, 3]", "[1, 2] sorted is"]
+    assert opts.stop == ["[", "a\nb", "[{a: 1}]"]
+
+
+def test_refusals_before_loading(export, tmp_path):
+    """stream with several prompts, out= in a missing directory, an empty prompt file: exit 2 naming each."""
+    cases = [([export, "prompt=a", "prompt=b", "stream=true"], "stream", True),
+             ([export, "prompt=a", f"out={tmp_path / 'no' / 'rows.jsonl'}"], "out", str(tmp_path / "no" / "rows.jsonl")),
+             ([export, f"file={tmp_path / 'empty.jsonl'}"], "file", str(tmp_path / "empty.jsonl"))]
+    (tmp_path / "empty.jsonl").write_text("\n  \n")
+    for args, key, value in cases:
+        with pytest.raises(UserError) as err:
+            generate.main(args)
+        assert (err.value.key, err.value.value) == (key, value), err.value
+
+
+def test_prompt_longer_than_the_model_positions_is_refused_naming_it(export, trained, tmp_path):
+    """The export takes 256 positions (max_position_embeddings): a prompt of n tokens leaves 256 - n for
+    max_new_tokens; one more is refused naming the prompt's file:line."""
+    long = "def main(args):\n    return parse(args)\n" * 6
+    n = len(trained.tokenizer(long, add_special_tokens=False).input_ids)  # the independent count
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"prompt": "a"}) + "\n" + json.dumps({"prompt": long}) + "\n")
+    with pytest.raises(UserError) as err:
+        generate.main([export, f"file={f}", f"max_new_tokens={256 - n + 1}", "device=cpu"])
+    assert (err.value.key, err.value.value) == ("max_new_tokens", 256 - n + 1)
+    assert f"{f}:2 is {n} tokens" in err.value.problem and f"max_new_tokens<={256 - n}" in err.value.fix
+    assert generate.positions(trained.model, None) == (256, "its config's max_position_embeddings")
+
+
+def test_rows_end_at_the_generation_config_eos_too(trained):
+    """A token of ``generation_config.eos_token_id`` (a list beside the tokenizer's eos) ends a row: the
+    completion is the unstopped one up to that token, which is counted and not printed."""
+    from shardyard.generation import generate as plain
+
+    tok = trained.tokenizer
+    prompt = torch.tensor([tok("def main(", add_special_tokens=False).input_ids])
+    out, _ = plain(trained.model, prompt, torch.ones_like(prompt), max_new_tokens=24, temperature=0.0,
+                   eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+    ids = out[0].tolist()  # the unstopped greedy tokens (24: no eos among them, test_stop_strings_... says)
+    k = len(ids) // 2
+    config = trained.model.generation_config
+    was = config.eos_token_id
+    config.eos_token_id = [trained.tokenizer.eos_token_id, ids[k]]
+    try:
+        got = rows(trained, ["def main("])[0]
+    finally:
+        config.eos_token_id = was
+    first = ids.index(ids[k])
+    assert (got["stop_reason"], got["tokens"]) == ("eos", first + 1), got
+    assert got["completion"] == tok.decode(ids[:first], skip_special_tokens=True)
+
+
+def test_stop_check_decodes_a_tail_window(trained):
+    """Each token decodes only the last few tokens of a row (the longest stop string's bytes + 8), not the whole
+    completion: the longest decode asked for stays at that window however long the completion."""
+    class Counting:
+        def __init__(self, tok):
+            self.tok, self.longest = tok, 0
+
+        def decode(self, ids, **kw):
+            self.longest = max(self.longest, len(ids))
+            return self.tok.decode(ids, **kw)
+
+    tok = Counting(trained.tokenizer)
+    watcher = generate.Watcher(tok, ["never there"])
+    ids = torch.tensor([trained.tokenizer("def main(args): return 1\n" * 20, add_special_tokens=False).input_ids])
+    assert ids.size(1) > 60
+    for t in range(1, ids.size(1) + 1):
+        assert not watcher(ids[:, :t]).any()
+    assert tok.longest == len("never there") + 8
+    assert watcher(torch.tensor([trained.tokenizer("x never there", add_special_tokens=False).input_ids])).all()
+
+
+def test_cli_success_in_process_returns_through_system_exit(export, tmp_path):
+    """A successful ``shardyard generate`` called in-process ends with ``SystemExit(0)`` (not ``os._exit``, which
+    would end this test's process)."""
+    from shardyard import cli
+
+    out = tmp_path / "rows.jsonl"
+    with pytest.raises(SystemExit) as done:
+        cli.main(["generate", export, "prompt=a", "max_new_tokens=2", f"out={out}", "device=cpu"])
+    assert done.value.code == 0 and json.loads(out.read_text())["tokens"] == 2

@@ -5,6 +5,9 @@ rounds only partly); the counts equal a brute-force replay that recomputes every
 (``mtp.run_depths`` over the whole sequence, the training forward's) and verifies it against the plain greedy
 tokens; a model without MTP."""
 
+import contextlib
+import io
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -221,3 +224,22 @@ def test_from_an_export(tmp_path, trained):
     out, stats = generate_mtp(loaded, prompt, max_new_tokens=24, eos_id=None)
     want, want_stats = generate_mtp(trained, prompt, max_new_tokens=24, eos_id=None)
     assert out.tolist() == want.tolist() and stats == want_stats and stats.accepted > 0
+    # The command on that export: acceptance, tokens per forward, tokens/s; compare=true checks the tokens against
+    # plain greedy decoding and prints the measured speed-up. The counts are generate_mtp's own on that prompt.
+    import re
+
+    from shardyard import generate as command
+
+    text = " ".join(f"t{i}" for i in prompt[0].tolist())
+    tok = inference.load(str(tmp_path / "hf")).tokenizer
+    ids = torch.tensor([tok(text, add_special_tokens=False).input_ids])
+    _, want_stats = generate_mtp(loaded, ids, max_new_tokens=24, eos_id=command.eos_ids(tok, loaded))
+    out = tmp_path / "rows.jsonl"
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        command.main([str(tmp_path / "hf"), f"prompt={text}", "speculative=mtp", "compare=true", "max_new_tokens=24",
+                      "device=cpu", f"out={out}"])
+    line = next(ln for ln in err.getvalue().splitlines() if "speculative=mtp" in ln)
+    assert f"{want_stats.accepted}/{want_stats.drafted} drafted tokens accepted" in line, line
+    assert f"({want_stats.tokens_per_forward:.2f} tokens per forward)" in line, line
+    assert re.search(r"tokens/s; plain greedy decoding: the same tokens, [0-9.]+ tokens/s: speed-up [0-9.]+x", line)

@@ -1,0 +1,77 @@
+"""``KEY=VALUE`` commands over a dataclass of options (``shardyard sbatch``, ``generate``, ``eval``): the help text
+from the fields' docstrings, and one value read by the field's declared type.
+
+Nothing heavy is imported here: ``shardyard --help`` builds every command's help.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from dataclasses import fields
+from typing import Any, Mapping, Sequence
+
+from shardyard.errors import UserError
+
+
+def keys_help(cls: type, head: Sequence[str], width: int = 15, one_line: bool = True) -> str:
+    """``head``'s lines, then one line per field of the dataclass ``cls``: its name and its docstring (the string
+    right below it in the class body; whitespace folded to one line unless ``one_line`` is False). Installed
+    without sources: the names alone."""
+    lines = list(head)
+    try:
+        node = ast.parse(inspect.getsource(cls)).body[0]
+    except (OSError, TypeError):
+        return "\n".join(lines + ["  " + ", ".join(f.name for f in fields(cls))])
+    assert isinstance(node, ast.ClassDef)
+    for field_node, doc in zip(node.body, node.body[1:]):
+        if (isinstance(field_node, ast.AnnAssign) and isinstance(field_node.target, ast.Name)
+                and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
+                and isinstance(doc.value.value, str)):
+            text = " ".join(doc.value.value.split()) if one_line else doc.value.value
+            lines.append(f"  {field_node.target.id:{width}} {text}")
+    return "\n".join(lines)
+
+
+def value(key: str, text: str, kind: Any, choices: Mapping[str, Sequence[Any]] | None = None) -> Any:
+    """``text`` read as the field ``key`` of declared type ``kind`` (the annotation as a string, as
+    ``from __future__ import annotations`` leaves it): ``null``/``none`` for an Optional, ``true``/``false``, an
+    int, a float; else the string itself, which must be one of ``choices[key]`` when the key has choices. A wrong
+    value is a ``UserError`` naming the key. Lists are the caller's (one item per repeated key)."""
+    kind = str(kind)
+    if text.lower() in ("null", "none") and "Optional" in kind:
+        return None
+    if "bool" in kind:
+        if text.lower() not in ("true", "false"):
+            raise UserError(key, text, "It is true or false.", f"Write {key}=true or {key}=false.")
+        return text.lower() == "true"
+    for name, cast, example in (("int", int, "1"), ("float", float, "0.7")):
+        if name in kind:
+            try:
+                return cast(text)
+            except ValueError:
+                raise UserError(key, text, f"It must be a{'n integer' if name == 'int' else ' number'}.",
+                                f"Write e.g. {key}={example}.") from None
+    allowed = (choices or {}).get(key)
+    if allowed is not None and text not in allowed:
+        named = [str(c) for c in allowed if c is not None]
+        raise UserError(key, text, f"It is one of {', '.join(named)}.", f"Write e.g. {key}={named[0]}.")
+    return text
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+"""The dtype names the commands take (``dtype=``)."""
+
+
+def dtype(name: str | None) -> Any:
+    """``torch.<name>`` (``float32``, ``bfloat16``, ``float16``; the short ``fp32``/``bf16``/``fp16`` too), or None
+    for None; another name is a ``UserError`` naming ``dtype``."""
+    if name is None:
+        return None
+    import torch
+
+    full = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(name, name)
+    if full not in DTYPES:
+        raise UserError("dtype", name, "It is not a dtype shardyard runs a model in.",
+                        "Use dtype=float32, dtype=bfloat16 or dtype=float16 (or leave it unset).")
+    return getattr(torch, full)
