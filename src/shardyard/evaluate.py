@@ -28,6 +28,7 @@ import sys
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
+from shardyard import options
 from shardyard.errors import UserError
 from shardyard.harness import TASKS_DIR, check_tasks, harness, require_harness
 
@@ -89,44 +90,30 @@ def parse(args: list[str]) -> tuple[str, EvalOptions, list[str]]:
     return paths[0], opts, overrides
 
 
-def _value(key: str, value: str, kind: str) -> Any:
-    v = value.strip()
+def _value(key: str, text: str, kind: str) -> Any:
+    """One key's value: a list key's names (``tasks=[a, b]``, ``tasks=a,b``), else ``options.value``'s reading
+    (``null``, ``true``/``false``, a number) with this command's ranges: no negative count (``batch_size`` 1 or
+    more), and ``limit`` a count or a fraction below 1 (``options.limit``)."""
     if kind.startswith("list"):
-        names = [t.strip().strip("'\"") for t in v.strip("[]").split(",")]
+        names = [t.strip().strip("'\"") for t in text.strip().strip("[]").split(",")]
         return [t for t in names if t]
-    if "Optional" in kind and v.lower() in ("null", "none", ""):
-        return None
-    try:
-        if "bool" in kind:
-            return {"true": True, "false": False}[v.lower()]
-        if "int" in kind:
-            number = int(v)
-            if number < 0 or (key == "batch_size" and number < 1):
-                raise ValueError
-            return number
-        if "float" in kind:
-            share = float(v)
-            if not share > 0 or (share > 1 and share != int(share)):
-                raise ValueError
-            return int(share) if share >= 1 else share
-    except (KeyError, ValueError):
-        want = {"bool": "true or false", "float": "a count of documents (or a fraction below 1)"}
-        raise UserError(key, value, f"It must be {next((w for k, w in want.items() if k in kind), 'a whole number')}"
-                        + (" of 1 or more." if key == "batch_size" else "."),
-                        f"Use e.g. {key}={ {'perplexity': 'false', 'limit': '100'}.get(key, '8') }.") from None
-    return v
+    got = options.value(key, text.strip(), kind)
+    if key == "limit":
+        return options.limit(key, got)
+    least = 1 if key == "batch_size" else 0
+    if isinstance(got, int) and not isinstance(got, bool) and got < least:
+        raise UserError(key, text, f"It must be a whole number of {least} or more.", f"Use e.g. {key}=8.")
+    return got
 
 
 # ----------------------------------------------------------------------------------------------- main
 def main(args: list[str]) -> None:
     """The command: load PATH (``shardyard.inference.load``), score it, print the table, write the JSON."""
-    import torch
-
     from shardyard import inference
 
     path, opts, overrides = parse(args)
-    dtype = _dtype(opts.dtype)
-    device = opts.device if opts.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = options.dtype(opts.dtype)
+    device = options.device(opts.device)  # device=foo, or a GPU this process does not see: before anything loads
     manager = None
     if opts.tasks:  # before the model loads: a misspelt task or a missing harness fails at once
         require_harness()
@@ -166,12 +153,6 @@ def evaluate(trained: Any, opts: EvalOptions, overrides: list[str], manager: Any
                                    limit=opts.limit, num_fewshot=opts.num_fewshot, batch_size=opts.batch_size,
                                    seed=opts.seed, manager=manager)
     return results
-
-
-def _dtype(name: str | None) -> Any:
-    from shardyard.options import dtype
-
-    return dtype(name)
 
 
 def _out_path(out: str | None, run_dir: str | None) -> str:
@@ -368,9 +349,7 @@ def table(results: dict) -> str:
 
 def keys_help() -> str:
     """``shardyard eval --help``: its own keys, from ``EvalOptions``' field docstrings."""
-    from shardyard.options import keys_help as help_of
-
-    return help_of(EvalOptions, ["shardyard eval PATH [KEY=VALUE ...] [train.py data overrides]",
+    return options.keys_help(EvalOptions, ["shardyard eval PATH [KEY=VALUE ...] [train.py data overrides]",
                                  "PATH: a run dir, a checkpoint dir or an HF export. Keys:"], width=13)
 
 

@@ -88,13 +88,12 @@ class GenerateOptions:
     """With ``speculative=mtp``: also decode the prompts plainly (greedy, KV-cached, one at a time), check the
     tokens are identical (exit 1 if not) and print the measured speed-up."""
     device: str = "auto"
-    """``cpu``, ``cuda`` or ``auto`` (a GPU when there is one)."""
+    """``cpu``, ``cuda``, ``cuda:N`` or ``auto`` (the first GPU when there is one, else the CPU)."""
     dtype: Optional[str] = None
     """``float32``, ``bfloat16`` or ``float16``; default fp32 on CPU, bf16 on a GPU that has it."""
 
 
-_CHOICES = {"engine": ("hf", "deepspeed"), "speculative": ("none", "mtp"), "device": ("auto", "cpu", "cuda"),
-            "dtype": options.DTYPES}
+_CHOICES = {"engine": ("hf", "deepspeed"), "speculative": ("none", "mtp"), "dtype": options.DTYPES}
 
 
 def parse(args: list[str]) -> tuple[str, GenerateOptions]:
@@ -406,6 +405,7 @@ def check(opts: GenerateOptions) -> None:
     if opts.compare and opts.speculative != "mtp":
         raise UserError("compare", opts.compare, "It compares speculative decoding with plain decoding.",
                         "Add speculative=mtp, or drop compare.")
+    options.device(opts.device)  # device=foo, or a GPU this process does not see: named before anything loads
     if opts.out is not None and os.path.exists(opts.out):
         raise UserError("out", opts.out, "That file exists, and shardyard generate never overwrites one.",
                         "Give a new file name, or remove the old file first.")
@@ -415,13 +415,7 @@ def check(opts: GenerateOptions) -> None:
 
 
 def _device(opts: GenerateOptions) -> torch.device:
-    import torch
-
-    if opts.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if opts.device == "cuda" and not torch.cuda.is_available():
-        raise UserError("device", opts.device, "No CUDA GPU is visible to this process.", "Use device=cpu.")
-    return torch.device(opts.device)
+    return options.device(opts.device)
 
 
 def _dtype(opts: GenerateOptions) -> torch.dtype | None:
@@ -452,13 +446,16 @@ def _emit(model: torch.nn.Module, tokenizer: Any, prompts: list[Any], opts: Gene
           lockstep: bool = False, write: bool = True, places: list[str] | None = None,
           limit: tuple[int, str] | None = None) -> list[dict]:
     streaming = opts.stream if opts.stream is not None else (len(prompts) == 1 and opts.out is None)
-    sink: TextIO | None = None
-    if write and opts.out is not None:
-        sink = open(opts.out, "x", encoding="utf-8")  # "x": a file made since check() is not overwritten either
-    elif write and not streaming:
-        sink = stdout
+    sink: TextIO | None = stdout if write and opts.out is None and not streaming else None
 
-    def on_row(row: dict) -> None:
+    def on_row(row: dict) -> None:  # out is made at its first row: a run refused before (a prompt too long for
+        nonlocal sink  # the model's positions) leaves no empty file behind to block the rerun
+        if sink is None and write and opts.out is not None:
+            try:
+                sink = open(opts.out, "x", encoding="utf-8")  # "x": a file made since check() is not overwritten
+            except FileExistsError:
+                raise UserError("out", opts.out, "That file was made while the model loaded, and shardyard generate "
+                                "never overwrites one.", "Give a new file name, or remove the file first.") from None
         if sink is not None:
             sink.write(json.dumps(row, ensure_ascii=False) + "\n")
             sink.flush()

@@ -101,15 +101,15 @@ def load(path: str | Source, *, device: str | torch.device = "cpu", dtype: torch
     dtype = dtype or default_dtype(device)
     kind, where, run_dir, given = path if isinstance(path, Source) else resolve(path)
     path = given
-    cfg = _run_config(run_dir) if run_dir else None
+    cfg = _run_config(run_dir, given) if run_dir else None
     if kind == "checkpoint":
         assert cfg is not None  # resolve: a checkpoint inside its run dir
         model = _from_checkpoint(where, cfg, path)
-        tokenizer = _load_tokenizer(_checkpoint_tokenizer(where, run_dir, cfg))
+        tokenizer = _load_tokenizer(_checkpoint_tokenizer(where, run_dir, cfg), given)
     else:
-        model = _from_export(where, cfg)
+        model = _from_export(where, cfg, given)
         tokenizer = _load_tokenizer(where if os.path.isfile(os.path.join(where, "tokenizer.json"))
-                                    else _run_tokenizer(run_dir, cfg, path))
+                                    else _run_tokenizer(run_dir, cfg, path), given)
     model.to(device=device, dtype=dtype)
     model.eval()
     return Trained(model, tokenizer, cfg, kind, where, run_dir)
@@ -118,15 +118,18 @@ def load(path: str | Source, *, device: str | torch.device = "cpu", dtype: torch
 def model_config(path: str | Source) -> Any:
     """The HF config of what ``load(path)`` would build (for checks made before loading: ``ds_inference.check``),
     from the export's ``config.json`` or the run's model built on the meta device."""
-    kind, where, run_dir, _ = path if isinstance(path, Source) else resolve(path)
+    kind, where, run_dir, given = path if isinstance(path, Source) else resolve(path)
     if kind == "export" and os.path.isfile(os.path.join(where, "config.json")):
         from transformers import AutoConfig
 
-        return AutoConfig.from_pretrained(where, local_files_only=True)
+        try:
+            return AutoConfig.from_pretrained(where, local_files_only=True)
+        except (OSError, ValueError) as e:  # not JSON (transformers says OSError); an unknown model_type
+            raise damaged(given, os.path.join(where, "config.json"), e, _NEWER) from None
     assert run_dir is not None  # a checkpoint, or a plain module's export: inside a run
     from shardyard.model import shape_model
 
-    return getattr(shape_model(_run_config(run_dir).model), "config", None)
+    return getattr(shape_model(_run_config(run_dir, given).model), "config", None)
 
 
 # ------------------------------------------------------------------------------------------- what PATH is
@@ -198,10 +201,32 @@ def _latest_run(given: str) -> str:
     return max(runs, key=lambda r: (os.path.getmtime(os.path.join(r, "config.yaml")), r))
 
 
-def _run_config(run_dir: str) -> DictConfig:
-    cfg = OmegaConf.load(os.path.join(run_dir, "config.yaml"))
-    assert isinstance(cfg, DictConfig)
+def _run_config(run_dir: str, given: str | None = None) -> DictConfig:
+    """The run's ``config.yaml``; one that is not a YAML mapping is a ``UserError`` naming ``given`` (the PATH)
+    and the file."""
+    import yaml
+    from omegaconf.errors import OmegaConfBaseException
+
+    file = os.path.join(run_dir, "config.yaml")
+    try:
+        cfg = OmegaConf.load(file)
+    except (yaml.YAMLError, UnicodeDecodeError, OmegaConfBaseException) as e:
+        raise damaged(given or run_dir, file, e) from None
+    if not isinstance(cfg, DictConfig):
+        raise damaged(given or run_dir, file, ValueError(f"it holds a {type(cfg).__name__}, not a mapping of "
+                                                         "config keys"))
     return cfg
+
+
+def damaged(given: str, file: str, error: BaseException, also: str = "") -> UserError:
+    """The ``UserError`` for a file of what PATH names that cannot be read (a damaged or altered export, checkpoint
+    or run dir): it names the file and what its reader said; ``also``: a first fix to try."""
+    said = " ".join(str(error).split())
+    said = said if len(said) <= 300 else said[:300] + "..."
+    return UserError("path", given, f"{file} cannot be read ({type(error).__name__}: {said}): it is damaged, "
+                     "truncated or was altered" + (", or needs a newer transformers." if also else "."),
+                     also + "Restore that file from where the run wrote it (a copy, or export the run again: "
+                     "checkpoint.export_hf=true), or load another checkpoint or export of the run.")
 
 
 def _step_dir(directory: str, step: int) -> str:
@@ -217,7 +242,7 @@ def _newest_good_checkpoint(run_dir: str, given: str) -> str:
     from shardyard.checkpoint import verify
     from shardyard.rundir import checkpoint_dir, checkpoint_steps
 
-    cfg = _run_config(run_dir)
+    cfg = _run_config(run_dir, given)
     directory = checkpoint_dir(cfg) if cfg.checkpoint.dir else os.path.join(run_dir, "checkpoints")
     names = [os.path.basename(_step_dir(directory, s)) for s in reversed(checkpoint_steps(directory))]
     if not names:
@@ -238,15 +263,21 @@ def _newest_good_checkpoint(run_dir: str, given: str) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- exports
-def _from_export(path: str, cfg: DictConfig | None) -> torch.nn.Module:
+def _from_export(path: str, cfg: DictConfig | None, given: str | None = None) -> torch.nn.Module:
+    from safetensors import SafetensorError
+
     from shardyard import mtp
     from shardyard.weights import load_weights
 
+    given = given or path
     _quiet()
     if os.path.isfile(os.path.join(path, "config.json")):
         from shardyard.model import hf
 
-        model = hf(path)
+        try:
+            model = hf(path)
+        except (OSError, ValueError) as e:  # not JSON (transformers says OSError); an unknown model_type
+            raise damaged(given, os.path.join(path, "config.json"), e, _NEWER) from None
         depth = int(getattr(model.config, "num_nextn_predict_layers", 0) or 0)
         if depth and type(model).__name__ in mtp.FAMILIES:  # keep DeepSeek-V3's MTP depths (speculative decoding)
             mtp.attach(model, OmegaConf.create({"depth": depth, "weight": 0.0, "final_weight": None,
@@ -259,8 +290,28 @@ def _from_export(path: str, cfg: DictConfig | None) -> torch.nn.Module:
     try:
         load_weights(model, path)
     except UserError as e:
-        raise UserError("path", path, e.problem, e.fix) from None
+        raise UserError("path", given, e.problem, e.fix) from None
+    except (SafetensorError, ValueError) as e:  # a truncated or altered file; a sharded index that is not JSON
+        raise damaged(given, _unreadable_weights(path), e) from None
     return model
+
+
+_NEWER = ("An architecture this transformers does not know (its model_type) may need a newer one (pip install -U "
+          "transformers). ")
+"""``damaged``'s first fix for a ``config.json`` that does not build."""
+
+
+def _unreadable_weights(path: str) -> str:
+    """The export's safetensors file whose header does not read (else its files, as a glob)."""
+    from safetensors import SafetensorError, safe_open
+
+    for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        try:
+            with safe_open(f, framework="pt"):
+                pass
+        except (SafetensorError, OSError):
+            return f
+    return os.path.join(path, "*.safetensors*")
 
 
 # ------------------------------------------------------------------------------------------- checkpoints
@@ -384,10 +435,27 @@ def _run_tokenizer(run_dir: str | None, cfg: DictConfig | None, given: str) -> s
     return tokenizer_path(cfg) or tokenizer_dir(cfg.data, open_sources(cfg.data))
 
 
-def _load_tokenizer(path: str) -> Any:
+def _load_tokenizer(path: str, given: str | None = None) -> Any:
     from shardyard.data import load_tokenizer
 
-    return load_tokenizer(path)
+    try:
+        return load_tokenizer(path)
+    except (OSError, ValueError) as e:  # tokenizer.json / tokenizer_config.json not JSON (JSONDecodeError)
+        raise damaged(given or path, _unreadable_json(path, "tokenizer.json"), e) from None
+
+
+def _unreadable_json(path: str, default: str) -> str:
+    """The first of the directory's tokenizer JSON files that is not JSON (else ``default`` in it)."""
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json"):
+        f = os.path.join(path, name)
+        try:
+            with open(f, encoding="utf-8") as fh:
+                json.load(fh)
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError):
+            return f
+    return os.path.join(path, default)
 
 
 def _quiet() -> None:

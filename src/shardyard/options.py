@@ -75,3 +75,46 @@ def dtype(name: str | None) -> Any:
         raise UserError("dtype", name, "It is not a dtype shardyard runs a model in.",
                         "Use dtype=float32, dtype=bfloat16 or dtype=float16 (or leave it unset).")
     return getattr(torch, full)
+
+
+DEVICES = "cpu, cuda, cuda:N or auto"
+"""The devices the commands take (``device=``)."""
+
+
+def device(name: str) -> Any:
+    """``torch.device`` of ``device=NAME``: ``cpu``, ``cuda``, ``cuda:N`` (a visible GPU's index) or ``auto`` (the
+    first GPU when there is one, else the CPU). Another name, or a GPU this process does not see, is a
+    ``UserError`` naming ``device``."""
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    kind, colon, index = name.partition(":")
+    if kind not in ("cpu", "cuda") or (colon and (kind != "cuda" or not index.isdigit())):
+        raise UserError("device", name, "It is not a device shardyard runs a model on.",
+                        "Use device=cpu, device=cuda, device=cuda:N (a GPU's index) or device=auto.")
+    if kind == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise UserError("device", name, "No CUDA GPU is visible to this process.",
+                            "Use device=cpu (or device=auto: a GPU when there is one).")
+        if colon and int(index) >= count:
+            raise UserError("device", name, f"This process sees {count} GPU(s): cuda:0 to cuda:{count - 1}.",
+                            f"Use device=cuda:0{f' to cuda:{count - 1}' if count > 1 else ''}, or check "
+                            "CUDA_VISIBLE_DEVICES.")
+    return torch.device(name)
+
+
+def limit(key: str, number: Any) -> int | float | None:
+    """The harness's ``limit`` rule: None (every document), a count of documents per task (a whole number, 1 or
+    more: returned as an int) or a fraction of them below 1 (a float in (0, 1)). Anything else is a ``UserError``
+    naming ``key``."""
+    import math
+
+    if number is None:
+        return None
+    if (isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number)
+            or not (number > 0 and (number < 1 or number == int(number)))):
+        raise UserError(key, number, "It must be a count of documents per task (a whole number) or a fraction "
+                        "of them below 1.", f"Use e.g. {key}=100 or {key}=0.1, or leave it unset for every document.")
+    return int(number) if number >= 1 else float(number)

@@ -98,3 +98,27 @@ def test_shipped_stdlib_qa_rows_are_right_about_the_stdlib():
     assert len(loaded) == len(rows) and loaded[0]["choices"] == rows[0]["choices"]
     yaml_text = open(os.path.join(evaluate.TASKS_DIR, "stdlib_qa", "stdlib_qa.yaml")).read()
     assert "task: stdlib_qa" in yaml_text and "output_type: multiple_choice" in yaml_text
+
+
+@pytest.mark.parametrize("device", ["foo", "cuda:x", "cuda:99"])
+def test_a_device_that_is_not_there_is_refused_naming_device(device):
+    """The same device rule as ``shardyard generate`` (``options.device``), checked before the path is read."""
+    with pytest.raises(UserError) as e:
+        evaluate.main(["nowhere", f"device={device}"])
+    assert (e.value.key, e.value.value) == ("device", device)
+
+
+def test_limit_is_a_count_or_a_fraction_below_1():
+    """``options.limit``: None, a whole count (an int) or a fraction in (0, 1); else a ``UserError`` naming the
+    key it was given."""
+    from shardyard import options
+
+    assert options.limit("limit", None) is None
+    assert options.limit("limit", 100.0) == 100 and isinstance(options.limit("limit", 100.0), int)
+    assert options.limit("limit", 0.25) == 0.25
+    for bad in (0, -1, 2.5, float("nan"), float("inf"), True, "3"):
+        with pytest.raises(UserError) as e:
+            options.limit("train.eval_tasks_limit", bad)
+        assert e.value.key == "train.eval_tasks_limit", bad
+    assert evaluate.parse(["p", "limit=none"])[1].limit is None
+    assert evaluate.parse(["p", "limit=3"])[1].limit == 3 and isinstance(evaluate.parse(["p", "limit=3"])[1].limit, int)

@@ -234,3 +234,54 @@ def test_cli_success_in_process_returns_through_system_exit(export, tmp_path):
     with pytest.raises(SystemExit) as done:
         cli.main(["generate", export, "prompt=a", "max_new_tokens=2", f"out={out}", "device=cpu"])
     assert done.value.code == 0 and json.loads(out.read_text())["tokens"] == 2
+
+
+def _truncate(path):
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2])
+
+
+@pytest.mark.parametrize("name,damage", [
+    ("config.yaml", lambda d: (d / "config.yaml").write_text("model: [unclosed\n")),
+    ("config.json", lambda d: (d / "config.json").write_text("{bad")),
+    ("config.json", lambda d: (d / "config.json").write_text(
+        (d / "config.json").read_text().replace('"model_type": "llama"', '"model_type": "no_such_model"'))),
+    ("model.safetensors", lambda d: _truncate(d / "model.safetensors")),
+    ("tokenizer.json", lambda d: (d / "tokenizer.json").write_text("{bad")),
+], ids=["run-config-yaml", "config-not-json", "unknown-model-type", "truncated-weights", "tokenizer-not-json"])
+def test_a_damaged_file_exits_2_naming_path_and_the_file(export, tmp_path, name, damage):
+    """A damaged file of a run dir or an HF export is a ``UserError`` naming PATH and the file (exit 2), not a
+    traceback from yaml, transformers, safetensors or json. ``config.yaml`` is a run dir's: the run holds the
+    export as ``hf/``."""
+    import shutil
+
+    run = tmp_path / "run"
+    hf = run / "hf" if name == "config.yaml" else run
+    shutil.copytree(export, hf)
+    if name == "config.yaml":
+        (run / "config.yaml").write_text("seed: 0\n")
+    damage(run)
+    with pytest.raises(UserError) as err:
+        generate.main([str(run), "prompt=a", "max_new_tokens=1", "device=cpu"])
+    assert (err.value.key, err.value.value) == ("path", str(run)), err.value
+    assert str(run / name) in err.value.problem, err.value.problem
+
+
+def test_a_refused_generate_leaves_no_out_file(export, tmp_path):
+    """max_new_tokens past the model's 256 positions is refused after loading: no (empty) out file is left to
+    block the rerun, which then writes its rows there."""
+    out = tmp_path / "rows.jsonl"
+    with pytest.raises(UserError) as err:
+        generate.main([export, "prompt=a", "max_new_tokens=300", f"out={out}", "device=cpu"])
+    assert err.value.key == "max_new_tokens" and not out.exists()
+    generate.main([export, "prompt=a", "max_new_tokens=2", f"out={out}", "device=cpu"])
+    assert json.loads(out.read_text())["tokens"] == 2
+
+
+@pytest.mark.parametrize("device", ["foo", "cuda:x", "cpu:0", "cuda:99"])
+def test_a_device_that_is_not_there_is_refused_naming_device(export, device):
+    """``device=`` takes cpu, cuda, cuda:N (a GPU this process sees) and auto: another is a ``UserError`` naming
+    it before anything loads (cuda:99: no machine here has 100 GPUs)."""
+    with pytest.raises(UserError) as err:
+        generate.main([export, "prompt=a", f"device={device}"])
+    assert (err.value.key, err.value.value) == ("device", device)
