@@ -1,7 +1,7 @@
 """The lm-evaluation-harness in shardyard: the harness's tasks (its own, shardyard's shipped local ones, the user's
-``include_path``) run through ``lm_eval.simple_evaluate`` with the harness's ``HFLM`` wrapper over a loaded model
-object (``shardyard eval``), or, during training (``train.eval_tasks``), over the engine's model on every rank in
-lockstep (``InTraining``). ``lm_eval`` (the ``eval`` extra) is imported only inside these functions."""
+``include_path``) run as ``lm_eval.simple_evaluate`` runs them (``_evaluate``) with the harness's ``HFLM`` wrapper
+over a loaded model object (``shardyard eval``), or, during training (``train.eval_tasks``), over the engine's model
+on every rank in lockstep (``InTraining``). ``lm_eval`` (the ``eval`` extra) is imported only inside these functions."""
 
 from __future__ import annotations
 
@@ -67,20 +67,82 @@ def check_tasks(tasks: list[str], include_path: str | None, key: str = "tasks",
 def harness(model: Any, tokenizer: Any, tasks: list[str], *, include_path: str | None = None,
             limit: float | None = None, num_fewshot: int | None = None, batch_size: int = 8, seed: int = 1234,
             manager: Any = None, lm: Any = None) -> dict:
-    """Scores of ``tasks`` through ``lm_eval.simple_evaluate`` with the harness's ``HFLM`` over the loaded model
-    object: ``{task: {metric: value, "<metric>_stderr": stderr}}``. ``manager``: a ``TaskManager`` holding the
-    tasks (``check_tasks``'), when already built; ``lm``: the harness's model wrapper, when already built
+    """Scores of ``tasks`` with the harness's ``HFLM`` over the loaded model object:
+    ``{task: {metric: value, "<metric>_stderr": stderr}}`` (``_evaluate``). ``manager``: a ``TaskManager`` holding
+    the tasks (``check_tasks``'), when already built; ``lm``: the harness's model wrapper, when already built
     (``InTraining``'s lockstep one; ``model``, ``tokenizer`` and ``batch_size`` are then its)."""
     require_harness()
     manager = manager or check_tasks(tasks, include_path)
-    import lm_eval
     from lm_eval.models.huggingface import HFLM
 
     lm = lm or HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
-    out = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
-                                  task_manager=manager, log_samples=False, random_seed=seed, numpy_random_seed=seed,
-                                  torch_random_seed=seed, fewshot_random_seed=seed, verbosity="WARNING")
-    return scores(out)
+    return scores(_evaluate(lm, tasks, manager, limit=limit, num_fewshot=num_fewshot, seed=seed))
+
+
+def _evaluate(lm: Any, tasks: list[str], manager: Any, *, limit: float | None, num_fewshot: int | None,
+              seed: int) -> Any:
+    """What ``lm_eval.simple_evaluate(model=lm, tasks=..., task_manager=manager, log_samples=False, limit=...,
+    num_fewshot=..., every seed=seed)`` computes, less its bookkeeping: the same seeding, task loading and
+    few-shot settings, then ``lm_eval.evaluator.evaluate``. Skipped: the run's record (``git describe``, the
+    environment report, the tokenizer's) that ``simple_evaluate`` gathers where it believes it is rank 0 by
+    ``LOCAL_RANK``; so ``InTraining``'s ranks need no faked ``LOCAL_RANK`` to all get the results."""
+    import logging
+
+    import numpy as np
+    import torch
+    from lm_eval.evaluator import evaluate
+    from lm_eval.utils import setup_logging
+
+    setup_logging(verbosity=logging.WARNING)  # simple_evaluate's verbosity="WARNING"
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    loaded = manager.load(list(tasks))
+    for task in loaded["tasks"].values():  # simple_evaluate's few-shot rules
+        if num_fewshot is not None and task.get_config("num_fewshot") != 0:
+            task.set_config(key="num_fewshot", value=num_fewshot)
+        elif num_fewshot is None and task.get_config("num_fewshot") is None:
+            task.set_config(key="num_fewshot", value=0)
+        task.set_fewshot_seed(seed=seed)
+    return evaluate(lm=lm, task_dict=loaded, limit=limit, log_samples=False)
+
+
+def generation_tasks(manager: Any, tasks: list[str]) -> list[str]:
+    """The tasks among ``tasks`` (a group's or tag's members included) whose harness YAML gives (or defaults to)
+    ``output_type: generate_until``, read from ``manager``'s index (no dataset is loaded). Python-class tasks and
+    inline members whose type the index does not tell are left out (``InTraining`` refuses them at their first
+    evaluation)."""
+    index = manager.task_index
+    found: list[str] = []
+    seen: set[str] = set()
+
+    def visit(name: str, cfg: dict | None = None) -> None:
+        if name in seen:
+            return
+        seen.add(name)
+        entry = index.get(name)
+        kind = getattr(getattr(entry, "kind", None), "name", None)
+        cfg = cfg if cfg is not None else getattr(entry, "cfg", None)
+        if kind == "TAG":
+            for member in sorted(entry.tags):
+                visit(member)
+        elif isinstance(cfg, dict) and "group" in cfg:
+            for child in cfg.get("task") or []:
+                if isinstance(child, str):
+                    visit(child)
+                elif isinstance(child, dict):  # an inline member: its own type, or its registered task's
+                    inline = str(child.get("group") or child.get("task") or "")
+                    if "group" in child or "output_type" in child:
+                        visit(inline, child)
+                    elif inline in index:
+                        visit(inline)
+        elif isinstance(cfg, dict) and "task" in cfg and "class" not in cfg:
+            if cfg.get("output_type", "generate_until") == "generate_until":
+                found.append(name)
+
+    for t in tasks:
+        visit(t)
+    return found
 
 
 def scores(out: Any) -> dict:
@@ -101,16 +163,18 @@ def scores(out: Any) -> dict:
 # ----------------------------------------------------------------------------------------------- during training
 class InTraining:
     """``train.eval_tasks``: the harness's tasks scored at every evaluation of a run (the final one too) on the model
-    being trained, as ``shardyard eval`` scores them (``harness``: the same ``simple_evaluate`` call, seeds and
-    ``HFLM`` tokenization), so the run's last row equals ``shardyard eval`` on its export.
+    being trained, as ``shardyard eval`` scores them (``harness``: the same ``_evaluate`` call, seeds and ``HFLM``
+    tokenization), so the run's last row equals ``shardyard eval`` on its export.
 
     The model may be sharded (FSDP, ZeRO-3, tensor parallel), where every rank must join every forward. So every
     rank runs the harness in lockstep: lm-eval is told it runs in one process (its own distributed code, through
-    accelerate, never starts), builds the same requests on every rank, and hands them to ``_lockstep_lm``'s
+    accelerate, never starts; ``LOCAL_RANK`` is left as it is, so a ZeRO-3 forward that reads it finds its own
+    device), builds the same requests on every rank, and hands them to ``_lockstep_lm``'s
     ``loglikelihood``, which shares them out over the data-parallel replicas itself (see there) and gives every
     rank all the answers; lm-eval's metrics are then computed on every rank alike, and rank 0's monitors log
     them. The random states of ``random``, numpy and torch are put back after each call (lm-eval seeds all three),
-    so a run with tasks trains as it would without. Generation tasks (``generate_until``) are refused."""
+    so a run with tasks trains as it would without. Generation tasks (``generate_until``) are refused: by
+    ``validate`` where the task's YAML tells, else at the first evaluation."""
 
     def __init__(self, tasks: list[str], backend: Any, tokenizer_dir: str, *, batch_size: int,
                  limit: float | None = None, include_path: str | None = None):
@@ -128,9 +192,10 @@ class InTraining:
         tasks = list(train.get("eval_tasks") or [])
         if not tasks:
             return None
-        limit = train.get("eval_tasks_limit")
+        from shardyard.options import limit
+
         return cls(tasks, backend, tokenizer_dir, batch_size=batch_size,
-                   limit=int(limit) if limit is not None and limit >= 1 else limit,
+                   limit=limit("train.eval_tasks_limit", train.get("eval_tasks_limit")),
                    include_path=train.get("eval_tasks_include_path"))
 
     def __call__(self, step: int) -> dict:
@@ -150,18 +215,12 @@ class InTraining:
         states = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
                   torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None)
         was_training = model.training
-        local_rank = os.environ.get("LOCAL_RANK")
-        os.environ["LOCAL_RANK"] = "0"  # lm-eval returns results where LOCAL_RANK is 0 only: every rank, here
         model.eval()
         try:
             results = harness(model, None, self.tasks, include_path=self.include_path, limit=self.limit,
                               manager=self.manager, lm=self.lm)
         finally:
             model.train(was_training)
-            if local_rank is None:
-                del os.environ["LOCAL_RANK"]
-            else:
-                os.environ["LOCAL_RANK"] = local_rank
             random.setstate(states[0])
             np.random.set_state(states[1])
             torch.set_rng_state(states[2])
@@ -210,18 +269,23 @@ def _lockstep_lm(model: Any, tokenizer: Any, batch_size: int, *, share: Callable
                 members = order[start:start + per_round]
                 mine = members[dp_rank::dp_size]
                 width = max(len(rows[i][0]) for i in members)
-                batch = torch.zeros(batch_size, width, dtype=torch.long, device=self.device)  # 2: dummy rows: 0s
-                for j, i in enumerate(mine):
-                    batch[j, :len(rows[i][0])] = torch.tensor(rows[i][0], dtype=torch.long)
-                logp = F.log_softmax(self._model_call(batch), dim=-1, dtype=self.softmax_dtype)
-                for j, i in enumerate(mine):
+                padded = [rows[i][0] + [0] * (width - len(rows[i][0])) for i in mine]
+                padded += [[0] * width] * (batch_size - len(mine))  # 2: dummy rows: 0s
+                logits = self._model_call(torch.tensor(padded, dtype=torch.long, device=self.device))
+                if not mine:
+                    continue
+                conts = torch.tensor([t for i in mine for t in rows[i][1]], dtype=torch.long, device=self.device)
+                scored, at = [], 0
+                for j, i in enumerate(mine):  # each row's continuation alone: no [rows, width, vocab] fp32 copy
                     inp, cont = rows[i]
-                    picked = logp[j, len(inp) - len(cont):len(inp)]
-                    want = torch.tensor(cont, dtype=torch.long, device=self.device)
-                    out[i, 0] = float(picked.gather(1, want[:, None]).sum())  # 3
-                    out[i, 1] = float(bool((picked.argmax(-1) == want).all()))
-            every = share(out) if rows else out
-            answers = [(float(every[i, 0]), bool(every[i, 1] > 0.5)) for i in range(len(rows))]
+                    logp = F.log_softmax(logits[j, len(inp) - len(cont):len(inp)], dim=-1, dtype=self.softmax_dtype)
+                    want = conts[at:at + len(cont)]
+                    at += len(cont)
+                    scored.append(torch.stack([logp.gather(1, want[:, None]).sum().double(),
+                                               (logp.argmax(-1) == want).all().double()]))
+                out[torch.tensor(mine, device=self.device)] = torch.stack(scored)  # 3: on the device, no host sync
+            every = (share(out) if rows else out).cpu().tolist()  # the one copy to the host
+            answers = [(ll, greedy > 0.5) for ll, greedy in every]
             for (key, _, _), answer in zip(requests, answers):
                 if key is not None:
                     self.cache_hook.add_partial("loglikelihood", key, answer)

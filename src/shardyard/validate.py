@@ -703,9 +703,10 @@ def _validate_objective(cfg: DictConfig, src: Any) -> None:
 
 def _validate_eval_tasks(cfg: DictConfig) -> None:
     """``train.eval_tasks``: the harness installed, every task one it knows (``harness.check_tasks``: the shipped,
-    ``train.eval_tasks_include_path``'s, its own), a positive limit, and an engine whose ranks each run the whole
-    model's forward (every rank scores the tasks in lockstep: ``harness.InTraining``)."""
-    from shardyard import harness
+    ``train.eval_tasks_include_path``'s, its own), none a generation task (where its YAML tells), a limit
+    ``options.limit`` takes, and an engine whose ranks each run the whole model's forward (every rank scores the
+    tasks in lockstep: ``harness.InTraining``)."""
+    from shardyard import harness, options
     from shardyard.backends import engine
 
     tr = cfg.train
@@ -717,13 +718,17 @@ def _validate_eval_tasks(cfg: DictConfig) -> None:
                         f"model on every rank, and backend={cfg.backend.name} splits the model into pipeline stages.",
                         "Score the run's export after training with `shardyard eval RUN tasks=[...]`, or use "
                         "backend=fsdp, zero3, fsdp_tp, ddp or zero1/zero2 for scores during training.")
-    limit = tr.get("eval_tasks_limit")
-    if limit is not None and not (limit > 0 and (limit < 1 or limit == int(limit))):
-        raise UserError("train.eval_tasks_limit", limit, "It must be a count of documents per task (or a fraction "
-                        "below 1).", "Use e.g. train.eval_tasks_limit=100, or leave it unset for every document.")
+    options.limit("train.eval_tasks_limit", tr.get("eval_tasks_limit"))
     harness.require_harness("train.eval_tasks", "leave train.eval_tasks unset")
-    harness.check_tasks(tasks, tr.get("eval_tasks_include_path"), key="train.eval_tasks",
-                        include_key="train.eval_tasks_include_path")
+    manager = harness.check_tasks(tasks, tr.get("eval_tasks_include_path"), key="train.eval_tasks",
+                                  include_key="train.eval_tasks_include_path")
+    generating = harness.generation_tasks(manager, tasks)
+    if generating:
+        raise UserError("train.eval_tasks", generating[0] if len(generating) == 1 else generating,
+                        "Generation tasks (output_type generate_until) are not scored during training: only "
+                        "log-likelihood and multiple-choice tasks run in lockstep on every rank.",
+                        "Score them after the run with `shardyard eval RUN tasks=[...]`, and keep "
+                        "train.eval_tasks to log-likelihood and multiple-choice tasks.")
 
 
 def _validate_reference_weights(cfg: DictConfig) -> None:

@@ -1,20 +1,47 @@
 """``train.eval_tasks`` (issue 45): the lm-evaluation-harness's tasks at every evaluation of a run, on a 2-rank FSDP
 run (the model sharded: both ranks join every forward, each scoring its share of the requests). The final
 evaluation's row, in ``metrics.jsonl`` and in ``metrics.csv``, holds the scores the harness gives in one process on
-the run's export (``harness.harness``: ``shardyard eval``'s scoring, lm-eval's ``HFLM`` over the loaded export):
-the shipped multiple-choice ``stdlib_qa`` and a local log-likelihood task whose perplexity is a continuous number."""
+the run's export (``lm_eval.simple_evaluate`` with lm-eval's ``HFLM`` over the loaded export, ``shardyard eval``'s
+seeds): the shipped multiple-choice ``stdlib_qa`` and a local log-likelihood task whose perplexity is a continuous
+number, asked for by its tag (so its scores come under the member task's name, not the name the run asked for)."""
 
 import csv
 import json
+import os
 
 import pytest
+import torch
 
-from shardyard.testing import TINY, run_many
+from shardyard.testing import TINY, on_ranks
 
 ROWS = [{"q": "def main(", "t": "):\n    return None"}, {"q": "import os\nimport", "t": " sys"},
         {"q": "for i in", "t": " range(10):"}, {"q": "class Foo", "t": "(object):\n    pass"},
         {"q": "with open(path) as", "t": " f:"}, {"q": "return", "t": " self.value"}, {"q": "x = [", "t": "1, 2]"}]
 """7 rows: with 2 ranks of 4 rows a forward, one rank's share is short (a dummy row)."""
+
+
+def _run_recording_local_rank(rank: int, world: int, overrides: list, run_dir: str) -> None:
+    """``testing.run_many``'s job on a pool rank, with the ``LOCAL_RANK`` each of the harness's forwards saw
+    (lm-eval's ``HFLM._model_call``, which the lockstep wrapper calls) written to ``local_rank<rank>.json``: a
+    ZeRO-3 forward places tensors on ``device_name(LOCAL_RANK)``, so it must be the rank's own there."""
+    from lm_eval.models.huggingface import HFLM
+
+    from shardyard import testing
+
+    seen: list = []
+    plain = HFLM._model_call
+
+    def recording(self, *args, **kwargs):
+        seen.append(os.environ.get("LOCAL_RANK"))
+        return plain(self, *args, **kwargs)
+
+    HFLM._model_call = recording  # type: ignore[method-assign]
+    try:
+        testing._one_run(rank, world, overrides, run_dir)
+    finally:
+        HFLM._model_call = plain  # type: ignore[method-assign]
+    with open(os.path.join(run_dir, f"local_rank{rank}.json"), "w") as f:
+        json.dump(seen, f)
 
 
 @pytest.fixture(autouse=True)
@@ -24,7 +51,8 @@ def offline(monkeypatch):
 
 
 def test_harness_scores_at_every_eval_equal_the_harness_on_the_export(tmp_path):
-    import torch
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from shardyard import harness
@@ -35,13 +63,18 @@ def test_harness_scores_at_every_eval_equal_the_harness_on_the_export(tmp_path):
     (tasks / "rows.yaml").write_text(
         f"task: code_rows\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {tasks}/rows.jsonl\n"
         "output_type: loglikelihood\ntest_split: test\ndoc_to_text: '{{q}}'\ndoc_to_target: '{{t}}'\n"
-        "target_delimiter: ''\nmetric_list:\n  - metric: perplexity\nmetadata:\n  version: 1\n")
+        "target_delimiter: ''\nmetric_list:\n  - metric: perplexity\nmetadata:\n  version: 1\ntag: code_tag\n")
     run = tmp_path / "run"
     overrides = [*(o for o in TINY if not o.startswith("monitor=")), "monitor=[console,csv]", "backend=fsdp",
                  "train.steps=2", "train.eval_every_n_steps=0", "train.global_batch_size=8", "optim.lr=3e-3",
-                 "checkpoint.save_final=true", "train.eval_tasks=[stdlib_qa,code_rows]", "train.eval_tasks_limit=6",
+                 "checkpoint.save_final=true", "train.eval_tasks=[stdlib_qa,code_tag]", "train.eval_tasks_limit=6",
                  f"train.eval_tasks_include_path={tasks}"]
-    ranks = run_many(2, [(overrides, str(run))])[0]
+    run.mkdir()
+    on_ranks(2, _run_recording_local_rank, overrides, str(run))
+    ranks = [torch.load(run / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    for r in range(2):  # every forward of the harness saw the rank's own LOCAL_RANK
+        seen = json.loads((run / f"local_rank{r}.json").read_text())
+        assert seen and set(seen) == {str(r)}, (r, set(seen))
 
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     evals = {r["step"]: r for r in rows if "eval/stdlib_qa/acc" in r}
@@ -52,8 +85,12 @@ def test_harness_scores_at_every_eval_equal_the_harness_on_the_export(tmp_path):
 
     export = run / "hf"
     model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
-    want = harness.harness(model, AutoTokenizer.from_pretrained(export), ["stdlib_qa", "code_rows"],
-                           include_path=str(tasks), limit=6)
+    # The reference: lm-eval's own simple_evaluate (shardyard eval's seeds) over lm-eval's HFLM of the export.
+    lm = HFLM(pretrained=model, tokenizer=AutoTokenizer.from_pretrained(export), batch_size=8)
+    want = harness.scores(lm_eval.simple_evaluate(
+        model=lm, tasks=["stdlib_qa", "code_tag"], limit=6, task_manager=harness.task_manager(str(tasks)),
+        log_samples=False, random_seed=1234, numpy_random_seed=1234, torch_random_seed=1234,
+        fewshot_random_seed=1234))
     for task, metric in [("stdlib_qa", "acc"), ("stdlib_qa", "acc_norm"), ("stdlib_qa", "acc_stderr"),
                          ("code_rows", "perplexity")]:
         got = last[f"eval/{task}/{metric}"]

@@ -34,6 +34,13 @@ METRICS = {
 }
 
 
+def extra_eval_metric(key: str) -> bool:
+    """An evaluation metric outside ``METRICS``: a harness task's score (``train.eval_tasks``: the task's, or a
+    group's or tag's member tasks', ``eval/<task>/<metric>``), a data source's loss, an objective's own. The CSV
+    gives each a column when it first comes; the console's eval line shows them."""
+    return key.startswith("eval/") and key not in METRICS
+
+
 class Monitor(Protocol):
     """Built as ``_target_(run_dir=..., config=<the run config>, **its option's keys)`` on rank 0. A class
     attribute ``requires = "package"`` lets validation name a missing package before launch; a class

@@ -7,6 +7,8 @@ import time
 
 from omegaconf import DictConfig
 
+from shardyard.monitors import extra_eval_metric
+
 
 def _fmt_time(s: float) -> str:
     s = int(s)
@@ -28,7 +30,6 @@ class ConsoleMonitor:
 
     def __init__(self, run_dir: str, config: DictConfig, style: str = "auto"):
         self.total, self.t0 = config.train.steps, time.perf_counter()
-        self.tasks = tuple(f"eval/{t}/" for t in config.train.get("eval_tasks") or [])  # train.eval_tasks' scores
         self.rich = style == "rich" or (style == "auto" and sys.stdout.isatty())
         self.progress = None
         if self.rich:
@@ -56,7 +57,8 @@ class ConsoleMonitor:
         if "eval/loss" in m:
             line = (f"eval @ step {step}: loss {m['eval/loss']:.4f}" + (f" | ppl {m['eval/ppl']:.2f}" if "eval/ppl" in m else "")
                     + _headlines(m, "eval/") + "".join(f" | {k[5:]} {v:.4f}" for k, v in m.items()
-                                                       if k.startswith(self.tasks) and "_stderr" not in k))
+                                                       if extra_eval_metric(k) and k[5:] not in HEADLINES
+                                                       and "_stderr" not in k))
             (self.progress.console.print if self.progress is not None else print)(line)
 
     def fail(self, error: str) -> None:

@@ -2,8 +2,9 @@
 
 The columns are the same for every engine and device, so CSVs of different runs line up; a metric not
 reported at a step (eval metrics between evaluations, MFU on CPU) is an empty cell. The training and the
-evaluation metrics of one step share its row. A run with ``train.eval_tasks`` gains a column per harness metric
-(``eval/<task>/<metric>``) when the first evaluation reports it (the file is rewritten once with the wider header).
+evaluation metrics of one step share its row. An evaluation metric outside those (``monitors.extra_eval_metric``:
+a harness score of ``train.eval_tasks``, ``eval/<task>/<metric>`` for each task a group or tag runs, a source's
+loss) gains a column when it is first reported (the file is rewritten with the wider header).
 """
 
 from __future__ import annotations
@@ -20,9 +21,7 @@ class CsvMonitor:
 
         self.path, self.fields = os.path.join(run_dir, file), ["step", *METRICS]
         self.fresh = not os.path.exists(self.path) or os.path.getsize(self.path) == 0
-        tasks = (config.get("train") or {}).get("eval_tasks") or []
-        self.task_prefixes = tuple(f"eval/{t}/" for t in tasks)  # their metrics' columns, added as they come
-        if not self.fresh:  # an earlier attempt's columns (its harness metrics) stay
+        if not self.fresh:  # an earlier attempt's columns (its extra eval metrics) stay
             with open(self.path, newline="") as f:
                 header = next(csv.reader(f), [])
             self.fields += [c for c in header if c not in self.fields]
@@ -38,43 +37,35 @@ class CsvMonitor:
     def resume(self, step: int) -> None:
         """Keep the rows of steps <= ``step`` (a partial last row of a killed process goes too), under the
         header; rewritten beside the file and renamed over it."""
-        import io
-
-        from shardyard.monitors.jsonl import replace_atomically
-
         if self.fresh:
             return
-        self.f.close()
         with open(self.path, newline="") as f:
             rows = [r for r in csv.DictReader(f) if (r.get("step") or "").isdigit() and int(r["step"]) <= step
                     and None not in r.values()]  # a short row (killed mid-write) has missing cells
-        out = io.StringIO()
-        writer = csv.DictWriter(out, fieldnames=self.fields, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
-        replace_atomically(self.path, out.getvalue())
-        self._open()
+        self._rewrite(rows)
 
     def log(self, step: int, metrics: dict) -> None:
+        from shardyard.monitors import extra_eval_metric
+
         if self.row and self.row["step"] != step:
             self._flush()
-        new = [k for k in metrics if k not in self.fields and k.startswith(self.task_prefixes)]
-        if new:
-            self._widen(new)
+        new = [k for k in metrics if k not in self.fields and extra_eval_metric(k)]
+        if new:  # new columns at the right: the rows so far (each flushed) under the wider header
+            with open(self.path, newline="") as f:
+                rows = list(csv.DictReader(f))
+            self.fields += new
+            self._rewrite(rows)
         self.row.setdefault("step", step)
         self.row.update(metrics)
 
-    def _widen(self, columns: list[str]) -> None:
-        """New columns at the right: the rows so far rewritten under the wider header, beside the file and renamed
-        over it."""
+    def _rewrite(self, rows: list[dict]) -> None:
+        """The file as ``rows`` under the header of ``self.fields``: written beside it and renamed over it, then
+        opened again for appending."""
         import io
 
         from shardyard.monitors.jsonl import replace_atomically
 
         self.f.close()
-        with open(self.path, newline="") as f:
-            rows = list(csv.DictReader(f))
-        self.fields += columns
         out = io.StringIO()
         writer = csv.DictWriter(out, fieldnames=self.fields, extrasaction="ignore")
         writer.writeheader()
