@@ -246,3 +246,32 @@ def byte_bpe(text: str, eos: str = "<|endoftext|>"):
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     t.train_from_iterator([text] * 20, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=t, eos_token=eos, pad_token=eos)
+
+
+class Whole:
+    """The replica engines' side of ``export.save_hf`` (rank 0 holds the model): a real model and its state."""
+
+    rank, world_size = 0, 1
+
+    def __init__(self, model):
+        self.model = model
+
+    def hf_model(self):
+        return self.model
+
+    def full_state_dict(self):
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+
+def loglikelihood_task(tasks: Path, name: str, rows: list[dict], tag: str | None = None) -> None:
+    """A local lm-eval task ``name`` in ``tasks/``: ``rows`` (``q`` the context, ``t`` the continuation) scored by
+    perplexity of the continuation, with an optional ``tag``."""
+    import json
+
+    tasks.mkdir(exist_ok=True)
+    (tasks / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tasks / f"{name}.yaml").write_text(
+        f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {tasks}/{name}.jsonl\n"
+        "output_type: loglikelihood\ntest_split: test\ndoc_to_text: '{{q}}'\ndoc_to_target: '{{t}}'\n"
+        "target_delimiter: ''\nmetric_list:\n  - metric: perplexity\nmetadata:\n  version: 1\n"
+        + (f"tag: {tag}\n" if tag else ""))

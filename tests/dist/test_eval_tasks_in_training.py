@@ -12,6 +12,8 @@ import os
 import pytest
 import torch
 
+from conftest import loglikelihood_task
+
 from shardyard.testing import TINY, on_ranks
 
 ROWS = [{"q": "def main(", "t": "):\n    return None"}, {"q": "import os\nimport", "t": " sys"},
@@ -58,12 +60,7 @@ def test_harness_scores_at_every_eval_equal_the_harness_on_the_export(tmp_path):
     from shardyard import harness
 
     tasks = tmp_path / "tasks"
-    tasks.mkdir()
-    (tasks / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
-    (tasks / "rows.yaml").write_text(
-        f"task: code_rows\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {tasks}/rows.jsonl\n"
-        "output_type: loglikelihood\ntest_split: test\ndoc_to_text: '{{q}}'\ndoc_to_target: '{{t}}'\n"
-        "target_delimiter: ''\nmetric_list:\n  - metric: perplexity\nmetadata:\n  version: 1\ntag: code_tag\n")
+    loglikelihood_task(tasks, "code_rows", ROWS, tag="code_tag")
     run = tmp_path / "run"
     overrides = [*(o for o in TINY if not o.startswith("monitor=")), "monitor=[console,csv]", "backend=fsdp",
                  "train.steps=2", "train.eval_every_n_steps=0", "train.global_batch_size=8", "optim.lr=3e-3",

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from conftest import TINY, train_py
+from conftest import TINY, loglikelihood_task, train_py
 
 pytest.importorskip("lm_eval", reason="the eval extra (pip install -e '.[eval]'): make setup installs it")
 
@@ -110,12 +110,7 @@ def test_a_users_local_task_in_include_path(run, tmp_path):
     rows = [{"q": "def main(", "t": "):\n    return None"}, {"q": "import os\nimport", "t": " sys"},
             {"q": "for i in", "t": " range(10):"}, {"q": "class Foo", "t": "(object):\n    pass"}]
     tasks = tmp_path / "tasks"
-    tasks.mkdir()
-    (tasks / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (tasks / "mine.yaml").write_text(
-        f"task: my_code_ll\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {tasks}/rows.jsonl\n"
-        "output_type: loglikelihood\ntest_split: test\ndoc_to_text: '{{q}}'\ndoc_to_target: '{{t}}'\n"
-        "target_delimiter: ''\nmetric_list:\n  - metric: perplexity\nmetadata:\n  version: 1\n")
+    loglikelihood_task(tasks, "my_code_ll", rows)
     got = shardyard_eval(str(export), "tasks=[my_code_ll]", f"include_path={tasks}", "perplexity=false",
                          out=tmp_path / "r.json")["tasks"]["my_code_ll"]["perplexity"]
 

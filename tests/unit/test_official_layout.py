@@ -13,6 +13,8 @@ from omegaconf import OmegaConf
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from conftest import Whole
+
 from shardyard import export
 from shardyard.errors import UserError
 from shardyard.model import build_model
@@ -232,19 +234,6 @@ def test_other_quantised_tensors_stay_refused(tmp_path, stored, needle):
     assert e.value.key == "model.weights" and f"lm_head.weight is stored as {needle}" in str(e.value)
 
 
-class _Whole:
-    """The engine side of the replica engines' export (rank 0 holds the model): a real model and its state."""
-
-    rank, world_size = 0, 1
-
-    def __init__(self, model):
-        self.model = model
-
-    def hf_model(self):
-        return self.model
-
-    def full_state_dict(self):
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
 
 @pytest.fixture(scope="module")
@@ -271,7 +260,7 @@ def test_the_export_writes_the_official_layout_and_reloads_to_the_same_bytes(tmp
 
     source = tiny(1)
     first = tmp_path / "hf"
-    export.save_hf(_Whole(source), tokenizer_dir, str(first))
+    export.save_hf(Whole(source), tokenizer_dir, str(first))
     config = json.loads((first / "config.json").read_text())
     assert config["num_nextn_predict_layers"] == 1 and config["num_hidden_layers"] == MAIN_LAYERS
     written = _tensors(first)
@@ -286,7 +275,7 @@ def test_the_export_writes_the_official_layout_and_reloads_to_the_same_bytes(tmp
     assert_same(again, source)
     assert "warning" not in capsys.readouterr().err
     second = tmp_path / "hf2"
-    export.save_hf(_Whole(again), tokenizer_dir, str(second))
+    export.save_hf(Whole(again), tokenizer_dir, str(second))
     rewritten = _tensors(second)
     assert rewritten.keys() == written.keys()
     for name, t in written.items():
@@ -303,7 +292,7 @@ def test_the_export_writes_the_official_layout_and_reloads_to_the_same_bytes(tmp
 
 
 def test_a_depth_0_export_says_it_holds_no_mtp(tmp_path, tokenizer_dir):
-    export.save_hf(_Whole(tiny(0)), tokenizer_dir, str(tmp_path / "hf"))
+    export.save_hf(Whole(tiny(0)), tokenizer_dir, str(tmp_path / "hf"))
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_nextn_predict_layers"] == 0
     assert not any(n.startswith(MTP + ".") for n in _tensors(tmp_path / "hf"))
 
@@ -311,7 +300,7 @@ def test_a_depth_0_export_says_it_holds_no_mtp(tmp_path, tokenizer_dir):
 def test_model_hf_of_an_export_keeps_the_users_depth(tmp_path, tokenizer_dir, capsys):
     """``model=hf model.path=EXPORT``: its config says num_nextn_predict_layers 1, and model.mtp.depth decides."""
     source = tiny(1)
-    export.save_hf(_Whole(source), tokenizer_dir, str(tmp_path / "hf"))
+    export.save_hf(Whole(source), tokenizer_dir, str(tmp_path / "hf"))
     capsys.readouterr()
     for depth in (0, 1):
         m = OmegaConf.create({"_target_": "shardyard.model.hf", "name": "hf", "path": str(tmp_path / "hf"),
@@ -333,7 +322,7 @@ def test_an_fp8_releases_config_is_not_carried_into_the_model_or_its_export(tmp_
     """DeepSeek-V3's FP8 release says ``quantization_config`` (fp8, 128 x 128 blocks) in its config.json; its weights
     are dequantised as they load and train in high precision, so ``model=hf`` builds an unquantised model and the
     export's config.json says nothing of FP8 (transformers or vLLM would read the bf16/fp32 tensors as FP8)."""
-    export.save_hf(_Whole(tiny(1)), tokenizer_dir, str(tmp_path / "release"))
+    export.save_hf(Whole(tiny(1)), tokenizer_dir, str(tmp_path / "release"))
     cfg_file = tmp_path / "release" / "config.json"
     config = json.loads(cfg_file.read_text())
     config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
@@ -344,5 +333,5 @@ def test_an_fp8_releases_config_is_not_carried_into_the_model_or_its_export(tmp_
                                                          final_weight_from_step=None)})
     model = build_model(m, seed=1)
     assert getattr(model.config, "quantization_config", None) is None
-    export.save_hf(_Whole(model), tokenizer_dir, str(tmp_path / "out"))
+    export.save_hf(Whole(model), tokenizer_dir, str(tmp_path / "out"))
     assert "quantization_config" not in json.loads((tmp_path / "out" / "config.json").read_text())

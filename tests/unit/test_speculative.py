@@ -13,6 +13,8 @@ import torch
 from omegaconf import OmegaConf
 from transformers.masking_utils import create_causal_mask
 
+from conftest import Whole
+
 from shardyard import mtp, speculative
 from shardyard.generation import generate
 from shardyard.model import build_model, causal_lm_loss_sum
@@ -191,19 +193,6 @@ def test_without_mtp():
         generate_mtp(plain, _prompt(3, 0), max_new_tokens=4, eos_id=None)
 
 
-class _Whole:
-    """The replica engines' side of ``export.save_hf`` (rank 0 holds the model)."""
-
-    rank, world_size = 0, 1
-
-    def __init__(self, model):
-        self.model = model
-
-    def hf_model(self):
-        return self.model
-
-    def full_state_dict(self):
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
 
 def test_from_an_export(tmp_path, trained):
@@ -217,7 +206,7 @@ def test_from_an_export(tmp_path, trained):
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(V)}, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0").save_pretrained(str(tmp_path / "tok"))
-    export.save_hf(_Whole(trained), str(tmp_path / "tok"), str(tmp_path / "hf"))
+    export.save_hf(Whole(trained), str(tmp_path / "tok"), str(tmp_path / "hf"))
     loaded = inference.load(str(tmp_path / "hf")).model
     assert available(loaded)
     prompt = _prompt(6, seed=5)
