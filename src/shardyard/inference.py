@@ -336,16 +336,13 @@ def _from_checkpoint(path: str, cfg: DictConfig, given: str) -> torch.nn.Module:
             raise UserError("path", given, f"It holds adapters only, and their base (model.weights={base}) is not "
                             "there.", "Restore the base model's directory, or load the run's HF export.")
         load_weights(model, base)
-    fmt = meta.get("format")
-    state = _READERS.get(fmt)
-    if state is None:
-        raise UserError("path", given, f"Its format {fmt!r} (engine {meta.get('engine')}) is not one shardyard "
-                        f"reads into one process ({', '.join(_READERS)}).", "Load the run's HF export (<run>/hf).")
-    try:
-        got = state(path, model, meta, given)
-    except UserError as e:  # safe_load's refusals name checkpoint.resume (training's key): here it is PATH
+    from shardyard.backends import engine
+
+    try:  # the engine that wrote it reads it (its format, its pickle vetting)
+        got = engine(cfg.backend).read_model_state(path, model, meta)
+    except UserError as e:  # training's keys (safe_load names checkpoint.resume): here the input is PATH
         if e.key == "path":
-            raise
+            raise UserError("path", given, e.problem, e.fix) from None
         raise UserError("path", given, f"{e.value}: {e.problem}", "Load only checkpoints you or a trusted run "
                         "wrote. If this one is yours, it was altered or is damaged: load an earlier checkpoint of "
                         "the run (checkpoints/step-N) or its HF export (<run>/hf).") from None
@@ -362,56 +359,6 @@ def _from_checkpoint(path: str, cfg: DictConfig, given: str) -> torch.nn.Module:
         model = peft_model.unload()  # the base model without the adapter layers
         model.load_state_dict(merged, strict=False)
     return model
-
-
-def _dcp_state(path: str, model: torch.nn.Module, meta: dict, given: str) -> dict[str, torch.Tensor]:
-    """Every rank's shards of a DCP checkpoint read into whole tensors, in this one process."""
-    import torch.distributed.checkpoint as dcp
-
-    from shardyard.adapters import checkpoint_state
-    from shardyard.safe_load import dcp_reader, read_dcp_metadata, weights_only_loads
-
-    metadata = read_dcp_metadata(path)
-    saved = {k[len("model."):] for k in metadata.state_dict_metadata if k.startswith("model.")}
-    want = {k: v.detach() for k, v in checkpoint_state(model).items() if k in saved}  # read into the model's own
-    # tensors in place: no second copy of the model
-    state = {"model": want}
-    with weights_only_loads(source=os.path.join(path, "*.distcp")):
-        dcp.load(state, storage_reader=dcp_reader(path, metadata), no_dist=True)
-    return state["model"]
-
-
-def _rank0_state(path: str, model: torch.nn.Module, meta: dict, given: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(os.path.join(path, "model.safetensors"))
-
-
-def _deepspeed_state(path: str, model: torch.nn.Module, meta: dict, given: str) -> dict[str, torch.Tensor]:
-    """DeepSpeed's ``zero_to_fp32``: the fp32 masters of every rank's partitions, merged."""
-    if meta.get("training_state", {}).get("nvme"):
-        raise UserError("path", given, "It is a ZeRO-Infinity checkpoint: its fp32 weights live in per-rank NVMe "
-                        "swap files, which DeepSpeed's zero_to_fp32 does not read.",
-                        "Load the run's HF export (<run>/hf, written with checkpoint.save_final=true, or "
-                        "checkpoint.export_hf=true for one beside every checkpoint).")
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    from shardyard.adapters import frozen
-    from shardyard.backends.deepspeed import _safe_globals
-    from shardyard.safe_load import refused, unsafe_global_in, weights_only_loads
-
-    allowed = _safe_globals()
-    found = unsafe_global_in(path, allowed)
-    if found:
-        raise refused(found[0], found[1], "a DeepSpeed checkpoint")
-    with weights_only_loads(allowed, source=path), contextlib.redirect_stdout(io.StringIO()), \
-            contextlib.redirect_stderr(io.StringIO()):  # its progress bars
-        state = get_fp32_state_dict_from_zero_checkpoint(path, tag="zero", exclude_frozen_parameters=frozen(model))
-    return dict(state)
-
-
-_READERS = {"dcp": _dcp_state, "torch-rank0": _rank0_state, "deepspeed": _deepspeed_state}
-"""A checkpoint's ``meta.json`` ``format`` -> what reads its model tensors (names as ``model.state_dict()``)."""
 
 
 # -------------------------------------------------------------------------------------------- tokenizers

@@ -219,6 +219,14 @@ class Backend(Protocol):
     checkpoint_format: ClassVar[str]
     """Name of the on-disk form (``dcp``, ``deepspeed``, ``torch-rank0``); a checkpoint resumes only into
     an engine of the same format."""
+
+    @staticmethod
+    def read_model_state(path: str, model: torch.nn.Module, meta: dict) -> dict[str, torch.Tensor]:
+        """The model tensors of a checkpoint this engine wrote (``path``; ``meta``: its ``meta.json``), read whole in
+        one process without a process group, named as ``model.state_dict()`` (``model``: built from the run's
+        config, adapters applied; a frozen base's tensors may be absent): what ``shardyard generate`` and ``eval``
+        load (``inference.load``). A file refused or unreadable is a ``UserError``."""
+        ...
     rank: int
     world_size: int
     dp_rank: int

@@ -15,7 +15,7 @@ from shardyard.facts import Plan
 from shardyard.backends import process_group, reference
 from shardyard.backends.forward import forward_to
 from shardyard.backends.process_group import init_process_group, teardown
-from shardyard.backends.torch_step import TorchStepper, pick_device, replica_states
+from shardyard.backends.torch_step import TorchStepper, pick_device, read_dcp_model_state, replica_states
 from shardyard.errors import UserError
 from shardyard.model import prepare_replica
 
@@ -95,6 +95,11 @@ class DDPBackend:
     eval_loss = forward_to("stepper", TorchStepper.eval_loss)
 
     checkpoint_format: ClassVar[str] = "dcp"
+
+    @staticmethod
+    def read_model_state(path: str, model: torch.nn.Module, meta: dict) -> dict[str, torch.Tensor]:
+        return read_dcp_model_state(path, model, meta)
+
     save_checkpoint = forward_to("stepper", TorchStepper.save_checkpoint)  # of self.ddp, the stepper's model
     save_checkpoint_async = forward_to("stepper", TorchStepper.save_checkpoint_async)  # checkpoint.async_save
     load_checkpoint = forward_to("stepper", TorchStepper.load_checkpoint)

@@ -8,8 +8,10 @@ so DeepSpeed steps it on its optimizer; DeepSpeed's built-in schedulers differ b
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
+import io
 import json
 import logging
 import math
@@ -401,6 +403,30 @@ class DeepSpeedBackend:
         return causal_lm_loss(self.engine, inputs, targets).detach()
 
     checkpoint_format: ClassVar[str] = "deepspeed"
+
+    @staticmethod
+    def read_model_state(path: str, model: torch.nn.Module, meta: dict) -> dict[str, torch.Tensor]:
+        """DeepSpeed's ``zero_to_fp32``: the fp32 masters of every rank's partitions, merged (each pickle vetted
+        by opcode first, then read ``weights_only`` with ``_safe_globals`` only). ZeRO-Infinity's masters live in
+        per-rank NVMe swap files, which it does not read: refused."""
+        if meta.get("training_state", {}).get("nvme"):
+            raise UserError("path", path, "It is a ZeRO-Infinity checkpoint: its fp32 weights live in per-rank NVMe "
+                            "swap files, which DeepSpeed's zero_to_fp32 does not read.",
+                            "Load the run's HF export (<run>/hf, written with checkpoint.save_final=true, or "
+                            "checkpoint.export_hf=true for one beside every checkpoint).")
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        from shardyard.adapters import frozen
+        from shardyard.safe_load import refused, unsafe_global_in, weights_only_loads
+
+        allowed = _safe_globals()
+        found = unsafe_global_in(path, allowed)
+        if found:
+            raise refused(found[0], found[1], "a DeepSpeed checkpoint")
+        with weights_only_loads(allowed, source=path), contextlib.redirect_stdout(io.StringIO()), \
+                contextlib.redirect_stderr(io.StringIO()):  # its progress bars
+            state = get_fp32_state_dict_from_zero_checkpoint(path, tag="zero", exclude_frozen_parameters=frozen(model))
+        return dict(state)
 
     def save_checkpoint(self, path: str) -> None:
         # Collective: each rank writes its ZeRO partitions; DeepSpeed also saves our scheduler and its scaler.

@@ -18,7 +18,7 @@ from shardyard.backends.expert_parallel import shard_experts, stepper_options
 from shardyard.moe import expert_modules
 from shardyard.backends.forward import forward_to
 from shardyard.backends.process_group import init_process_group, teardown
-from shardyard.backends.torch_step import COMPUTE_DTYPES, TorchStepper, pick_device
+from shardyard.backends.torch_step import COMPUTE_DTYPES, TorchStepper, pick_device, read_dcp_model_state
 from shardyard.errors import UserError
 from shardyard.model import materialize, prepare_model, transformer_blocks
 
@@ -177,6 +177,11 @@ class FSDPBackend:
     eval_loss = forward_to("stepper", TorchStepper.eval_loss)
 
     checkpoint_format: ClassVar[str] = "dcp"
+
+    @staticmethod
+    def read_model_state(path: str, model: torch.nn.Module, meta: dict) -> dict[str, torch.Tensor]:
+        return read_dcp_model_state(path, model, meta)
+
     save_checkpoint = forward_to("stepper", TorchStepper.save_checkpoint)
     save_checkpoint_async = forward_to("stepper", TorchStepper.save_checkpoint_async)  # checkpoint.async_save
     load_checkpoint = forward_to("stepper", TorchStepper.load_checkpoint)

@@ -19,7 +19,7 @@ from shardyard.backends import ModelStates, process_group, reference, refuse_spe
 from shardyard.backends.forward import forward_to
 from shardyard.backends.fsdp import FSDPBackend, gather_full_state_dict
 from shardyard.backends.process_group import init_process_group, teardown
-from shardyard.backends.torch_step import COMPUTE_DTYPES, TorchStepper, pick_device
+from shardyard.backends.torch_step import COMPUTE_DTYPES, TorchStepper, pick_device, read_dcp_model_state
 from shardyard.errors import UserError
 from shardyard.model import apply_activation_checkpointing, apply_compile, materialize, transformer_blocks
 
@@ -122,6 +122,11 @@ class FSDPTPBackend:
     dry_run: ClassVar[str] = "engine"
     """``plan.dry_run``: this engine itself runs on a fake process group and fake tensors (``shardyard.dryrun``)."""
     checkpoint_format: ClassVar[str] = "dcp"
+
+    @staticmethod
+    def read_model_state(path: str, model: torch.nn.Module, meta: dict) -> dict[str, torch.Tensor]:
+        return read_dcp_model_state(path, model, meta)
+
     degree_keys: ClassVar[dict[str, str]] = {"tp": "backend.tp"}
 
     @staticmethod

@@ -150,6 +150,13 @@ class HorovodBackend:
 
     checkpoint_format: ClassVar[str] = "torch-rank0"
 
+    @staticmethod
+    def read_model_state(path: str, model: torch.nn.Module, meta: dict) -> dict[str, torch.Tensor]:
+        """Rank 0's ``model.safetensors`` (every rank held the same replica)."""
+        from safetensors.torch import load_file
+
+        return load_file(os.path.join(path, "model.safetensors"))
+
     def save_checkpoint(self, path: str) -> None:
         # Every rank holds the same replica and optimizer state: rank 0 writes them, once.
         if self.rank == 0:

@@ -25,7 +25,7 @@ from shardyard.moe import expert_modules
 from shardyard.backends.forward import forward_to
 from shardyard.backends.fsdp import FSDPBackend
 from shardyard.backends.process_group import init_process_group, teardown
-from shardyard.backends.torch_step import COMPUTE_DTYPES, TorchStepper, pick_device
+from shardyard.backends.torch_step import COMPUTE_DTYPES, TorchStepper, pick_device, read_dcp_model_state
 from shardyard.errors import UserError
 from shardyard.model import apply_activation_checkpointing, apply_compile, materialize, signature
 
@@ -211,6 +211,11 @@ class PipelineBackend:
     dry_run: ClassVar[str] = "engine"
     """``plan.dry_run``: this engine itself runs on a fake process group and fake tensors (``shardyard.dryrun``)."""
     checkpoint_format: ClassVar[str] = "dcp"
+
+    @staticmethod
+    def read_model_state(path: str, model: torch.nn.Module, meta: dict) -> dict[str, torch.Tensor]:
+        return read_dcp_model_state(path, model, meta)
+
     degree_keys: ClassVar[dict[str, str]] = {"pp": "backend.stages", "ep": "backend.ep"}
     post_training: ClassVar[bool] = False
     """The post-training objectives (DPO, GRPO) need each sequence's log-probabilities from one forward of the

@@ -171,6 +171,25 @@ class TorchStepper:
                        options=options)
 
 
+def read_dcp_model_state(path: str, model: torch.nn.Module, meta: dict) -> dict[str, torch.Tensor]:
+    """``Backend.read_model_state`` of the DCP engines: every rank's shards read into whole tensors in this one
+    process (``no_dist``), into ``model``'s own tensors in place (no second copy of the model); the ``.metadata``
+    pickle through the exact unpickler, the shards ``weights_only``."""
+    import os
+
+    import torch.distributed.checkpoint as dcp
+
+    from shardyard.adapters import checkpoint_state
+    from shardyard.safe_load import dcp_reader, read_dcp_metadata, weights_only_loads
+
+    metadata = read_dcp_metadata(path)
+    saved = {k[len("model."):] for k in metadata.state_dict_metadata if k.startswith("model.")}
+    state = {"model": {k: v.detach() for k, v in checkpoint_state(model).items() if k in saved}}
+    with weights_only_loads(source=os.path.join(path, "*.distcp")):
+        dcp.load(state, storage_reader=dcp_reader(path, metadata), no_dist=True)
+    return state["model"]
+
+
 def _dcp_options(model: torch.nn.Module):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
