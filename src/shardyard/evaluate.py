@@ -115,6 +115,9 @@ def main(args: list[str]) -> None:
     dtype = options.dtype(opts.dtype)
     device = options.device(opts.device)  # device=foo, or a GPU this process does not see: before anything loads
     manager = None
+    if opts.include_path and not opts.tasks:
+        raise UserError("include_path", opts.include_path, "It names a directory of task YAMLs, and no tasks=[...] "
+                        "asks for a task.", "Add tasks=[NAME] (a task of that directory), or drop include_path.")
     if opts.tasks:  # before the model loads: a misspelt task or a missing harness fails at once
         require_harness()
         manager = check_tasks(opts.tasks, opts.include_path)

@@ -711,14 +711,18 @@ def _validate_eval_tasks(cfg: DictConfig) -> None:
 
     tr = cfg.train
     tasks = list(tr.get("eval_tasks") or [])
+    options.limit("train.eval_tasks_limit", tr.get("eval_tasks_limit"))  # a bad value is refused even unused
     if not tasks:
+        if tr.get("eval_tasks_include_path"):
+            raise UserError("train.eval_tasks_include_path", tr.eval_tasks_include_path, "It names a directory of "
+                            "task YAMLs, and train.eval_tasks names no task.",
+                            "Add train.eval_tasks=[NAME] (a task of that directory), or drop the path.")
         return
     if not getattr(engine(cfg.backend), "post_training", True):
         raise UserError("train.eval_tasks", tasks, "The harness scores each request with one forward of the whole "
                         f"model on every rank, and backend={cfg.backend.name} splits the model into pipeline stages.",
                         "Score the run's export after training with `shardyard eval RUN tasks=[...]`, or use "
                         "backend=fsdp, zero3, fsdp_tp, ddp or zero1/zero2 for scores during training.")
-    options.limit("train.eval_tasks_limit", tr.get("eval_tasks_limit"))
     harness.require_harness("train.eval_tasks", "leave train.eval_tasks unset")
     manager = harness.check_tasks(tasks, tr.get("eval_tasks_include_path"), key="train.eval_tasks",
                                   include_key="train.eval_tasks_include_path")

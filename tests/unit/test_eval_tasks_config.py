@@ -91,3 +91,9 @@ def test_a_tags_member_scores_reach_the_csv_and_the_console_line(tmp_path, capsy
     out = capsys.readouterr().out
     assert "eval @ step 0: loss 2.5000 | gen_rows/acc 0.2500\n" in out, out
     assert "eval @ step 2: loss 2.0000 | gen_rows/acc 0.7500 | other/acc 0.5000\n" in out, out
+
+
+def test_the_eval_tasks_keys_are_checked_without_tasks_too(tmp_path):
+    """A bad limit or an include path with no task is refused even when train.eval_tasks is empty (never ignored)."""
+    assert _refusal("train.eval_tasks_limit=-1").key == "train.eval_tasks_limit"
+    assert _refusal(f"train.eval_tasks_include_path={tmp_path}").key == "train.eval_tasks_include_path"

@@ -122,3 +122,11 @@ def test_limit_is_a_count_or_a_fraction_below_1():
         assert e.value.key == "train.eval_tasks_limit", bad
     assert evaluate.parse(["p", "limit=none"])[1].limit is None
     assert evaluate.parse(["p", "limit=3"])[1].limit == 3 and isinstance(evaluate.parse(["p", "limit=3"])[1].limit, int)
+
+
+def test_an_include_path_without_tasks_is_refused_naming_it(tmp_path):
+    """A directory of task YAMLs that no ``tasks=`` asks for is a mistake, not silently ignored (before the path is
+    read)."""
+    with pytest.raises(UserError) as e:
+        evaluate.main(["nowhere", f"include_path={tmp_path}"])
+    assert (e.value.key, e.value.value) == ("include_path", str(tmp_path))
