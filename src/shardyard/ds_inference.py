@@ -100,8 +100,6 @@ def wrap(model: torch.nn.Module, *, tp_size: int, dtype: torch.dtype,
     rank's device: ``cuda:LOCAL_RANK``, or the CPU. ``device_type`` defaults to where ``model`` is; ``cpu`` on
     a machine with GPUs keeps DeepSpeed on its CPU accelerator. A dtype the device does not take is a
     ``UserError`` naming ``dtype``."""
-    import torch
-
     device_type = device_type or next(model.parameters()).device.type
     with _messages_to_stderr():
         return _init_inference(model, tp_size, dtype, device_type)

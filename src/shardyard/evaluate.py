@@ -30,7 +30,7 @@ from typing import Any, Optional
 
 from shardyard import options
 from shardyard.errors import UserError
-from shardyard.harness import TASKS_DIR, check_tasks, harness, require_harness
+from shardyard.harness import check_tasks, harness, require_harness
 
 
 

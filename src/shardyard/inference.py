@@ -35,9 +35,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import glob
-import io
 import json
 import os
 import sys

@@ -85,14 +85,14 @@ def test_harness_score_on_the_shipped_task_equals_lm_eval_on_the_export(run, tmp
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from shardyard import evaluate
+    from shardyard import harness
 
     export = run[0] / "hf"
     got = shardyard_eval(str(export), "tasks=[stdlib_qa]", "limit=24", "perplexity=false",
                          out=tmp_path / "r.json")["tasks"]["stdlib_qa"]
     ref = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={export},dtype=float32,device=cpu",
                                   tasks=["stdlib_qa"], limit=24, batch_size=8, log_samples=False,
-                                  task_manager=TaskManager(include_path=evaluate.TASKS_DIR, include_defaults=False))
+                                  task_manager=TaskManager(include_path=harness.TASKS_DIR, include_defaults=False))
     want = ref["results"]["stdlib_qa"]
     for metric in ("acc", "acc_norm"):
         assert got[metric] == pytest.approx(want[f"{metric},none"], abs=1e-12), (metric, got, want)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from shardyard import evaluate
+from shardyard import evaluate, harness
 from shardyard.errors import UserError
 
 
@@ -77,7 +77,7 @@ def test_an_unknown_task_exits_2_naming_tasks_and_close_names(capsys):
 def test_shipped_stdlib_qa_rows_are_right_about_the_stdlib():
     """Every row: four distinct modules, and the target is the module that defines the function (checked here by
     importing it), the others ones that do not."""
-    sys.path.insert(0, os.path.join(evaluate.TASKS_DIR, "stdlib_qa"))
+    sys.path.insert(0, os.path.join(harness.TASKS_DIR, "stdlib_qa"))
     try:
         task = importlib.import_module("stdlib_qa")
     finally:
@@ -96,7 +96,7 @@ def test_shipped_stdlib_qa_rows_are_right_about_the_stdlib():
         assert r["question"].startswith(f"# {r['name']}: ") and r["question"].endswith("\nfrom")
     loaded = task.load()["test"]  # the task's custom_dataset, as lm-eval calls it
     assert len(loaded) == len(rows) and loaded[0]["choices"] == rows[0]["choices"]
-    yaml_text = open(os.path.join(evaluate.TASKS_DIR, "stdlib_qa", "stdlib_qa.yaml")).read()
+    yaml_text = open(os.path.join(harness.TASKS_DIR, "stdlib_qa", "stdlib_qa.yaml")).read()
     assert "task: stdlib_qa" in yaml_text and "output_type: multiple_choice" in yaml_text
 
 
