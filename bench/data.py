@@ -54,7 +54,7 @@ def drop_tokens(cache: str) -> None:
 def data_share(tmp: str, gb: float) -> None:
     import numpy as np
 
-    from shardyard import data
+    from shardyard.data import pipeline as data
 
     run = f"{tmp}/run"
     subprocess.run([sys.executable, "train.py", f"hydra.run.dir={run}", "train.steps=30", "train.eval_every_n_steps=0",
@@ -132,7 +132,7 @@ def main() -> None:
         print(f"corpus {mb:.1f} MB of text ({len(texts):,} documents), {cores} cores, data.buffer_mb={args.buffer_mb}")
         print(f"HF tokenizers encode_batch_fast ceiling: {ceiling['false']:.2f} MB/s on 1 core, "
               f"{ceiling['true']:.2f} MB/s on {cores} (Rayon)")
-        from shardyard import data
+        from shardyard.data import pipeline as data
         from shardyard.testing import compose
 
         for n in sorted({1, cores}):

@@ -45,7 +45,7 @@ def read(kind: str, file: str) -> float:
     import gc
     import pickle
 
-    from shardyard.safe_load import ExactUnpickler, _gc_paused, dcp_metadata_globals, exact_load
+    from shardyard.core.safe_load import ExactUnpickler, _gc_paused, dcp_metadata_globals, exact_load
 
     allowed = dcp_metadata_globals()
     with open(file, "rb") as f:

@@ -49,10 +49,10 @@ def _rank(rank: int, world: int, overrides: list, run_dir: str) -> None:
     """One run on a pool rank: the export measured inside the run, the gather on rank 0 after it."""
     import ctypes
 
-    from shardyard import export, worker
-    from shardyard.dist_env import detect
-    from shardyard.rundir import resolved
-    from shardyard.validate import validate
+    from shardyard.training import export, worker
+    from shardyard.core.dist_env import detect
+    from shardyard.training.rundir import resolved
+    from shardyard.planning.validate import validate
 
     libc = ctypes.CDLL("libc.so.6")
     libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD

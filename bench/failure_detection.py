@@ -43,7 +43,7 @@ def one_host(tmp: Path, timeout_s: int) -> float:
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
     wait_for_step(log, proc)
     parent = psutil.Process(proc.pid)
-    workers = [c for c in parent.children(recursive=True) if "shardyard.worker" in " ".join(c.cmdline())
+    workers = [c for c in parent.children(recursive=True) if "shardyard.training.worker" in " ".join(c.cmdline())
                or c.cmdline() == parent.cmdline()]
     t = time.monotonic()
     workers[-1].send_signal(signal.SIGKILL)

@@ -1,13 +1,13 @@
 # python bench/generate.py [--new-tokens 128] [--prompt 32] [--repeats 3] [--threads N]
 #     [--spec-steps 150] [--spec-layers 6] [--random-share 0.17] [--weights DIR] [--no-spec]  (prints, never asserts)
-"""Tokens per second of ``shardyard.generation.generate`` with its KV cache and without it (the whole prefix
+"""Tokens per second of ``shardyard.models.generation.generate`` with its KV cache and without it (the whole prefix
 recomputed at every token, as the end-of-run sample did before issue 44), for ``model=deepseek_tiny`` (LLaMA
 architecture, ~5M parameters, fp32) at batch 1 and 8: ``--new-tokens`` sampled tokens after a ``--prompt``-token
 prompt (top-k 20, temperature 0.8, a fixed generator, no eos: every row runs to the end). The two runs of a pair
 alternate so that machine noise hits both alike; the median of ``--repeats`` each, and their ratio. Both sample
 the same tokens (checked here; tests/unit/test_generation.py checks it on every model family).
 
-Then MTP speculative decoding (``shardyard.speculative``, issue 45): greedy tokens/s of one prompt at a time, plain
+Then MTP speculative decoding (``shardyard.inference.speculative``, issue 45): greedy tokens/s of one prompt at a time, plain
 (KV cache) against speculation drafting with MTP depth 1 and with depths 1-2, their acceptance rate, tokens per main
 forward and speed-up, and whether both gave the same tokens. The model is ``model=deepseek_moe_tiny
 model.mtp.depth=2 model.vocab_size=512 model.num_layers=6`` (MLA + MoE, fp32; ``--spec-layers``: a depth costs
@@ -32,7 +32,7 @@ import torch  # noqa: E402
 
 
 def run(model, ids, mask, new_tokens: int, kv_cache: bool) -> tuple[float, torch.Tensor]:
-    from shardyard.generation import generate
+    from shardyard.models.generation import generate
 
     g = torch.Generator(device=ids.device).manual_seed(0)
     start = time.perf_counter()
@@ -44,7 +44,7 @@ def run(model, ids, mask, new_tokens: int, kv_cache: bool) -> tuple[float, torch
 
 
 def main() -> None:
-    from shardyard.model import build_model
+    from shardyard.models.build import build_model
     from shardyard.testing import compose
 
     p = argparse.ArgumentParser()
@@ -106,13 +106,13 @@ def chains(vocab: int, random_share: float, rows: int, length: int, perm: torch.
 
 
 def speculation(a: argparse.Namespace, device: torch.device) -> None:
-    from shardyard import mtp
-    from shardyard.generation import generate
-    from shardyard.speculative import SpecStats, available, generate_mtp
+    from shardyard.models import mtp
+    from shardyard.models.generation import generate
+    from shardyard.inference.speculative import SpecStats, available, generate_mtp
 
     g = torch.Generator().manual_seed(0)
     if a.weights:
-        from shardyard.inference import load
+        from shardyard.inference.loading import load
 
         model = load(a.weights, device=device).model
         if not available(model):
@@ -122,7 +122,8 @@ def speculation(a: argparse.Namespace, device: torch.device) -> None:
         prompts = torch.randint(0, vocab, (4, a.prompt), generator=g)
         what = f"{a.weights}"
     else:
-        from shardyard.model import build_model, causal_lm_loss_sum
+        from shardyard.models.build import build_model
+        from shardyard.models.loss import causal_lm_loss_sum
         from shardyard.testing import compose
 
         cfg = compose(["model=deepseek_moe_tiny", "model.mtp.depth=2", "model.vocab_size=512",

@@ -64,7 +64,7 @@ def run(world: int, lazy: str) -> tuple[int, float]:
 
     import torch.multiprocessing as mp
 
-    from shardyard.launch import free_port
+    from shardyard.launching.launch import free_port
 
     out = tempfile.mktemp(prefix="gloo-groups-")
     mp.spawn(rank_main, args=(world, free_port(), lazy, out), nprocs=world)

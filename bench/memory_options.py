@@ -34,7 +34,9 @@ PROBE = """
 import json, sys, time
 import torch
 from shardyard.testing import activation_memory, compose
-from shardyard.model import build_model, causal_lm_loss_sum, prepare_replica
+from shardyard.models.build import build_model
+from shardyard.models.loss import causal_lm_loss_sum
+from shardyard.models.prepare import prepare_replica
 overrides, rows, seq = json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 out = activation_memory(overrides, rows, seq)
 cfg = compose(overrides)

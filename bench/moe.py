@@ -117,7 +117,7 @@ def _ep_rank(rank: int, port: int, tokens: int, repeats: int, out) -> None:
 def expert_parallel_share(tokens: int, repeats: int) -> None:
     import torch.multiprocessing as mp
 
-    from shardyard.launch import free_port
+    from shardyard.launching.launch import free_port
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()

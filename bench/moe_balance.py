@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from shardyard import data, moe
+from shardyard.data import pipeline as data
+from shardyard.models import moe
 
 
 def main(run_dir: str, batches: int = 16) -> None:

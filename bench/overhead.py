@@ -29,9 +29,9 @@ def plain_ddp_loop(cfg, steps: int) -> list[float]:
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from shardyard import data
-    from shardyard.model import build_model
-    from shardyard.optim import build_scheduler, param_groups
+    from shardyard.data import pipeline as data
+    from shardyard.models.build import build_model
+    from shardyard.backends.optim import build_scheduler, param_groups
 
     rank, world = dist.get_rank(), dist.get_world_size()
     prep = data.prepare(cfg)
@@ -66,9 +66,9 @@ def _rank(rank: int, world: int, port: int, steps: int, rounds: int, out: str) -
     import torch
     import torch.distributed as dist
 
-    from shardyard import worker
-    from shardyard.validate import validate
-    from shardyard.dist_env import detect
+    from shardyard.training import worker
+    from shardyard.planning.validate import validate
+    from shardyard.core.dist_env import detect
     from shardyard.testing import compose
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
@@ -94,7 +94,7 @@ def main() -> None:
 
     import torch.multiprocessing as mp
 
-    from shardyard.launch import free_port
+    from shardyard.launching.launch import free_port
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=40)

@@ -18,7 +18,7 @@ and precision with:
   ``memory/rss_gib`` on CPU). It trains on the stdlib-code corpus; the others on random token ids of the same
   shape (a dense model's speed does not depend on the ids);
 * a plain hand-written PyTorch loop (this file, ``--_run plain``): the model from shardyard's builder
-  (``shardyard.model.build_model`` on the ``model`` option), AdamW, autocast in the precision,
+  (``shardyard.models.build.build_model`` on the ``model`` option), AdamW, autocast in the precision,
   ``F.cross_entropy``, clip, one ``loss.item()`` per step; DDP under torchrun when the world is > 1;
 * HF ``transformers.Trainer`` (``--_run hf``) on the same model object and batch, ``use_cpu`` on CPU, ``bf16``,
   ``optim=adamw_torch``, each step timed by a ``TrainerCallback``; DDP under torchrun when the world is > 1;
@@ -67,7 +67,7 @@ LR, BETAS, WEIGHT_DECAY, WARMUP_LR_STEPS, SEED = 1e-3, (0.9, 0.95), 0.1, 2, 0
 
 # ------------------------------------------------------------------------------------------ the recipe
 def model_overrides(s: dict) -> list[str]:
-    """The shape as ``model.*`` overrides of shardyard's ``deepseek_tiny`` option (``shardyard.model.llama``)."""
+    """The shape as ``model.*`` overrides of shardyard's ``deepseek_tiny`` option (``shardyard.models.build.llama``)."""
     return ["model=deepseek_tiny", *(f"model.{k}={s[k]}" for k in
             ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "vocab_size")),
             f"model.max_position_embeddings={max(2048, s['seq'])}"]
@@ -83,7 +83,7 @@ def compose_model(spec: dict):
 def build_on(spec: dict, device):
     """shardyard's builder on the composed ``model`` option; on CUDA built on the meta device and materialised on
     the GPU (a 1B model's CPU init is slow), as shardyard does for big models."""
-    from shardyard.model import build_model, materialize
+    from shardyard.models.build import build_model, materialize
 
     cfg = compose_model(spec)
     model = build_model(cfg.model, cfg.seed, on_meta=device.type == "cuda")
@@ -151,8 +151,9 @@ def worker_info(spec: dict) -> dict:
     """Parameters and FLOPs per token (shardyard's formula, on a meta-device build) and the device's peaks."""
     import torch
 
-    from shardyard.metrics import measured_peak_tflops, peak_tflops
-    from shardyard.model import flops_per_token, param_count, shape_model
+    from shardyard.training.metrics import measured_peak_tflops, peak_tflops
+    from shardyard.models.build import shape_model
+    from shardyard.models.shape import flops_per_token, param_count
 
     cfg = compose_model(spec)
     model = shape_model(cfg.model)
@@ -470,13 +471,13 @@ def report(a, spec: dict, info: dict, names: list[str], results: dict, skipped: 
           f"size {world} ({how}; shardyard single: 1) -> {s['mbs'] * s['seq'] * world:,} tokens per step; {a.steps} "
           f"steps per run, the first {a.warmup} dropped, {a.rounds} round(s) alternating; median of the per-step "
           f"figures, then over rounds")
-    print(f"  FLOPs per token: shardyard.model.flops_per_token = 6N + 12*L*H*Q*T (PaLM appendix B; attention "
+    print(f"  FLOPs per token: shardyard.models.shape.flops_per_token = 6N + 12*L*H*Q*T (PaLM appendix B; attention "
           f"included, N without the input embedding) = 6 x {(fpt - attention) / 6 / 1e6:,.2f}M + 12 x "
           f"{s['num_layers']} x {s['num_heads']} x {s['hidden_size'] // s['num_heads']} x {s['seq']} = "
           f"{fpt / 1e9:,.4f} GFLOP")
     shared = " (on a CPU, per process: the peak over the processes sharing its cores)" if cpu and world > 1 else ""
-    print(f"  peak per device: measured {measured:,.2f} TFLOP/s (shardyard.metrics.measured_peak_tflops, "
-          f"{spec['precision']} matmul); data sheet {_fmt(table, ',.1f')} TFLOP/s (shardyard.metrics.peak_tflops"
+    print(f"  peak per device: measured {measured:,.2f} TFLOP/s (shardyard.training.metrics.measured_peak_tflops, "
+          f"{spec['precision']} matmul); data sheet {_fmt(table, ',.1f')} TFLOP/s (shardyard.training.metrics.peak_tflops"
           f"{'' if table else '; none for a CPU'}). MFU = tokens/s per device x FLOPs per token / measured peak"
           f"{shared}")
     memory = "peak RSS GiB" if cpu else "peak allocated GiB"
@@ -608,7 +609,7 @@ def main() -> None:
                 print(f"  round {r + 1}: {name:<24} {tps:>12,.0f} tok/s  {res['memory_gib']:.2f} GiB  "
                       f"({res['wall_s']:.1f} s)", flush=True)
     # A peak is a maximum: measured again now that nothing else of ours runs (noise only lowers it).
-    from shardyard.metrics import measured_peak_tflops
+    from shardyard.training.metrics import measured_peak_tflops
 
     again = measured_peak_tflops(torch.device("cuda", 0) if device == "cuda" else torch.device("cpu"),
                                  spec["precision"])

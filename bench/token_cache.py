@@ -25,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
-from shardyard import shards, token_cache  # noqa: E402
+from shardyard.data import shards, token_cache  # noqa: E402
 
 
 def best(fn, repeat: int = 3) -> float:

@@ -2,6 +2,7 @@ import functools
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,13 @@ sys.path.insert(0, str(ROOT / "src"))
 # are given `backend.device=cpu` (and DeepSpeed's CPU accelerator) by the tests that use them.
 REAL_CUDA_VISIBLE_DEVICES = os.environ.get("CUDA_VISIBLE_DEVICES")
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+# Under pytest-xdist the cores are the workers' to share: each worker's runs get their share of intra-op threads
+# (OMP_NUM_THREADS, set before torch loads here; read by the launcher, the workers and the rank pools). Runs that
+# each assumed the whole machine put 2 OpenMP threads per process on a core another worker was using: every
+# thread of a parallel region then waits at its barrier for one that is not running (a step 3-10x slower).
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT") and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 from shardyard.testing import TINY, run_python  # noqa: E402,F401  (TINY is re-exported to the tests)
 
@@ -168,6 +176,36 @@ def one_host(tmp_path_factory):
     return get
 
 
+# `make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadscope`, with the scopes below): most
+# of a test's time is one process at a time (a single-process run, a dry run's parent, a rank waiting on its peer,
+# an interpreter importing torch), so a second worker fills the other core. What must stay on one worker is one
+# scope: a module with a module-scoped fixture (a trained run, a pool of jobs) runs whole on one worker, so the
+# fixture is built once; the cluster tier (its namespace hosts, its Slurm, the session's `one_host` runs) is one
+# scope. Every other test is its own. (Decided from the test's file, as the controller sees only test ids; and
+# not with xdist_group marks: xdist 3.8 writes them into `item._nodeid`, which pytest 9 no longer reads:
+# pytest-dev/pytest-xdist#1386.)
+@functools.lru_cache(maxsize=None)
+def _module_fixtures(path: str) -> bool:
+    return 'scope="module"' in (ROOT / path).read_text()
+
+
+def _scope(nodeid: str) -> str:
+    path = nodeid.split("::")[0]
+    if path.startswith("tests/cluster/"):
+        return "tests/cluster"
+    return path if _module_fixtures(path) else nodeid
+
+
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Scoped(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _scope(nodeid)
+
+    return Scoped(config, log)
+
+
 # CI cannot pass by skipping: a test outside the GPU tier (tests/gpu, marker `gpu`) that skips fails the
 # session, after a list of them and why. Every requirement of those tests is installed by `make test`
 # (scripts/cluster_deps.sh as root, scripts/setup.sh), so a skip means a tier silently did not run.
@@ -191,7 +229,31 @@ def _gpu_skip_allowed(reason: str) -> bool:
     return reason == NO_GPU or reason.startswith(CAPABILITY)
 
 
+# CI's log keeps only its tail, and a session cut at CI's limit prints no --durations: the controller writes a line
+# for every phase of a test that took SLOW_S or more or failed, with the session's clock, so the tail shows where
+# the time went (and, against CI's limit, how long the setup before pytest took).
+SLOW_S = float(os.environ.get("SHARDYARD_TEST_SLOW_S", "60"))
+_CLOCK: dict = {}
+
+
+def pytest_configure(config):
+    _CLOCK["start"], _CLOCK["config"] = time.monotonic(), config
+
+
+def _clock_line(report) -> None:
+    config = _CLOCK.get("config")
+    if config is None or hasattr(config, "workerinput") or not (report.failed or report.duration >= SLOW_S):
+        return
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        ci = os.environ.get("SHARDYARD_CI_START")  # .ci/run's start (epoch seconds): the setup's time shows too
+        since = f", CI t+{time.time() - float(ci):.0f}s" if ci else ""
+        reporter.write_line(f"    [session t+{time.monotonic() - _CLOCK['start']:.0f}s{since}] {report.when} of "
+                            f"{report.nodeid}: {report.duration:.0f}s" + (" FAILED" if report.failed else ""))
+
+
 def pytest_runtest_logreport(report):
+    _clock_line(report)
     if report.skipped and not hasattr(report, "wasxfail"):
         (_GPU_SKIPPED if _gpu_tier(report) else _SKIPPED).append((report.nodeid, _skip_reason(report)))
 
@@ -275,3 +337,40 @@ def loglikelihood_task(tasks: Path, name: str, rows: list[dict], tag: str | None
         "output_type: loglikelihood\ntest_split: test\ndoc_to_text: '{{q}}'\ndoc_to_target: '{{t}}'\n"
         "target_delimiter: ''\nmetric_list:\n  - metric: perplexity\nmetadata:\n  version: 1\n"
         + (f"tag: {tag}\n" if tag else ""))
+
+
+def generation_ends_at_the_tokenizers_eos(hf_dir) -> None:
+    """An export (``hf_dir``) read by transformers alone (``AutoModelForCausalLM.from_pretrained``, its
+    ``generate`` reading ``generation_config.json``) ends a greedy completion exactly where its tokenizer's end
+    token comes, and at no token before it: the model is made to produce a script (a logits processor masks every
+    other token) of 40 tokens the tokenizer does not call special, among them 0, 1 and 2 where they are not
+    (transformers' default bos and eos of the LLaMA, DeepSeek-V2 and DeepSeek-V3 configs), then the eos, then 3
+    more. And every id the export's generation config ends at is one the tokenizer calls special."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor
+
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), local_files_only=True, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True)
+    special = set(tok.all_special_ids) | {i for i, t in tok.added_tokens_decoder.items() if t.special}
+    ends = model.generation_config.eos_token_id
+    ends = set(ends) if isinstance(ends, (list, tuple)) else {ends}
+    assert ends <= special and tok.eos_token_id in ends, (ends, special, tok.eos_token_id)
+    g = torch.Generator().manual_seed(0)
+    ordinary = [i for i in range(len(tok)) if i not in special]
+    defaults = [i for i in (0, 1, 2) if i not in special]
+    script = [ordinary[int(j)] for j in torch.randint(len(ordinary), (40 - len(defaults),), generator=g)]
+    script[5:5] = defaults  # not first: an end at the very first token would hide the others
+    script += [tok.eos_token_id] + script[:3]
+    prompt = torch.tensor([ordinary[:5]])
+
+    class Script(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            forced = torch.full_like(scores, -float("inf"))
+            forced[:, script[input_ids.shape[1] - prompt.shape[1]]] = 0.0
+            return forced
+
+    with torch.no_grad():
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=len(script),
+                             do_sample=False, logits_processor=[Script()])
+    got = out[0, prompt.shape[1]:].tolist()
+    assert got == script[:41], f"generation ended after {len(got)} of the 41 tokens up to the eos, at {got[-1]}"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pickle
 from pathlib import Path
 
-from shardyard.safe_load import _gc_paused
+from shardyard.core.safe_load import _gc_paused
 
 
 def llama_params(layers: int = 32, hidden: int = 4096, ffn: int = 11008, vocab: int = 32000) -> dict[str, tuple]:

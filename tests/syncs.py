@@ -92,7 +92,7 @@ def moe_step_syncs(model: torch.nn.Module, ids: torch.Tensor) -> list[tuple[str,
     engines add them) that belong to its MoE layers: those inside each MoE block's forward (router, balancer
     hook, experts, their all-to-alls), the taking of the balance losses, and the whole backward. The dense rest
     of the forward is not counted (transformers checks once per forward for packed sequences)."""
-    from shardyard import moe
+    from shardyard.models import moe
 
     blocks = [model.get_submodule(name.rsplit(".", 1)[0]) for name, m in model.named_modules()
               if any(r.module is m for r in moe.routers(model))]

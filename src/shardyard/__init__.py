@@ -8,3 +8,9 @@ import logging as _logging
 # on a CPU build and torch's deprecation notes on its enums are noise on every run, and not ours to fix.
 _logging.getLogger("torchao").setLevel(_logging.ERROR)
 _logging.getLogger("torch.utils._pytree").setLevel(_logging.ERROR)
+
+# Modules moved into packages by concern (issue 55): an old path (`_target_: shardyard.sft.SFTData`, a pickle,
+# `import shardyard.model`) still resolves, to the same module, with one deprecation line (core/moved.py).
+from shardyard.core import moved as _moved  # noqa: E402
+
+_moved.install()

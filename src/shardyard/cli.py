@@ -11,13 +11,13 @@ import argparse
 import os
 import sys
 
-from shardyard.errors import UserError, report_and_exit
+from shardyard.core.errors import UserError, report_and_exit
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] in (["train"], ["plan"]):  # Hydra owns these command lines (its own --help included)
-        from shardyard import app
+        from shardyard.launching import app
 
         extra = ["plan.only=true"] if argv[0] == "plan" else []
         app.train([*extra, *argv[1:]], prog=f"shardyard {argv[0]}")
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(0)
     if argv[:1] == ["sbatch"] and not {"-h", "--help"} & set(argv):  # KEY=VALUE arguments, as train.py's
         try:
-            from shardyard import sbatch
+            from shardyard.launching import sbatch
 
             sbatch.main([a for a in argv[1:] if a != "--submit"], submit="--submit" in argv)
         except UserError as err:
@@ -38,11 +38,11 @@ def main(argv: list[str] | None = None) -> None:
     if argv[:1] in (["generate"], ["eval"]) and not {"-h", "--help"} & set(argv):  # PATH, then KEY=VALUE arguments
         try:
             if argv[0] == "generate":
-                from shardyard import generate
+                from shardyard.inference import generate
 
                 generate.main(argv[1:])
             else:
-                from shardyard import evaluate
+                from shardyard.inference import evaluate
 
                 evaluate.main(argv[1:])
         except UserError as err:
@@ -105,8 +105,9 @@ def _data(overrides: list[str]) -> None:
     import json
     from pathlib import Path
 
-    from shardyard import config, data
-    from shardyard.validate import validate_data
+    from shardyard import config
+    from shardyard.data import pipeline as data
+    from shardyard.planning.rules import validate_data
 
     cfg = config.compose(overrides, run_dir="unused")
     validate_data(cfg)  # the data options' own checks, as a training run makes them
@@ -124,8 +125,8 @@ def _data(overrides: list[str]) -> None:
 
 def _sbatch_keys() -> str:
     """``shardyard sbatch --help``: its own keys, from the docstrings of ``SbatchOptions``."""
-    from shardyard import sbatch
-    from shardyard.options import keys_help
+    from shardyard.launching import sbatch
+    from shardyard.config.options import keys_help
 
     return keys_help(sbatch.SbatchOptions, [
         "shardyard sbatch recipe=NAME nodes=N gpus_per_node=G [KEY=VALUE ...] [overrides] [--submit]",
@@ -136,21 +137,21 @@ def _sbatch_keys() -> str:
 def _generate_keys() -> str:
     """``shardyard generate --help``: its keys, from the docstrings of ``GenerateOptions`` (the module imports
     nothing heavy at its top)."""
-    from shardyard import generate
+    from shardyard.inference import generate
 
     return generate.keys_help()
 
 
 def _eval_keys() -> str:
-    """``shardyard eval --help``: ``shardyard.evaluate``'s own text when it offers one."""
-    from shardyard import evaluate
+    """``shardyard eval --help``: ``shardyard.inference.evaluate``'s own text when it offers one."""
+    from shardyard.inference import evaluate
 
     keys = getattr(evaluate, "keys_help", None)
     return keys() if callable(keys) else (evaluate.__doc__ or "shardyard eval PATH [KEY=VALUE ...]")
 
 
 def _recipes(action: str, name: str | None) -> None:
-    from shardyard import recipes
+    from shardyard.launching import recipes
 
     if action == "show":
         if not name:
@@ -162,7 +163,7 @@ def _recipes(action: str, name: str | None) -> None:
 
 
 def _new(directory: str, names: list[str]) -> None:
-    from shardyard import project
+    from shardyard.launching import project
 
     root = project.new(directory, names)
     print(f"shardyard | a project in {root} running recipe {names[0]} (shardyard {project.__version__})\n"
@@ -173,7 +174,7 @@ def _new(directory: str, names: list[str]) -> None:
 def _lock(directory: str) -> None:
     from pathlib import Path
 
-    from shardyard import project
+    from shardyard.launching import project
 
     root = Path(directory).resolve()
     if not (root / "conf" / "project.yaml").is_file():
@@ -187,7 +188,7 @@ def _report(run_dir: str, out: str | None) -> None:
     if not os.path.isdir(run_dir):
         raise UserError("run_dir", run_dir, "There is no such directory.",
                         "Give a run directory (outputs/...) or a sweep directory (outputs/multirun/...).")
-    from shardyard.report import draw
+    from shardyard.monitors.report import draw
 
     try:
         print(draw(run_dir, out))

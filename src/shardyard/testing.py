@@ -28,11 +28,12 @@ from shardyard import config
 
 CONF_DIR = str(config.CONF_DIR)  # the checkout's conf/ (tests read its files)
 
-# A model and data shape small enough for 2 CPU cores, still the real architecture.
+# A model and data shape small enough for 2 CPU cores, still the real architecture; no report.png (about a second
+# of rank 0's matplotlib at the end of every run; the tests of the report ask for it with metrics.report=true).
 TINY = ["model.hidden_size=64", "model.intermediate_size=176", "model.num_layers=2", "model.num_heads=4",
         "model.num_kv_heads=4", "data.seq_len=64", "train.micro_batch_size=4", "train.sample_tokens=0",
         "train.eval_batches=2", "train.log_every_n_steps=1", "sched.warmup_steps=2", "checkpoint.save_final=false",
-        "monitor=[console]", "monitor.console.style=plain"]
+        "monitor=[console]", "monitor.console.style=plain", "metrics.report=false"]
 
 
 def compose(overrides: list[str], run_dir: str | None = None) -> DictConfig:
@@ -40,18 +41,32 @@ def compose(overrides: list[str], run_dir: str | None = None) -> DictConfig:
     return config.compose(overrides, run_dir=run_dir or "unused")
 
 
-def _one_run(rank: int, world: int, overrides: list[str], run_dir: str) -> None:
-    import torch
-
-    from shardyard import worker
-    from shardyard.validate import validate
-    from shardyard.dist_env import detect
-    from shardyard.memory import local
-    from shardyard.rundir import resolved
+def _prepared(overrides: list[str], run_dir: str, env: Any) -> tuple[DictConfig, Any]:
+    """What ``run.py`` does once before any worker starts: compose, validate (the plan), resolve."""
+    from shardyard.planning.validate import validate
+    from shardyard.training.rundir import resolved
 
     cfg = compose(overrides, run_dir)
-    plan = validate(cfg, detect())  # what run.py does before any worker starts
-    cfg = resolved(cfg)
+    plan = validate(cfg, env)
+    return resolved(cfg), plan
+
+
+def _one_run(rank: int, world: int, overrides: list[str], run_dir: str) -> None:
+    """One run on this rank, composed and validated here (a test's own rank function calls it)."""
+    from shardyard.core.dist_env import detect
+
+    cfg, plan = _prepared(overrides, run_dir, detect())
+    _run_prepared(rank, world, cfg, plan, run_dir)
+
+
+def _run_prepared(rank: int, world: int, cfg: DictConfig, plan: Any, run_dir: str) -> None:
+    """One run on this rank of a config composed, validated and resolved already (``_prepared``): the worker's
+    summary, and what the tests read of the engine (``rank<R>.pt``)."""
+    import torch
+
+    from shardyard.core.memory import local
+    from shardyard.training import worker
+
     out: dict = {}
 
     def grab(backend):
@@ -87,6 +102,7 @@ class _Pool:
 
         ctx = mp.get_context("spawn")  # a fresh interpreter per rank, never a fork of the caller (pytest)
         self.world = world
+        self.calls = 0  # made so far (``on_ranks`` replaces the pool after POOL_CALLS)
         pipes = [ctx.Pipe() for _ in range(world)]
         self.conns = [parent for parent, _ in pipes]
         self.procs = [ctx.Process(target=_serve, args=(rank, world, child), name=f"shardyard-rank{rank}")
@@ -97,7 +113,7 @@ class _Pool:
             child.close()
 
     def call(self, fn: Callable[..., None], args: tuple, timeout: float) -> None:
-        from shardyard.launch import free_port
+        from shardyard.launching.launch import free_port
 
         message = (fn, args, dict(os.environ), os.getcwd(), free_port())
         for conn in self.conns:
@@ -162,11 +178,15 @@ _POOLS: dict[int, _Pool] = {}
 
 def _serve(rank: int, world: int, conn) -> None:
     """A pool rank: run each call it is sent, reply None or the traceback, until told to stop."""
+    import gc
     import traceback
 
     import torch
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    threads = max(1, (os.cpu_count() or 1) // world)
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():  # the caller's share of the cores (a test session's worker)
+        threads = max(1, min(threads, int(os.environ["OMP_NUM_THREADS"])))
+    torch.set_num_threads(threads)
     while True:
         try:
             message = conn.recv()
@@ -189,6 +209,13 @@ def _serve(rank: int, world: int, conn) -> None:
         finally:
             _forget_pythonpath(added)
         conn.send(reply)
+        # What outlives a call (imported modules, their caches) is kept for good: the next run's collections
+        # (an engine's teardown runs gc.collect, ~0.6 s over a heap of torch, transformers and DeepSpeed) then
+        # scan only what that run made. The run's own garbage was collected by its teardown already; a call that
+        # raised may have left cycles (its traceback's frames) and is collected first, never frozen in.
+        if reply is not None:
+            gc.collect()
+        gc.freeze()
 
 
 def _put_pythonpath_on_sys_path() -> list[str]:
@@ -219,11 +246,18 @@ def on_ranks(world: int, fn: Callable[..., None], *args, timeout: float = 1800) 
     use and kept), with RANK/WORLD_SIZE/MASTER_* set and this process's environment; ``RankFailed`` names the
     failing ranks. ``fn`` must be importable (a module-level function)."""
     pool = _POOLS.get(world)
-    if pool is None or not pool.alive():
+    if pool is None or not pool.alive() or pool.calls >= POOL_CALLS:
         if pool is not None:
             pool.close()
         pool = _POOLS[world] = _Pool(world)
+    pool.calls += 1
     pool.call(fn, args, timeout)
+
+
+POOL_CALLS = 24
+"""Calls a pool serves before it is replaced by a fresh one. A run's process groups leave gloo's TCP threads
+behind in the rank (seen: 345 ``gloo_tcp`` threads in a world-2 rank after ~150 runs, its idle ranks then
+using 6-19% of a core each while other tests ran); a fresh pool costs one start-up of its ranks."""
 
 
 @atexit.register
@@ -238,9 +272,25 @@ def run_many(world: int, jobs: list[tuple[list[str], str]]) -> list[list[dict]]:
     local tensors."""
     import torch
 
+    from shardyard.core.dist_env import DistEnv
+
     for overrides, run_dir in jobs:
         os.makedirs(run_dir, exist_ok=True)
-        on_ranks(world, _one_run, list(overrides), run_dir)
+        # Composed and validated once, here, as run.py does for its workers (which neither re-compose nor
+        # re-validate): each rank doing it again cost a second of CPU per rank and run. A config that does not
+        # compose or validate goes to the ranks as it is, so that its error is every rank's, as a run's.
+        # A call whose $PYTHONPATH names a user's package (a test's temp project) is composed by the ranks, which
+        # put it on their path for the call (``_serve``): this process may hold another project's of that name.
+        own_path = not [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+        try:
+            cfg, plan = _prepared(list(overrides), run_dir, DistEnv("elastic", 0, 0, world, world)) if own_path \
+                else (None, None)
+        except Exception:
+            cfg = None
+        if cfg is None:
+            on_ranks(world, _one_run, list(overrides), run_dir)
+        else:
+            on_ranks(world, _run_prepared, cfg, plan, run_dir)
     return [[torch.load(os.path.join(d, f"rank{r}.pt"), weights_only=False) for r in range(world)] for _, d in jobs]
 
 
@@ -255,8 +305,8 @@ def hf_eval_loss(hf_dir: str, cfg: DictConfig, world: int) -> float:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from shardyard import data
-    from shardyard.model import causal_lm_loss_sum
+    from shardyard.data import pipeline as data
+    from shardyard.models.loss import causal_lm_loss_sum
 
     prep = data.prepare(cfg)
     val = data.open_split(prep, "val", cfg.data.seq_len)
@@ -326,9 +376,12 @@ def _zygote_main(sock_path: str) -> None:
     import transformers.models.llama.modeling_llama  # noqa: F401  (validation's meta build of the default model)
 
     import shardyard.cli  # noqa: F401
-    import shardyard.run  # noqa: F401
-    import shardyard.worker  # noqa: F401
+    import shardyard.launching.run  # noqa: F401
+    import shardyard.training.worker  # noqa: F401
 
+    import gc
+
+    gc.freeze()  # what every run inherits stays put: its collections skip it (as the launcher before its fork)
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(sock_path)
     server.listen(4)
@@ -486,7 +539,7 @@ def _close_zygote() -> None:
 # ------------------------------------------------------------------------------ memory measured on real ranks
 def _planned(cfg, plan) -> dict:
     """The plan's per-rank figures for this run on this machine (what ``plan.only=true`` prints)."""
-    from shardyard import plan as memory_plan
+    from shardyard.planning import plan as memory_plan
 
     e = memory_plan.estimate(cfg, plan, memory_plan.hardware(cfg, plan))
     return {"device": e.device, "peak": e.device_peak}
@@ -503,11 +556,12 @@ def measure_engines(rank: int, world: int, ports: list[int], jobs: list[list[str
     import hydra.utils
     import torch
 
-    from shardyard import data
-    from shardyard.validate import validate
-    from shardyard.dist_env import detect
-    from shardyard.memory import held_by
-    from shardyard.model import build_model, param_count
+    from shardyard.data import pipeline as data
+    from shardyard.planning.validate import validate
+    from shardyard.core.dist_env import detect
+    from shardyard.core.memory import held_by
+    from shardyard.models.build import build_model
+    from shardyard.models.shape import param_count
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1")
@@ -522,7 +576,7 @@ def measure_engines(rank: int, world: int, ports: list[int], jobs: list[list[str
         built: dict = {}
 
         def build(allow_meta: bool) -> torch.nn.Module:
-            from shardyard.adapters import apply
+            from shardyard.models.adapters import apply
 
             model = build_model(cfg.model, cfg.seed)
             built["P"] = param_count(model)
@@ -554,7 +608,7 @@ def run_measurements(world: int, jobs: list[list[str]]) -> list[dict]:
     import json
     import tempfile
 
-    from shardyard.launch import free_port
+    from shardyard.launching.launch import free_port
 
     out = tempfile.mktemp(suffix=".json", prefix=f"shardyard-memory-w{world}-")
     on_ranks(world, measure_engines, [free_port() for _ in jobs], jobs, out)
@@ -630,8 +684,11 @@ def activation_memory(overrides: list[str], rows: int, seq: int) -> dict:
     import torch
 
     from shardyard.config import checkpointed_fraction, checkpointing_mode
-    from shardyard.model import SpeedProbe, build_model, causal_lm_loss_sum, model_shape, prepare_replica
-    from shardyard.plan import _activations
+    from shardyard.models.build import build_model
+    from shardyard.models.loss import causal_lm_loss_sum
+    from shardyard.models.prepare import SpeedProbe, prepare_replica
+    from shardyard.models.shape import model_shape
+    from shardyard.planning.plan import _activations
 
     def status(field: str) -> int:
         with open("/proc/self/status") as f:

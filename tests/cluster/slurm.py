@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardyard.launch import free_port
+from shardyard.launching.launch import free_port
 
 NODES = ("synode1", "synode2")
 CPUS = 2  # per node: two tasks per node on a 2-core host (config_overrides)

@@ -47,13 +47,21 @@ def on_two_hosts(hosts, run_dir, *overrides, port=29471, timeout=300):
     return collect(procs, timeout)
 
 
-@pytest.mark.parametrize("engine", ["ddp", "fsdp", "zero2"])
+def assert_two_nodes_started_as_one_run(node0: str, node1: str) -> None:
+    """What each node of ``python train.py launch.nnodes=2 launch.node_rank=K`` says: node 0 the world it laid
+    out, node 1 the run dir it took from node 0."""
+    assert "world size 2 (1/node x 2 nodes" in node0, node0[-2000:]
+    assert "run dir" in node1 and "written by node 0" in node1, node1[-2000:]
+
+
+# ZeRO-2 across two hosts: test_slurm.py's srun -N2 and DeepSpeed's hostfile below; DDP: train.py on each host
+# is test_a_failed_node_restarts_and_all_nodes_resume_to_the_clean_result's job (the same start of each node,
+# against one_host("ddp", *RESTARTED) at the same 1e-5), the user's own torchrun on each host is test_torchrun_...
+@pytest.mark.parametrize("engine", ["fsdp"])
 def test_two_hosts_train_as_one_host_with_two_workers(engine, hosts, one_host, tmp_path):
     nodes = on_two_hosts(hosts, tmp_path / "two", *STEPS, f"backend={engine}")
     assert [code for code, _ in nodes] == [0, 0], "\n\n".join(out[-4000:] for _, out in nodes)
-    node0, node1 = (out for _, out in nodes)
-    assert "world size 2 (1/node x 2 nodes" in node0, node0[-2000:]
-    assert "run dir" in node1 and "written by node 0" in node1, node1[-2000:]
+    assert_two_nodes_started_as_one_run(*(out for _, out in nodes))
     a, b = one_host(engine), losses(tmp_path / "two")
     assert len(a) == len(b) == 5
     assert max(abs(x - y) / abs(y) for x, y in zip(b, a)) <= 1e-5, (a, b)
@@ -150,7 +158,8 @@ def test_a_failed_node_restarts_and_all_nodes_resume_to_the_clean_result(hosts, 
     """launch.max_restarts=1: node 1's worker is killed (kill -9) after the first checkpoint; node 1's agent
     rejoins the rendezvous, node 0's agent sees the new round and restarts its worker too, and both resume
     from the checkpoint (any start after the first rendezvous round resumes, as checkpoint.resume=auto) to the
-    clean curve."""
+    clean curve. It is also the plain two-host DDP run (once test_two_hosts_...[ddp]): both nodes started as a user
+    starts them, each saying so, the curve one_host's at 1e-5 from its first step to its last."""
     import time
 
     steps = [*STEPS, "backend=ddp", *RESTARTED]
@@ -167,11 +176,12 @@ def test_a_failed_node_restarts_and_all_nodes_resume_to_the_clean_result(hosts, 
         time.sleep(0.05)
     workers = [pid for pid in subprocess.run(["ip", "netns", "pids", hosts.names[1]], capture_output=True,
                                              text=True).stdout.split()
-               if b"shardyard.worker" in open(f"/proc/{pid}/cmdline", "rb").read()]
+               if b"shardyard.training.worker" in open(f"/proc/{pid}/cmdline", "rb").read()]
     assert len(workers) == 1, workers
     os.kill(int(workers[0]), 9)
     nodes = collect(procs, 300)
     assert [code for code, _ in nodes] == [0, 0], "\n\n".join(out[-4000:] for _, out in nodes)
+    assert_two_nodes_started_as_one_run(nodes[0][1], nodes[1][1])  # (and test_two_hosts_...[ddp]'s claims)
     # Rank 0 (node 0) names the checkpoint it resumed from: one of the restart's step-10/20/30 checkpoints.
     assert re.search(r"resumed from \S+/step-0*[1-3]0\b", nodes[0][1]), nodes[0][1][-3000:]
     assert close(losses(run_dir), one_host("ddp", *RESTARTED)), (losses(run_dir), one_host("ddp", *RESTARTED))

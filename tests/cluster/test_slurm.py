@@ -41,9 +41,11 @@ def test_srun_tasks_train_as_one_host_with_two_workers(layout, engine, cluster, 
 
 
 def test_sbatch_script_runs_and_a_requeued_job_resumes_to_the_clean_result(cluster, one_host, tmp_path):
-    """``shardyard sbatch ... --submit`` on 2 nodes x 1 task; once its first checkpoint is complete the job is
-    requeued (``scontrol requeue``: Slurm kills it and queues it again under the same id); it starts again in
-    the same run dir, resumes, and ends with the loss curve of the clean 2-worker run."""
+    """``shardyard sbatch ... --submit`` on 2 nodes x 1 task; once its first checkpoint is complete the script is
+    sent SIGUSR1 as Slurm sends it ahead of the time limit (``scancel --batch --signal=USR1``: to the script
+    alone); the script passes it through srun to both workers, which stop after the same step, save it and exit
+    75, and the script requeues the job (``scontrol requeue``: the same id). It starts again in the same run
+    dir, resumes from the step it was signalled at, and ends with the loss curve of the clean 2-worker run."""
     steps = ["backend=ddp", *RESTARTED]
     out = tmp_path / "job"
     gen = cluster.run(sys.executable, "-m", "shardyard", "sbatch", *STEPS, *steps, "nodes=2", "tasks_per_node=1",
@@ -51,6 +53,7 @@ def test_sbatch_script_runs_and_a_requeued_job_resumes_to_the_clean_result(clust
     assert gen.returncode == 0, gen.stdout + gen.stderr
     script = (out / "job.sbatch").read_text()
     assert "#SBATCH --nodes=2" in script and "#SBATCH --requeue" in script and "checkpoint.resume=auto" in script
+    assert "#SBATCH --signal=B:USR1@300" in script
     job = re.search(r"submitted job (\d+)", gen.stdout).group(1)
     run_dir = out / job
     cluster.wait_job(job, ("RUNNING",), 60)
@@ -59,20 +62,24 @@ def test_sbatch_script_runs_and_a_requeued_job_resumes_to_the_clean_result(clust
         assert time.monotonic() < deadline and cluster.job(job)["JobState"] == "RUNNING", (
             cluster.job(job), (out / f"slurm-{job}.out").read_text()[-3000:] if (out / f"slurm-{job}.out").exists() else "")
         time.sleep(0.1)
-    requeue = cluster.run("scontrol", "requeue", job)
-    assert requeue.returncode == 0, requeue.stderr
+    signalled = cluster.run("scancel", "--batch", "--signal=USR1", job)
+    assert signalled.returncode == 0, signalled.stderr
     # Slurm holds a requeued job back for about two minutes (its BeginTime); an operator may start it sooner,
     # but not within the second of the requeue: slurmd compares whole-second times, and a start in that second
     # still meets the revoked credential of the killed run ("Job credential revoked": the job fails).
-    cluster.wait_job(job, ("PENDING",), 60)
+    cluster.wait_job(job, ("PENDING",), 120)
     cluster.wait_idle(60)
     time.sleep(2)
     cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")
     info = cluster.wait_job(job, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"), 300)
     log = (out / f"slurm-{job}.out").read_text()
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", (info, log[-4000:])
-    assert "DUE TO JOB REQUEUE" in log and "start 2, run dir" in log and "resumed from" in log, log[-4000:]
-    assert re.search(r"resumed from \S+/step-0*[1-3]0\b", log), log[-4000:]
+    stopped = re.search(r"preempted \(SIGUSR1\) after step (\d+): its checkpoint is published", log)
+    both_ends = log[:4000] + "\n[...]\n" + log[-2000:]  # each line below is looked for in the whole log
+    assert stopped, both_ends
+    assert "requeueing job" in log, both_ends
+    assert "start 2, run dir" in log, both_ends
+    assert f"resumed from {run_dir}/checkpoints/step-{int(stopped.group(1)):08d} " in log, log[-4000:]
     assert close(losses(run_dir), one_host("ddp", *RESTARTED)), (losses(run_dir), one_host("ddp", *RESTARTED))
 
 
@@ -97,7 +104,7 @@ def test_sbatch_script_quotes_every_value_and_runs_from_a_dir_with_spaces(tmp_pa
     Slurm needed) it changes to the working directory with spaces and hands train.py its arguments unchanged."""
     import shlex
 
-    from shardyard import sbatch
+    from shardyard.launching import sbatch
 
     work = tmp_path / "my work dir"
     out = tmp_path / "out dir, it's $HOME; `x`"
@@ -129,6 +136,56 @@ def test_sbatch_script_quotes_every_value_and_runs_from_a_dir_with_spaces(tmp_pa
     assert lines[1:4] == [str(work), f"{out}/7", "--kill-on-bad-exit=1"], lines
     assert lines[4:] == [sys.executable, "-m", "shardyard", "train", *STEPS, "optim.lr=1e-3",
                          "train.sample_prompt='a b $(echo no)'", "checkpoint.resume=auto"], lines
+
+
+def test_sbatch_script_passes_sigusr1_on_and_requeues_on_exit_75(tmp_path, monkeypatch):
+    """The job script under stand-ins (no Slurm needed): it asks Slurm for SIGUSR1 ahead of the time limit
+    (``--signal=B:USR1@N``, ``signal_s``; none with 0), and bash runs it as Slurm would: SIGUSR1 to the script
+    reaches the workers through srun (here a stand-in that exits 75 on it, as the workers do once saved) and
+    the script requeues its own job; SIGTERM (scancel, preemption) requeues nothing though the workers exit 75;
+    a run that ends by itself exits 0 and requeues nothing."""
+    import signal as signals
+
+    from shardyard.launching import sbatch
+
+    monkeypatch.chdir(tmp_path)
+    text = sbatch.main([*STEPS, "nodes=1", "tasks_per_node=2", f"out_dir={tmp_path / 'out'}"], submit=False).read_text()
+    assert "#SBATCH --signal=B:USR1@300" in text and "#SBATCH --requeue" in text
+    none = sbatch.main([*STEPS, "signal_s=0", f"out_dir={tmp_path / 'none'}"], submit=False).read_text()
+    assert "#SBATCH --signal" not in none and "#SBATCH --requeue" in none
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    # srun: "started", then 75 on SIGUSR1 or SIGTERM (the workers saved), or 0 when told to end by itself
+    (bin_dir / "srun").write_text(f"#!{sys.executable}\nimport os, signal, sys, time\n"
+                                  "signal.signal(signal.SIGUSR1, lambda *_: sys.exit(75))\n"
+                                  "signal.signal(signal.SIGTERM, lambda *_: sys.exit(75))\n"
+                                  "open(os.environ['STARTED'], 'w').write(str(os.getpid()))\n"
+                                  "time.sleep(0 if os.environ.get('END') else 120)\n")
+    (bin_dir / "scontrol").write_text('#!/bin/bash\necho "$@" >> "$SCONTROL_LOG"\n[ "$1" = requeue ]\n')
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    for sent, end, code, requeued in [(signals.SIGUSR1, "", 75, ["requeue 7"]), (signals.SIGTERM, "", 75, []),
+                                      (None, "1", 0, [])]:
+        started, log = tmp_path / "started", tmp_path / "scontrol.log"
+        started.unlink(missing_ok=True)
+        log.write_text("")
+        env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7",
+               "SLURM_JOB_NODELIST": "node01", "STARTED": str(started), "SCONTROL_LOG": str(log), "END": end}
+        job = subprocess.Popen(["bash", str(tmp_path / "out/job.sbatch")], env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 60
+        while not started.exists():
+            assert job.poll() is None and time.monotonic() < deadline, job.communicate()
+            time.sleep(0.05)
+        while not started.read_text():
+            time.sleep(0.05)
+        if sent is not None:  # to the script alone, as --signal=B: does; SIGTERM from Slurm reaches the steps too
+            job.send_signal(sent)
+        if sent == signals.SIGTERM:
+            os.kill(int(started.read_text()), sent)
+        out, err = job.communicate(timeout=60)
+        assert job.returncode == code, (sent, job.returncode, out, err)
+        assert [line for line in log.read_text().splitlines() if not line.startswith("show")] == requeued, (sent, out)
 
 
 @pytest.mark.parametrize("launcher", ["submitit_slurm", "submitit_local"])

@@ -5,6 +5,7 @@ deterministic algorithms, cuDNN's) and the environment the launcher must hand th
 rank-0 worker writes. A run without it has none of them (the default stays as fast as before)."""
 
 import json
+import os
 
 from conftest import TINY, train_py
 
@@ -20,6 +21,11 @@ def run(tmp_path, name, *extra):
 
 
 def test_a_deterministic_run_equals_itself_and_its_workers_have_the_switches(tmp_path, monkeypatch):
+    """Also the preemption drill, against the uninterrupted run without the switch ("off"): the same run, sent
+    SIGUSR1 in step 2 (``SHARDYARD_TEST_SIGNAL_AT_STEP``: rank 1 signals ``python train.py``, whose elastic agent
+    passes it to both workers), stops after step 2 on both ranks with that step's checkpoint and exits 75;
+    ``checkpoint.resume=auto`` resumes from step 2 and ends with every step's loss and gradient norm bit for bit
+    those of the uninterrupted run."""
     for key in ENV_KEYS:  # what the switch sets: unset before it
         monkeypatch.delenv(key, raising=False)
     a = run(tmp_path, "a", "train.deterministic=true")
@@ -33,6 +39,18 @@ def test_a_deterministic_run_equals_itself_and_its_workers_have_the_switches(tmp
     off = run(tmp_path, "off")
     assert off["deterministic"] == {"algorithms": False, "cudnn": False, **dict.fromkeys(ENV_KEYS)}, off["deterministic"]
     assert off["train_losses"] == a["train_losses"]  # on CPU the kernels were deterministic already
+    stopped = train_py(*RUN, run_dir=tmp_path / "preempted", env={"SHARDYARD_TEST_SIGNAL_AT_STEP": "2:1=USR1"})
+    assert stopped.returncode == 75, stopped.stdout[-2000:] + stopped.stderr[-3000:]
+    ck = tmp_path / "preempted/checkpoints"
+    assert f"preempted (SIGUSR1) after step 2: its checkpoint is published ({ck}/step-00000002)" in stopped.stdout
+    assert sorted(os.listdir(ck)) == ["latest", "step-00000002"] and not (tmp_path / "preempted/summary.json").exists()
+    resumed = train_py(*RUN, "checkpoint.resume=auto", run_dir=tmp_path / "preempted")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {ck}/step-00000002 (step 2" in resumed.stdout, resumed.stdout[-2000:]
+    again = json.load(open(tmp_path / "preempted/summary.json"))
+    assert len(again["step_wall_s"]) == 1  # step 3 trained here, steps 1-2 before the signal
+    for key in ("train_losses", "grad_norms"):
+        assert again[key] == off[key], key  # bit for bit
 
 
 def test_the_next_job_of_an_in_process_sweep_gets_its_own_setting(monkeypatch):
@@ -40,7 +58,7 @@ def test_the_next_job_of_an_in_process_sweep_gets_its_own_setting(monkeypatch):
     leaves what the user set)."""
     import os
 
-    from shardyard.dist_env import deterministic_env
+    from shardyard.core.dist_env import deterministic_env
 
     for key in ENV_KEYS:
         monkeypatch.delenv(key, raising=False)

@@ -28,8 +28,8 @@ def _engine(overrides: list[str], run_dir: str, device_type: str):
     """The engine of ``overrides``, validated for this world as ``run.py`` does, on a plan for ``device_type``."""
     from hydra.utils import get_object
 
-    from shardyard.dist_env import detect
-    from shardyard.validate import validate
+    from shardyard.core.dist_env import detect
+    from shardyard.planning.validate import validate
 
     cfg = compose(overrides, run_dir)
     plan = validate(cfg, detect())
@@ -202,7 +202,7 @@ def _offload_steps(rank: int, world: int, overrides: list[str], as_on_gpu: bool,
             backend.init()
         backend.device = torch.device("cpu")  # this machine's CPU computes in the accelerator's place
         cfg = backend.cfg
-        from shardyard.model import build_model
+        from shardyard.models.build import build_model
 
         backend.prepare(lambda allow_meta: build_model(cfg.model, cfg.seed, on_meta=allow_meta), 3)
         g = torch.Generator().manual_seed(rank)
@@ -245,8 +245,8 @@ def _offload_buffers(rank: int, world: int, overrides: list[str], out: str) -> N
     """A pool rank: the fsdp_offload engine's ``init``, then its ``prepare`` with the meta device for compute
     device (a device that is not the host: this machine has no other; fake CUDA storage cannot be pinned, as
     CPU offload pins the host's shards for a GPU); where each buffer and each parameter's local shard lives."""
-    from shardyard.memory import local
-    from shardyard.model import build_model
+    from shardyard.core.memory import local
+    from shardyard.models.build import build_model
 
     backend = _engine(overrides, out, "cpu")
     try:

@@ -1,4 +1,4 @@
-"""engine=deepspeed on CPU (shardyard.ds_inference): DeepSpeed's AutoTP at tp 2 over gloo generates, greedily and
+"""engine=deepspeed on CPU (shardyard.inference.ds_inference): DeepSpeed's AutoTP at tp 2 over gloo generates, greedily and
 KV-cached through ``generation.generate``, the tokens transformers' own ``generate`` gives on the whole model, for
 LLaMA with grouped-query attention and DeepSeek-V3 (MLA + MoE), each rank holding half of every split layer. The
 whole command (``shardyard generate ... engine=deepspeed tp_size=2``) is tests/dist/test_generate_checkpoints.py's."""
@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from shardyard.errors import UserError
+from shardyard.core.errors import UserError
 
 PAD = 0
 N_NEW = 10
@@ -23,7 +23,7 @@ by shardyard's own builders without composing a config; the LLaMA one with 2 key
 
 
 def _model(name: str) -> torch.nn.Module:
-    from shardyard import model
+    from shardyard.models import build as model
 
     dims = dict(MODELS[name])
     torch.manual_seed(0)  # the same weights in every process
@@ -55,8 +55,8 @@ def _reference(name: str, device: str = "cpu") -> torch.Tensor:
 def _tp_generate(out: str, tp: int, device_type: str) -> None:
     """A rank of ``run_ranks`` (also the GPU tier's, tests/gpu/test_gpu.py): each model built on the CPU, wrapped
     at ``tp`` on ``device_type``, greedy tokens; rank 0 saves them and the shapes this rank holds."""
-    from shardyard import ds_inference
-    from shardyard.generation import generate
+    from shardyard.inference import ds_inference
+    from shardyard.models.generation import generate
 
     got = {}
     for name in MODELS:
@@ -76,7 +76,7 @@ def _tp_generate(out: str, tp: int, device_type: str) -> None:
 
 @pytest.mark.timeout(300)
 def test_tp2_on_cpu_generates_the_tokens_of_transformers_generate(tmp_path):
-    from shardyard import ds_inference
+    from shardyard.inference import ds_inference
 
     out = str(tmp_path / "tp2.pt")
     t0 = time.perf_counter()

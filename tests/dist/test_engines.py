@@ -38,7 +38,8 @@ def _probed_run(rank: int, world: int, overrides: list, run_dir: str) -> None:
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group as pg
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from shardyard import testing, worker
+    from shardyard import testing
+    from shardyard.training import worker
 
     probe = {"reduces": 0}
     plain_reduce, plain_main, plain_ddp = pg.foreach_reduce, worker.main, DDP.__init__
@@ -169,19 +170,36 @@ def test_offload_matches_no_offload(engine, base, world2):
                 and r["probe"]["optimizer"] != "DeepSpeedCPUAdam", r["probe"]
 
 
+WORLD4 = {"fsdp": ["backend=fsdp"], "zero3": ["backend=zero3"],
+          "hsdp": ["backend=fsdp", "backend.replicate=2"]}  # HSDP: 2 copies x 2 shards (a 2-D mesh)
+
+
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory):
     d = tmp_path_factory.mktemp("w4")
-    engines = ["fsdp", "zero3"]
-    return dict(zip(engines, run_many(4, [([*STEPS, f"backend={e}", "train.micro_batch_size=2"], str(d / e))
-                                          for e in engines])))
+    return dict(zip(WORLD4, run_many(4, [([*STEPS, *over, "train.micro_batch_size=2"], str(d / name))
+                                         for name, over in WORLD4.items()])))
 
 
-@pytest.mark.parametrize("engine", ["fsdp", "zero3"])
+@pytest.mark.parametrize("engine", WORLD4)
 def test_world_size_4(engine, reference, world4):
     ranks = world4[engine]
     assert_close(curve(ranks[0]), curve(reference["fp32"]), 1e-4, f"{engine} x4 loss")
     assert_close(curve(ranks[0], "grad_norms"), curve(reference["fp32"], "grad_norms"), 1e-4, f"{engine} x4 grad norm")
+
+
+def test_hsdp_shards_within_a_copy_and_the_copies_hold_the_same_shards(world4):
+    """backend.replicate=2 at world 4 is HSDP, not FSDP over 4: each rank holds half the model (its copy's shard,
+    twice plain FSDP's quarter), ranks 0 and 2 (and 1 and 3) hold the same shard bit for bit after training (the
+    gradients all-reduced across the copies), and the two shards of a copy differ."""
+    hsdp, fsdp = world4["hsdp"], world4["fsdp"]
+    numel = [sum(v.numel() for v in r["local"].values()) for r in hsdp]
+    quarter = [sum(v.numel() for v in r["local"].values()) for r in fsdp]
+    whole = sum(v.numel() for v in hsdp[0]["full"].values())
+    assert numel[0] + numel[1] == whole == sum(quarter) and numel[0] >= 2 * min(quarter), (numel, quarter, whole)
+    for a, b in ((0, 2), (1, 3)):
+        assert all(torch.equal(hsdp[a]["local"][k], hsdp[b]["local"][k]) for k in hsdp[a]["local"]), (a, b)
+    assert any(not torch.equal(hsdp[0]["local"][k], hsdp[1]["local"][k]) for k in hsdp[0]["local"])
 
 
 def test_replicas_stay_bit_identical(world2):

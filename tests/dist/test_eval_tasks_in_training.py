@@ -57,7 +57,7 @@ def test_harness_scores_at_every_eval_equal_the_harness_on_the_export(tmp_path):
     from lm_eval.models.huggingface import HFLM
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from shardyard import harness
+    from shardyard.evaluation import harness
 
     tasks = tmp_path / "tasks"
     loglikelihood_task(tasks, "code_rows", ROWS, tag="code_tag")

@@ -61,7 +61,8 @@ def _measured_run(rank: int, world: int, overrides: list, run_dir: str) -> None:
     import json
     import os
 
-    from shardyard import export, testing
+    from shardyard.training import export
+    from shardyard import testing
 
     libc = ctypes.CDLL("libc.so.6")
     libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD

@@ -27,7 +27,7 @@ def runs(tmp_path_factory):
     only)."""
     from omegaconf import OmegaConf
 
-    from shardyard.rundir import resolved
+    from shardyard.training.rundir import resolved
 
     d = tmp_path_factory.mktemp("gen")
     jobs = [([*RUN, *extra, *([f"model.weights={d / 'fsdp' / 'hf'}"] if name == "lora" else [])], str(d / name))
@@ -39,7 +39,7 @@ def runs(tmp_path_factory):
 
 
 def greedy(trained, n=12):
-    from shardyard.generate import GenerateOptions, complete
+    from shardyard.inference.generate import GenerateOptions, complete
 
     opts = GenerateOptions(max_new_tokens=n, temperature=0.0, batch_size=2)
     return [(r["completion"], r["tokens"]) for r in complete(trained.model, trained.tokenizer, PROMPTS, opts)]
@@ -47,7 +47,7 @@ def greedy(trained, n=12):
 
 @pytest.mark.parametrize("engine", list(ENGINES))
 def test_checkpoint_generates_as_its_export(engine, runs):
-    from shardyard import inference
+    from shardyard.inference import loading as inference
 
     run = runs / engine
     ckpt = inference.load(str(run / "checkpoints" / "step-00000001"))
@@ -69,8 +69,8 @@ def test_checkpoint_generates_as_its_export(engine, runs):
 def test_damaged_checkpoint_exits_2_naming_it(runs, tmp_path):
     import shutil
 
-    from shardyard import inference
-    from shardyard.errors import UserError
+    from shardyard.inference import loading as inference
+    from shardyard.core.errors import UserError
 
     run = tmp_path / "run"
     shutil.copytree(runs / "fsdp", run, ignore=shutil.ignore_patterns("hf"))
@@ -96,11 +96,12 @@ def test_engine_deepspeed_tp2_writes_the_rows_of_engine_hf(runs, tmp_path, monke
     command hashes the checkpoint once (``inference.resolve``); the ranks load what it resolved."""
     import json
 
-    from shardyard import checkpoint, generate
+    from shardyard.training import integrity
+    from shardyard.inference import generate
 
     calls = []
-    verify = checkpoint.verify
-    monkeypatch.setattr(checkpoint, "verify", lambda *a, **k: calls.append(a[0]) or verify(*a, **k))
+    verify = integrity.verify
+    monkeypatch.setattr(integrity, "verify", lambda *a, **k: calls.append(a[0]) or verify(*a, **k))
     ckpt = str(runs / "fsdp" / "checkpoints" / "step-00000001")
     common = [ckpt, *(f"prompt={p}" for p in PROMPTS), "max_new_tokens=12", "device=cpu", "batch_size=2"]
     generate.main([*common, f"out={tmp_path / 'hf.jsonl'}"])
@@ -118,9 +119,9 @@ def test_checkpoint_whose_pickle_asks_for_code_exits_2_naming_the_path(runs, tmp
     import pickle
     import shutil
 
-    from shardyard import inference
-    from shardyard.checkpoint import _meta_digest
-    from shardyard.errors import UserError
+    from shardyard.inference import loading as inference
+    from shardyard.training.integrity import _meta_digest
+    from shardyard.core.errors import UserError
 
     class Evil:
         def __reduce__(self):

@@ -13,7 +13,7 @@ NUMERIC = [{"_target_": "shardyard.objectives.rewards.NumericAnswer"}]
 
 def _split(prefix: str, fields: list[dict]) -> None:
     """One split's cache files as the token cache writes them (``prompts.left_padded``, one ``.npy`` per array)."""
-    from shardyard.prompts import left_padded
+    from shardyard.data.prompts import left_padded
 
     rows = [([7], json.dumps(f), f"p.jsonl:{i + 1}") for i, f in enumerate(fields)]
     for name, array in left_padded(rows, 4, 0).items():
@@ -29,8 +29,8 @@ def _checks(rank: int, world: int, root: str, cases: list[str]) -> None:
     import torch.distributed as dist
 
     from shardyard.backends import process_group
-    from shardyard.data import PromptRows
-    from shardyard.errors import UserError
+    from shardyard.data.pipeline import PromptRows
+    from shardyard.core.errors import UserError
     from shardyard.objectives.grpo import GRPO
 
     class Counted(PromptRows):
@@ -75,8 +75,8 @@ def _single(root: str, case: str) -> list | None:
 
     import torch
 
-    from shardyard.data import PromptRows
-    from shardyard.errors import UserError
+    from shardyard.data.pipeline import PromptRows
+    from shardyard.core.errors import UserError
     from shardyard.objectives.grpo import GRPO
 
     one = types.SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"), all_reduce_mean=lambda t: t)

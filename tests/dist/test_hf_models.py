@@ -84,9 +84,9 @@ def test_three_architectures_train_from_local_directories(models, corpus, tmp_pa
 
 
 def test_a_config_only_directory_with_a_bigger_tokenizer_is_refused(models, corpus, tmp_path):
-    from shardyard import data
-    from shardyard.validate import validate
-    from shardyard.errors import UserError
+    from shardyard.data import pipeline as data
+    from shardyard.planning.validate import validate
+    from shardyard.core.errors import UserError
 
     small = tmp_path / "small"
     shutil.copytree(models / "mistral", small)

@@ -1,12 +1,12 @@
-"""The plan's model-state figures against what each engine really holds (``shardyard.memory.held_by``:
+"""The plan's model-state figures against what each engine really holds (``shardyard.core.memory.held_by``:
 every tensor of parameters, gradients and optimizer state a rank holds, each storage once). Expert parallelism
 at world 4 too: the MoE model's experts on (edp 2 x ep 2) leave each rank P / N, as the plan says."""
 
 import pytest
 
-from shardyard import dryrun
-from shardyard import plan as memory_plan
-from shardyard.validate import validate
+from shardyard.planning import dryrun
+from shardyard.planning import plan as memory_plan
+from shardyard.planning.validate import validate
 from shardyard.testing import run_measurements
 from shardyard.testing import compose
 
@@ -49,7 +49,7 @@ def test_plan_equals_what_engines_hold(measured, world):
 
 @pytest.mark.parametrize("layout", ["fsdp", "fsdp ep=2"])
 def test_dry_run_equals_a_real_run_at_world_4(measured, layout):
-    """The dry run's simulation (a fake process group and fake tensors, ``shardyard.dryrun``) against reality where
+    """The dry run's simulation (a fake process group and fake tensors, ``shardyard.planning.dryrun``) against reality where
     reality fits on this machine: rank 0 of the real 4-rank gloo run above and the dry run's rank 0 of world 4
     hold the same parameters, gradients and optimizer state, within 5%."""
     ep = layout.endswith("ep=2")

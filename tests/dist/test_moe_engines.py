@@ -4,7 +4,8 @@ its sequence-wise loss) at world size 2, every engine's router biases equal the 
 its losses within 1e-4, and the biases are in the HF export; the single process's logged step-1 loads are those of
 its seeded model routing that step's batch apart from the run. The drill: a router set to favour one expert is
 pulled back under 1.5x the mean load within 20 steps with balancing on (deepseek_moe_tiny's own gamma 0.005 and
-alpha 0.01) and stays there, and stays collapsed with it off."""
+alpha 0.01) and stays there for the rest of a 50-step run (the bias update moves 2 x gamma a step whatever the
+run's length: 20 steps close the 0.2 skew), and stays collapsed with it off."""
 
 import json
 
@@ -13,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import train_py
-from shardyard import moe
+from shardyard.models import moe
 from shardyard.testing import TINY, on_ranks, run_many
 
 BIAS = "model.layers.1.mlp.gate.e_score_correction_bias"
@@ -79,8 +80,8 @@ def _route_step_one(rank: int, world: int, out: str) -> None:
     """A pool rank: each MoE layer's routed slots per expert in step 1 of the single run, routed outside it (saved
     to ``out``): its model built from the seed, its first global batch read from the data stream
     (``data.TrainStream``, as the loop reads it), counted by ``moe.held_out_loads``."""
-    from shardyard import data
-    from shardyard.model import build_model
+    from shardyard.data import pipeline as data
+    from shardyard.models.build import build_model
     from shardyard.testing import compose
 
     cfg = compose([*MOE, "backend=single"])
@@ -136,8 +137,8 @@ def _skewed_model(tmp_path):
     it (its sigmoid affinities differ by a few hundredths), so the layer routes 4x the mean load to it."""
     import shutil
 
-    from shardyard import data
-    from shardyard.model import build_model
+    from shardyard.data import pipeline as data
+    from shardyard.models.build import build_model
     from shardyard.testing import compose
 
     cfg = compose([*TINY, "model=deepseek_moe_tiny"])
@@ -151,7 +152,7 @@ def _skewed_model(tmp_path):
 
 def test_drill_a_collapsed_router_is_pulled_back_only_with_balancing_on(tmp_path):
     weights = _skewed_model(tmp_path)
-    drill = [*TINY, "model=deepseek_moe_tiny", f"model.weights={weights}", "model.init_device=cpu", "train.steps=100",
+    drill = [*TINY, "model=deepseek_moe_tiny", f"model.weights={weights}", "model.init_device=cpu", "train.steps=50",
              "train.eval_every_n_steps=0", "train.global_batch_size=16", "train.log_every_n_steps=10", "backend=single"]
     on, off = run_many(1, [(drill, str(tmp_path / "on")),  # deepseek_moe_tiny's own balance: gamma 0.005
                            ([*drill, "model.balance.bias_update_speed=0", "model.balance.seq_aux_alpha=0"],

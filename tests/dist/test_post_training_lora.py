@@ -26,11 +26,11 @@ LAYOUTS = {"ddp": ["backend=ddp", "train.micro_batch_size=2"],  # 2 ranks x 2 mi
 def _lora_run(rank: int, world: int, overrides: list, run_dir: str) -> None:
     """A pool rank: ``worker.main`` as ``run.py`` calls it, and what the engine and the objective hold after
     training (``after_train``: before the engine closes)."""
-    from shardyard import worker
-    from shardyard.dist_env import detect
-    from shardyard.rundir import resolved
+    from shardyard.training import worker
+    from shardyard.core.dist_env import detect
+    from shardyard.training.rundir import resolved
     from shardyard.testing import compose
-    from shardyard.validate import validate
+    from shardyard.planning.validate import validate
 
     cfg = compose(overrides, run_dir)
     plan = validate(cfg, detect())

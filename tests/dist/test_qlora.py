@@ -6,8 +6,8 @@ the eval set as the engine did. The CUDA run is in the gpu tier."""
 import pytest
 import torch
 
-from shardyard.validate import validate
-from shardyard.errors import UserError
+from shardyard.planning.validate import validate
+from shardyard.core.errors import UserError
 from shardyard.testing import TINY, compose, hf_eval_loss, run_many
 
 import bitsandbytes  # noqa: E402,F401  (the finetune extra: make setup installs it; no skip)
@@ -22,7 +22,7 @@ QL = ["data=sft", "data.seq_len=128", "peft=qlora", "peft.r=4", "peft.dropout=0.
 
 
 def test_qlora_is_refused_on_cpu_and_on_sharding_engines():
-    from shardyard.validate import device_type
+    from shardyard.planning.validate import device_type
 
     # This tier runs on CPU on every machine (tests/conftest.py hides the GPUs); tests/gpu checks that a GPU
     # machine accepts peft=qlora.

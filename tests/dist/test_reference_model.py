@@ -70,9 +70,10 @@ def _references(rank: int, world: int, overrides: list, out: str) -> None:
     import torch.distributed as dist
     from hydra.utils import get_object
 
-    from shardyard.dist_env import detect
-    from shardyard.model import build_model, logits, wants_meta
-    from shardyard.validate import validate
+    from shardyard.core.dist_env import detect
+    from shardyard.models.build import build_model, wants_meta
+    from shardyard.models.loss import logits
+    from shardyard.planning.validate import validate
 
     cfg = compose(overrides, out)
     plan = validate(cfg, detect())
@@ -152,7 +153,8 @@ def references(tmp_path_factory):
 @pytest.fixture(scope="module")
 def truth():
     """The logits of a single process's plain build of the model (fp32, no engine)."""
-    from shardyard.model import build_model, logits
+    from shardyard.models.build import build_model
+    from shardyard.models.loss import logits
 
     cfg = compose([*BASE, "backend=single"])
     model = build_model(cfg.model, cfg.seed).eval()

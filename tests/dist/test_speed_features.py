@@ -11,18 +11,20 @@ as a fraction of the same engine's run without checkpointing, beside the single 
 
 Tolerances: chunking and checkpointing only reorder fp32 sums (1e-5 relative on a single process, the engines'
 own 1e-4 of tests/dist/test_engines.py on 2 ranks); inductor fuses fp32 ops differently from eager (1e-4);
-float8 rounds every block matmul's inputs to 3-4 mantissa bits, so 50 steps stay within 2e-2 of bf16's loss."""
+float8 rounds every block matmul's inputs to 3-4 mantissa bits, so 40 steps stay within 2e-2 of the single
+process's bf16 loss (on FSDP too; 40 steps move the loss by more than 0.5: both trained)."""
 
 import functools
 
 import pytest
 
-from shardyard.model import build_model, model_shape
+from shardyard.models.build import build_model
+from shardyard.models.shape import model_shape
 from shardyard.testing import TINY, compose, run_many
 
 MEASURE = "debug.measure_activations=true"  # the probe's bytes kept for backward (its counts are always on)
 STEPS = [*TINY, "train.steps=5", "train.eval_every_n_steps=0", "train.global_batch_size=8", MEASURE]
-LONG = [*TINY, "train.steps=50", "train.eval_every_n_steps=0", "train.global_batch_size=8", "train.log_every_n_steps=5"]
+LONG = [*TINY, "train.steps=40", "train.eval_every_n_steps=0", "train.global_batch_size=8", "train.log_every_n_steps=4"]
 CHUNK = "model.loss_chunk=48"  # 256 tokens per micro-batch: five chunks of 48 and one of 16
 SELECTIVE = "model.activation_checkpointing=selective"
 COMPILE = "model.compile=true"
@@ -88,8 +90,9 @@ def world2(tmp_path_factory):
     for e in ["ddp", "fsdp", "zero2"]:
         jobs[(e, "compile")] = [*STEPS, f"backend={e}", COMPILE]
     jobs[("pipeline", "compile")] = [*STEPS, *PIPELINE, COMPILE]
-    for p in ["bf16", "fp8"]:  # DDP's float8 is single's (prepare_replica): FSDP's sharded float8 weights differ
-        jobs[("fsdp", p)] = [*LONG, "backend=fsdp", f"precision={p}"]
+    # DDP's float8 is single's (prepare_replica): FSDP's sharded float8 weights differ. Its reference is the single
+    # process's bf16 run (FSDP's bf16 equals single's bf16: tests/dist/test_engines.py, 5e-4; here 4e-5 over 50 steps)
+    jobs[("fsdp", "fp8")] = [*LONG, "backend=fsdp", "precision=fp8"]
     return dict(zip(jobs, run_many(2, [(o, str(d / f"{e}-{k}")) for (e, k), o in jobs.items()])))
 
 
@@ -139,9 +142,8 @@ def test_regional_compile_gives_the_same_losses(engine, single, world2):
 
 
 @pytest.mark.parametrize("engine", ["single", "fsdp"])
-def test_fp8_stays_within_2e_2_of_bf16_over_50_steps(engine, single, world2):
-    fp8, bf16 = (single["fp8"], single["bf16"]) if engine == "single" else \
-        (world2[(engine, "fp8")][0], world2[(engine, "bf16")][0])
+def test_fp8_stays_within_2e_2_of_bf16_over_40_steps(engine, single, world2):
+    fp8, bf16 = single["fp8"] if engine == "single" else world2[(engine, "fp8")][0], single["bf16"]
     got, ref = curve(fp8), curve(bf16)
     assert len(got) == 10 and worst(got, ref) <= 2e-2, (engine, got, ref)
     assert got != ref  # float8 really ran: its rounding moves the losses

@@ -29,7 +29,7 @@ def _one_start(rank: int, world: int, overrides: list, nodes: int, tmp: str, out
     launcher's variables place it on node ``rank // (world / nodes)``, with that node's own temp directory."""
     import torch.distributed as dist
 
-    from shardyard import data, token_cache
+    from shardyard.data import pipeline as data, token_cache
 
     per_node = world // nodes
     node = rank // per_node
@@ -56,7 +56,7 @@ def _one_start(rank: int, world: int, overrides: list, nodes: int, tmp: str, out
 def built(tmp_path_factory):
     """A corpus, and its tokenizer and token caches built once; returns (corpus, cache dir, bytes of the token
     cache's files: what a rank that hashes it reads, at least)."""
-    from shardyard import data
+    from shardyard.data import pipeline as data
 
     root = tmp_path_factory.mktemp("caches")
     synthetic_corpus(str(root / "corpus.jsonl"), 6)
@@ -131,7 +131,7 @@ def replace(src, dst, *args, **kwargs):
 
 
 os.replace = replace
-from shardyard import data
+from shardyard.data import pipeline as data
 from shardyard.testing import compose
 
 p = data.prepare(compose(overrides))
@@ -144,7 +144,7 @@ def test_two_hosts_whose_locks_fail_build_one_cache_and_both_use_it(tmp_path, lo
     """Two hosts build the same caches at once, their flock refused (ENOLCK) or granted to both; they rename their
     builds into place at the same moment. Before issue 41 the refused lock was a traceback, and the loser of the
     rename died of ENOTEMPTY."""
-    from shardyard import data, token_cache
+    from shardyard.data import pipeline as data, token_cache
 
     synthetic_corpus(str(tmp_path / "corpus.jsonl"), 0.5)
     (tmp_path / "barrier").mkdir()

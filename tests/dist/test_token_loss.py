@@ -41,7 +41,8 @@ def masking(plain, unlabelled: bool = False):
 
 def _masked_run(rank: int, world: int, overrides: list, run_dir: str, unlabelled: bool) -> None:
     """``testing.run_many``'s job on a pool rank, its training batches masked (``masking``)."""
-    from shardyard import data, testing
+    from shardyard.data import pipeline as data
+    from shardyard import testing
 
     plain = data.TrainStream.micro_batch
     data.TrainStream.micro_batch = masking(plain, unlabelled)
@@ -59,7 +60,7 @@ def masked_runs(world: int, overrides: list, run_dir: str, unlabelled: bool = Fa
 
 def label_counts(overrides: list, world: int, micro: int, masked: bool = False) -> list[int]:
     """Labels per micro-batch of step 1, for every (rank, micro-step) of that layout."""
-    from shardyard import data
+    from shardyard.data import pipeline as data
 
     cfg = compose([*overrides, f"train.micro_batch_size={micro}"])
     seqs = data.open_split(data.prepare(cfg), "train", cfg.data.seq_len)

@@ -46,7 +46,7 @@ class Block(nn.Module):
 
 
 class TinyLM(nn.Module):
-    """A plain nn.Module meeting shardyard.model.CausalLM: forward(input_ids) -> logits, blocks in a ModuleList."""
+    """A plain nn.Module meeting shardyard.models.build.CausalLM: forward(input_ids) -> logits, blocks in a ModuleList."""
 
     def __init__(self, vocab_size: int, width: int, layers: int, heads: int):
         super().__init__()
@@ -176,8 +176,8 @@ def test_plain_module_exports_its_weights(trained):
 
 
 def test_a_misspelt_plugin_argument_is_refused(project):
-    from shardyard.validate import validate
-    from shardyard.errors import UserError
+    from shardyard.planning.validate import validate
+    from shardyard.core.errors import UserError
     from shardyard.testing import compose
 
     cfg = compose([*user_overrides(project, "user_tiny"), "+model.widht=32"])

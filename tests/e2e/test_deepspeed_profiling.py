@@ -3,7 +3,8 @@
 import re
 
 from conftest import TINY, train_py
-from shardyard.model import flops_per_token, shape_model
+from shardyard.models.build import shape_model
+from shardyard.models.shape import flops_per_token
 from shardyard.testing import compose
 
 

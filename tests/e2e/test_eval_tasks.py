@@ -46,7 +46,7 @@ def run(tmp_path_factory):
 
 def shardyard_eval(*args: str, out) -> dict:
     """``shardyard eval ARGS out=OUT`` in this process; its JSON."""
-    from shardyard import evaluate
+    from shardyard.inference import evaluate
 
     evaluate.main([*args, f"out={out}"])
     return json.loads(out.read_text())
@@ -85,7 +85,7 @@ def test_harness_score_on_the_shipped_task_equals_lm_eval_on_the_export(run, tmp
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from shardyard import harness
+    from shardyard.evaluation import harness
 
     export = run[0] / "hf"
     got = shardyard_eval(str(export), "tasks=[stdlib_qa]", "limit=24", "perplexity=false",
@@ -129,8 +129,8 @@ def test_a_users_local_task_in_include_path(run, tmp_path):
 
 def test_nothing_to_evaluate_is_a_user_error(run):
     """(Through ``evaluate.main``: ``cli.main`` ends a successful command with ``os._exit``, which would end pytest.)"""
-    from shardyard import evaluate
-    from shardyard.errors import UserError
+    from shardyard.inference import evaluate
+    from shardyard.core.errors import UserError
 
     with pytest.raises(UserError) as e:
         evaluate.main([str(run[0]), "perplexity=false"])

@@ -34,8 +34,8 @@ def test_sft_tiny_from_the_default_pretraining_export(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from shardyard import data
-    from shardyard.model import causal_lm_loss_sum
+    from shardyard.data import pipeline as data
+    from shardyard.models.loss import causal_lm_loss_sum
 
     base = AutoModelForCausalLM.from_pretrained(pre / "hf", local_files_only=True, dtype=torch.float32)
     model = PeftModel.from_pretrained(base, ft / "adapter").eval()

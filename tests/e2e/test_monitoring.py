@@ -17,7 +17,7 @@ from readers import csv_by_step, jsonl_by_step, tensorboard_scalars, wandb_offli
 
 RUN = [*TINY, "backend=single", "backend.device=cpu", "train.steps=6", "train.log_every_n_steps=2", "train.eval_every_n_steps=3",
        "checkpoint.save_final=true", "monitor=[console,tensorboard,wandb,mlflow,csv]",
-       "profile.enabled=true", "profile.steps=[2,3]", "metrics.peak_tflops=0.5"]
+       "profile.enabled=true", "profile.steps=[2,3]", "metrics.peak_tflops=0.5", "metrics.report=true"]
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,7 @@ def test_jsonl_holds_every_metric(run):
     assert sorted(by_step) == [0, 2, 3, 4, 6]
     # Training FLOPs per token counted here (PaLM's 6N + 12*L*H*Q*T): N without the input embedding (a lookup);
     # TINY's 2 layers x 4 heads of 16, seq 64.
-    from shardyard.model import shape_model
+    from shardyard.models.build import shape_model
     from shardyard.testing import compose
 
     n = sum(p.numel() for name, p in shape_model(compose(RUN).model).named_parameters() if "embed_tokens" not in name)

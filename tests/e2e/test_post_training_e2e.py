@@ -11,9 +11,14 @@ import pytest
 
 from conftest import train_py
 
+# The SFT stage is 300 steps (1 min 40 s on a quiet 2-core box); beside the suite's other worker, or on a loaded
+# machine, several times that: the fixture's first test gets the time of both.
+pytestmark = pytest.mark.timeout(2400)
+
 DPO_ACCURACY = 0.5  # eval/rewards/accuracies after 40 steps (measured 0.70; 0.0 at step 0: policy == reference)
 DPO_MARGIN = 0.3    # eval/rewards/margins after 40 steps (measured 0.50; 0.0 at step 0)
-GRPO_RISE = 0.12    # eval/accuracy, step 20 over step 0, on 128 held-out prompts (measured 0.336 -> 0.531)
+GRPO_RISE = 0.12    # eval/accuracy, step 20 over step 0, on 128 held-out prompts (measured 0.336 -> 0.531;
+#                     0.375 -> 0.547 with the log-probabilities at the sampling temperature, issue 53)
 
 
 def evals(run_dir: Path) -> dict[int, dict]:
@@ -32,7 +37,7 @@ def sft_export(tmp_path_factory) -> Path:
     fixed one): the worked format is learned (the assistant-token eval loss falls from ~6.2 to 0.08), with its
     teacher's slips (carries forgotten)."""
     run = tmp_path_factory.mktemp("r1_zero_tiny_sft")
-    proc = train_py("recipe=r1_zero_tiny_sft", "monitor.console.style=plain", run_dir=run)
+    proc = train_py("recipe=r1_zero_tiny_sft", "monitor.console.style=plain", run_dir=run, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     e = evals(run)
     assert e[0]["eval/loss"] > 5.0 and e[max(e)]["eval/loss"] < 0.2, e
@@ -59,7 +64,7 @@ def test_r1_zero_tiny_grpo_from_the_sft_export_raises_held_out_accuracy(sft_expo
     it to carry: the held-out greedy accuracy at step 20 beats step 0's by GRPO_RISE (about three standard errors
     of a 128-prompt accuracy). The recipe's own 40 steps are cut to its first evaluation."""
     proc = train_py("recipe=r1_zero_tiny_grpo", f"model.weights={sft_export}", "train.steps=20",
-                    "monitor.console.style=plain", run_dir=tmp_path)
+                    "monitor.console.style=plain", run_dir=tmp_path, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     e = evals(tmp_path)
     first, last = e[0], e[20]

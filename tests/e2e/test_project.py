@@ -104,14 +104,13 @@ def test_new_project_from_the_wheel_trains_everywhere(venv, tmp_path):
     (proj / "conf" / "model" / "mymodel.yaml").write_text(MY_MODEL)
     (proj / "conf" / "data" / "mydata.yaml").write_text(MY_DATA)
     (proj / "mydata.py").write_text(textwrap.dedent(MY_DATA_PY))
+    # the user's own model and data, on shardyard's own backend=fsdp (an option nothing copied): one run for both
     proc, cfg = train("model=mymodel", "data=mydata", f"data.cache_dir={tmp_path / 'cache'}", "model.hidden_size=96",
-                      name="mine")
+                      "backend=fsdp", name="mine")
     assert cfg["model"]["name"] == "mymodel" and cfg["data"]["_target_"] == "mydata.arithmetic"
+    assert cfg["backend"]["name"] == "fsdp" and "world size 2" in proc.stdout
     losses = [v for _, v in summary(tmp_path / "mine")["train_losses"]]
     assert len(losses) == 2 and all(map(lambda v: v == v, losses))
-
-    _, cfg = train("backend=fsdp", name="fsdp")  # shardyard's own option, nothing copied
-    assert cfg["backend"]["name"] == "fsdp"
     assert sorted(p.name for p in (proj / "conf" / "backend").iterdir()) == [".keep"]
 
     elsewhere = run([str(py), "-m", "shardyard", "train", "recipe=deepseek_tiny_ddp2", *QUICK,

@@ -7,17 +7,51 @@ user runs it) with a finite, falling evaluation loss on the same held-out batch 
 
 import json
 import math
+import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from conftest import ROOT, train_py
-from shardyard import recipes
+from shardyard.launching import recipes
+from shardyard.testing import run_python
 
 BOOK = recipes.catalogue(ROOT / "recipes")
+DRY_RUN_ELSEWHERE = {
+    "deepseek_v3_pipeline_ep": "tests/e2e/test_plan_e2e.py dry-runs it at 16 and 64 nodes (there with 33 of its 61 layers), the fewest and the most its "
+                               "batch allows (accumulation 4 and 1), which bracket the header's 32",
+    "deepseek7b_sft_zero2": "deepseek7b_zero2's dry run is the same simulation: every key it reads is equal "
+                            "(test_dry_run_twins_are_one_simulation), and so is the plan it is held against",
+    "deepseek_v3_pipeline": "the pipeline engine's dry run of DeepSeek-V3 with expert parallelism (the same model, "
+                            "1f1b schedule and 16 micro-batches; 8 stages x ep 16 there, 16 x ep 8 here) is "
+                            "tests/e2e/test_plan_e2e.py's deepseek_v3_pipeline_ep at 16 and 64 nodes (33 layers); this recipe's "
+                            "plan is held to its header by test_header_command_and_plan_on_its_hardware, and its own "
+                            "dry run (3-6 min here) is run by hand: the suite's time (issue 55)",
+}
+"""Recipes whose dry run at the header's size another test's runs carry (a V3 dry run costs 3-7 minutes here)."""
+SMOKE_ELSEWHERE = {
+    "deepseek_v3_pipeline_ep": "+scale=smoke makes it deepseek_v3_pipeline's scaled job, key for key "
+                               "(test_smoke_twins_are_one_job)",
+    "r1_zero_tiny_sft": "tests/e2e/test_post_training_e2e.py's sft_export trains it unscaled (eval loss from above 5 "
+                        "to below 0.2)",
+    "sft_tiny": "tests/e2e/test_finetune_e2e.py trains it unscaled on 2 ranks from the default run's export",
+}
+"""Recipes whose scaled-down training another test already runs (the same job, or the recipe itself unscaled)."""
+DRY_RUN_DEPTH = {"deepseek7b": 4}
+"""model -> the depth a recipe's dry run here simulates: the header's hardware, node count, world size, layout,
+width, vocabulary, sequence, micro-batch and accumulation, with 4 of DeepSeek-7B's 30 blocks. Every figure the dry
+run compares is then one block's bytes times the depth plus the embedding, the head and the edges, held against
+the plan's arithmetic for the same depth, so a figure the plan gets wrong per block is wrong here too, beside fewer
+blocks (the rest twice the share of what is measured); a 7B dry run costs 60-95 s here at 30 blocks, ~15 s at 4
+(issue 55's suite time). The MoE recipes (DeepSeek-V2-Lite, 27 blocks) run at their full depth: at 4, 8 and 12
+blocks deepseek_moe_16b_fsdp measures a peak 2.08 GiB under the plan's at every depth (the plan's peak is
+conservative by a constant there, -14% at 4 blocks, within 10% at 27), which a shallower run would report as a
+disagreement: a finding recorded in docs/plan.md, not hidden by this test. The full depth of every recipe is
+``plan.dry_run=true`` as a user runs it; tests/e2e/test_plan_e2e.py runs V3 at its full 61 layers."""
+DRY_RUN_TIMEOUT = 1800
+"""A recipe's dry run at its header's size (a V3 one ~3 min alone here) beside the suite's other worker on a loaded
+machine: the limit is for a hang, not for a slow machine."""
 
 
 def test_the_book_has_every_family():
@@ -39,12 +73,12 @@ def test_header_command_and_plan_on_its_hardware(recipe):
     text, fits = recipes.planned(recipe)
     assert fits, f"{recipe.name} does not fit the {recipe.hardware} its header names: {text}"
     assert text == recipe.plan, (f"{recipe.name}: the header says `# plan: {recipe.plan}`, the plan now gives {text!r}; "
-                                 "run `python -m shardyard.recipes --write-plans`")
+                                 "run `python -m shardyard.launching.recipes --write-plans`")
 
 
 def figures_off(stdout: str) -> set:
     """(rank, figure) of every cell the dry run's table marks ``!``."""
-    from shardyard.dryrun import FIGURES
+    from shardyard.planning.dryrun import FIGURES
 
     off = set()
     for line in stdout.splitlines():
@@ -55,14 +89,17 @@ def figures_off(stdout: str) -> set:
     return off
 
 
-@pytest.mark.parametrize("recipe", BOOK, ids=[r.name for r in BOOK])
+@pytest.mark.parametrize("recipe", [r for r in BOOK if r.name not in DRY_RUN_ELSEWHERE],
+                         ids=[r.name for r in BOOK if r.name not in DRY_RUN_ELSEWHERE])
+@pytest.mark.timeout(2 * DRY_RUN_TIMEOUT)
 def test_dry_run_at_the_headers_size_agrees_with_the_plan(recipe, tmp_path):
-    """The recipe at its header's hardware and node count (deepseek_v3_pipeline_ep: 256 ranks), simulated here one
-    rank role at a time on a fake process group and fake tensors (``plan.dry_run=true``): every figure within 10%
+    """The recipe at its header's hardware and node count (DeepSeek-7B with DRY_RUN_DEPTH's blocks), simulated here one
+    rank role per process on a fake process group and fake tensors (``plan.dry_run=true``): every figure within 10%
     of the plan and exit 0, and never the real parameters in this
     process (a 7B replica would be 100 GiB)."""
+    depth = [f"model.num_layers={DRY_RUN_DEPTH[recipe.model]}"] if recipe.model in DRY_RUN_DEPTH else []
     proc = train_py(*recipe.argv, "plan.dry_run=true", f"plan.hardware={recipe.hardware}",
-                    f"plan.nodes={recipe.nodes}", run_dir=tmp_path, timeout=900)
+                    f"plan.nodes={recipe.nodes}", *depth, run_dir=tmp_path, timeout=DRY_RUN_TIMEOUT)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     assert figures_off(proc.stdout) == set(), proc.stdout[-6000:]
@@ -74,12 +111,66 @@ def test_dry_run_at_the_headers_size_agrees_with_the_plan(recipe, tmp_path):
     assert not list(Path(tmp_path).iterdir()), "a dry run writes nothing"
 
 
-@pytest.mark.parametrize("recipe", BOOK, ids=[r.name for r in BOOK])
+DRY_RUN_TWINS = {"deepseek7b_sft_zero2": "deepseek7b_zero2"}
+"""Recipe -> the recipe whose dry run at the header's size is the same simulation (DRY_RUN_ELSEWHERE)."""
+
+
+def dry_run_inputs(recipe) -> dict:
+    """What a dry run at the header's size reads of a recipe (``planning.dryrun``): its config as the simulation
+    runs it (``_simulated_config``: model.weights dropped, the meta build stays random) less what it never reads
+    (the data's source and the optimizer's, schedule's, checkpoint's values: the micro-batches are token ids of
+    the batch's shape, and two optimizer steps of any learning rate hold the same bytes), the accumulation it
+    simulates (at most 2 micro-batches), the hardware and node count, and the plan it is held against."""
+    from omegaconf import OmegaConf
+
+    from shardyard.planning import dryrun
+    from shardyard.planning.validate import validate
+
+    cfg = recipes.compose(recipe, ["plan.dry_run=true", f"plan.hardware={recipe.hardware}",
+                                   f"plan.nodes={recipe.nodes}"])
+    batch = validate(cfg, None)
+    sim = OmegaConf.to_container(dryrun._simulated_config(cfg, replica=False), resolve=True)
+    return {**{k: sim[k] for k in ("model", "backend", "precision", "peft", "objective", "launch", "plan") if k in sim},
+            "seq_len": sim["data"]["seq_len"], "micro_batch_size": sim["train"]["micro_batch_size"],
+            "activation_checkpointing": sim["model"].get("activation_checkpointing"),
+            "accumulation_simulated": min(batch.grad_accum_steps, 2), "hardware": recipe.hardware,
+            "nodes": recipe.nodes, "plan": recipe.plan}  # the header's, which is the plan's
+                                                       # (test_header_command_and_plan_on_its_hardware)
+
+
+@pytest.mark.parametrize("twin", sorted(DRY_RUN_TWINS))
+def test_dry_run_twins_are_one_simulation(twin):
+    """What lets test_dry_run_at_the_headers_size_agrees_with_the_plan skip a recipe whose dry run another
+    recipe's already is: every input of the simulation, and the plan it is checked against, equal."""
+    book = {r.name: r for r in BOOK}
+    assert twin in DRY_RUN_ELSEWHERE and DRY_RUN_TWINS[twin] not in DRY_RUN_ELSEWHERE
+    ours, theirs = dry_run_inputs(book[twin]), dry_run_inputs(book[DRY_RUN_TWINS[twin]])
+    assert ours == theirs, {k: (ours.get(k), theirs.get(k)) for k in ours.keys() | theirs.keys()
+                            if ours.get(k) != theirs.get(k)}
+
+
+def test_smoke_twins_are_one_job():
+    """What lets test_recipe_trains_scaled_down run deepseek_v3_pipeline_ep's scaled job once: scaled down, it is
+    deepseek_v3_pipeline's, every key but the recipe's own name."""
+    from omegaconf import OmegaConf
+
+    from shardyard.planning import scale
+
+    book, jobs = {r.name: r for r in BOOK}, []
+    for name in ("deepseek_v3_pipeline", "deepseek_v3_pipeline_ep"):
+        cfg = recipes.compose(book[name], ["+scale=smoke"])
+        assert scale.apply(cfg)  # as run.run applies it
+        jobs.append(OmegaConf.to_container(cfg, resolve=True))
+    assert jobs[0] == jobs[1]
+
+
+@pytest.mark.parametrize("recipe", [r for r in BOOK if r.name not in SMOKE_ELSEWHERE],
+                         ids=[r.name for r in BOOK if r.name not in SMOKE_ELSEWHERE])
 def test_recipe_trains_scaled_down(recipe, tmp_path):
     args = [*recipe.argv, "+scale=smoke", "monitor.console.style=plain"]
-    if recipe.multirun:  # the sweep, every job of it scaled down
-        proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "-m", *args, f"hydra.sweep.dir={tmp_path}"],
-                              cwd=ROOT, capture_output=True, text=True, timeout=900)
+    if recipe.multirun:  # the sweep, every job of it scaled down (`python train.py -m`, forked warm as train_py)
+        proc = run_python([str(ROOT / "train.py"), "-m", *args, f"hydra.sweep.dir={tmp_path}"], str(ROOT),
+                          {**os.environ, "PYTHONUNBUFFERED": "1"}, 900)
     else:
         proc = train_py(*args, run_dir=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

@@ -44,7 +44,7 @@ def _metadata_with(payload):
      "posix.system"),
 ], ids=["nested-dotted", "build"])
 def test_resume_from_a_hostile_checkpoint_exits_2_and_runs_nothing(checkpoint, tmp_path, make, proto, named):
-    from shardyard.checkpoint import _manifest, _meta_digest
+    from shardyard.training.integrity import _manifest, _meta_digest
 
     ckpt = tmp_path / "step-00000002"
     shutil.copytree(checkpoint, ckpt)

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from conftest import ROOT, TINY, train_py
+from shardyard.testing import run_python
 
 FAST = [*TINY, "train.steps=30", "train.log_every_n_steps=5", "train.eval_every_n_steps=15", "optim.lr=3e-3",
         "checkpoint.save_final=true", "train.sample_tokens=8"]
@@ -26,15 +27,40 @@ def check_run(run_dir, proc):
     return m
 
 
+# ``python train.py`` that writes, as its process exits, the names of the modules it imported (issue 53)
+WITH_MODULES = """import atexit, json, runpy, sys
+atexit.register(lambda: json.dump(sorted(sys.modules), open({out!r}, "w")))
+sys.argv[0] = {train!r}
+runpy.run_path({train!r}, run_name="__main__")
+"""
+NOT_ASKED = ("deepspeed", "horovod", "lm_eval", "trl")
+"""What a run imports only when its config asks for it (backend=zero*, horovod, train.eval_tasks, tests' TRL)."""
+
+
 def test_default_recipe_trains_and_exports(tmp_path):
-    proc = train_py(*FAST, run_dir=tmp_path)
-    m = check_run(tmp_path, proc)
+    """The default recipe (DDP) trains, exports, and imports nothing of DeepSpeed, Horovod, lm-eval or TRL on the
+    way, the export included (transformers' save_pretrained imported DeepSpeed through accelerate). Its export
+    ends a transformers generate at the tokenizer's eos and nowhere else (conftest)."""
+    from shardyard.testing import run_python
+
+    driver, modules, run_dir = tmp_path / "with_modules.py", tmp_path / "modules.json", tmp_path / "run"
+    driver.write_text(WITH_MODULES.format(out=str(modules), train=str(ROOT / "train.py")))
+    proc = run_python([str(driver), f"hydra.run.dir={run_dir}", *FAST], str(ROOT),
+                      {**os.environ, "PYTHONUNBUFFERED": "1"}, 600)
+    m = check_run(run_dir, proc)
     assert "tokens/step" in proc.stdout and "accumulation" in proc.stdout and "world size 1" in proc.stdout
     assert {"train/loss", "lr", "grad_norm", "tokens_per_s"} <= set(m[1])
+    imported = {name.split(".")[0] for name in json.load(open(modules))}
+    assert {"torch", "transformers", "shardyard"} <= imported and not imported & set(NOT_ASKED), \
+        sorted(imported & set(NOT_ASKED))
+    assert "Setting accelerator" not in proc.stdout + proc.stderr  # DeepSpeed's warning as it is imported
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True)
-    tok = AutoTokenizer.from_pretrained(tmp_path / "hf", local_files_only=True)
+    from conftest import generation_ends_at_the_tokenizers_eos
+
+    generation_ends_at_the_tokenizers_eos(run_dir / "hf")
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "hf", local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(run_dir / "hf", local_files_only=True)
     ids = tok("def main(", return_tensors="pt").input_ids
     out = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=tok.eos_token_id)
     assert out.shape[1] == ids.shape[1] + 8
@@ -43,7 +69,7 @@ def test_default_recipe_trains_and_exports(tmp_path):
     from shardyard.testing import compose, hf_eval_loss
 
     final_eval = [x["eval/loss"] for x in m if "eval/loss" in x][-1]
-    got = hf_eval_loss(str(tmp_path / "hf"), compose(FAST), 1)
+    got = hf_eval_loss(str(run_dir / "hf"), compose(FAST), 1)
     assert abs(got - final_eval) <= 1e-4 * final_eval, (got, final_eval)
 
 
@@ -53,7 +79,7 @@ LAUNCH = [*TINY, "train.steps=3", "train.eval_every_n_steps=0", "train.global_ba
 def test_every_launcher_runs_the_same_job(tmp_path):
     """Our elastic agent (`launch.nproc_per_node=2`), the user's torchrun and srun-style tasks start the same
     2-rank DDP job from the same train.py: the losses agree bit for bit, and each writes one run dir."""
-    agent = train_py(*LAUNCH, "launch.nproc_per_node=2", run_dir=tmp_path / "agent")
+    agent = train_py(*LAUNCH, "launch.nproc_per_node=2", "metrics.report=true", run_dir=tmp_path / "agent")
     assert agent.returncode == 0, agent.stdout[-3000:] + agent.stderr[-3000:]
     assert "world size 2" in agent.stdout
     assert sorted(os.listdir(tmp_path / "agent")) == ["config.yaml", "metrics.jsonl", "plan.json", "report.png", "summary.json"]
@@ -61,6 +87,7 @@ def test_every_launcher_runs_the_same_job(tmp_path):
                                "train.py", f"hydra.run.dir={tmp_path / 'torchrun'}", *LAUNCH], cwd=ROOT,
                               capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert torchrun.returncode == 0, torchrun.stderr[-3000:]
+    assert "report.png" not in os.listdir(tmp_path / "torchrun")  # metrics.report=false (TINY's) draws none
     procs = []  # two processes with the variables srun gives its tasks (no Slurm needed to check the mapping)
     for rank in range(2):
         env = {**os.environ, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), "SLURM_STEP_NUM_TASKS": "2",
@@ -81,7 +108,7 @@ def test_multirun_sweep_runs_each_job_in_its_own_dir(tmp_path):
     cmd = [sys.executable, "train.py", "-m", "optim.lr=1e-3,3e-3", "launch.nproc_per_node=2",
            f"hydra.sweep.dir={tmp_path}", *[o for o in FAST if not o.startswith("optim.lr")], "train.steps=4",
            "checkpoint.save_final=false"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = run_python(cmd[1:], str(ROOT), {**os.environ, "PYTHONUNBUFFERED": "1"}, 600)  # forked warm, as train_py
     assert proc.returncode == 0, proc.stderr[-3000:]
     jobs = sorted(p for p in tmp_path.iterdir() if p.is_dir())
     assert [j.name[:2] for j in jobs] == ["0_", "1_"] and all(len(j.name) <= 64 for j in jobs)

@@ -416,7 +416,7 @@ def test_mfu_is_measured_against_this_gpus_own_peak(tmp_path):
     """MFU's denominator is the matmul rate this GPU really reaches (``measured_peak_tflops``, bf16), passed as
     ``metrics.peak_tflops``; the data sheet's figure (``peak_tflops``' table) bounds it from above."""
     measured, table = json.loads(in_child(
-        "import json, torch; from shardyard.metrics import measured_peak_tflops, peak_tflops; "
+        "import json, torch; from shardyard.training.metrics import measured_peak_tflops, peak_tflops; "
         "d = torch.device('cuda', 0); print(json.dumps([measured_peak_tflops(d, 'bf16'), peak_tflops(d, 'bf16', None)]))"))
     print(f"\nbf16 peak: measured {measured:.1f} TFLOP/s, data sheet {table} TFLOP/s")
     assert measured > 0
@@ -511,7 +511,7 @@ DS_TP = 2 if N >= 2 else 1
 
 
 def test_deepspeed_inference_on_the_gpus_generates_the_tokens_of_transformers_generate(tmp_path):
-    """engine=deepspeed on CUDA (shardyard.ds_inference): DeepSpeed's AutoTP at tp 2 over NCCL (tp 1 on one GPU,
+    """engine=deepspeed on CUDA (shardyard.inference.ds_inference): DeepSpeed's AutoTP at tp 2 over NCCL (tp 1 on one GPU,
     where tp 2 is refused naming tp_size) in fp32 generates greedily, KV-cached, the tokens transformers' own
     ``generate`` gives on one GPU, for LLaMA (grouped-query attention) and DeepSeek-V3 (MLA + MoE); each rank on
     its own GPU holding its share. The CPU tier's test at tp 2 over gloo: tests/dist/test_ds_inference.py."""
@@ -520,8 +520,8 @@ def test_deepspeed_inference_on_the_gpus_generates_the_tokens_of_transformers_ge
 import json, sys, torch
 sys.path.insert(0, "tests/dist")
 import test_ds_inference as t
-from shardyard import ds_inference
-from shardyard.errors import UserError
+from shardyard.inference import ds_inference
+from shardyard.core.errors import UserError
 refused = None
 if {DS_TP} == 1:
     try:

@@ -3,8 +3,8 @@
 import pytest
 from hydra.errors import ConfigCompositionException
 
-from shardyard.validate import plan, validate
-from shardyard.errors import UserError
+from shardyard.planning.validate import plan, validate
+from shardyard.core.errors import UserError
 from shardyard.testing import CONF_DIR, compose
 from pathlib import Path
 
@@ -24,7 +24,7 @@ def test_every_option_composes_and_validates(group, option, tmp_path):
     if group == "data" and option == "mixture":
         (tmp_path / "a.txt").write_text("hello world\n" * 100)
         extra = [f"data.sources=[{{name: a, paths: [{tmp_path}/a.txt], weight: 2}}, "
-                 "{name: b, _target_: shardyard.data.StdlibCode, exclude_dirs: [test], weight: 1}]"]
+                 "{name: b, _target_: shardyard.data.sources.StdlibCode, exclude_dirs: [test], weight: 1}]"]
     pairs = {"preference": ["objective=dpo"], "prompts": ["objective=grpo"], "dpo": ["data=preference"],
              "grpo": ["data=prompts"]}
     if group in ("data", "objective") and option in pairs:  # an objective and the rows it trains on go together
@@ -48,7 +48,7 @@ def test_every_option_composes_and_validates(group, option, tmp_path):
         elif e.key == "model.weights":  # a fine-tuning recipe's pretrained 7B checkpoint is not on this box
             assert not Path(cfg.model.weights).exists(), e.paragraph()
         elif e.key in ("backend.stages", "backend.tp", "backend.ep"):  # a multi-node recipe's split needs its nodes' ranks
-            from shardyard import recipes
+            from shardyard.launching import recipes
 
             nodes = {r.name: r.nodes for r in recipes.catalogue()}
             assert group == "recipe" and nodes[option] > 1 and "world size" in e.paragraph(), e.paragraph()
@@ -108,7 +108,7 @@ def test_batch_arithmetic_names_the_numbers():
 
 
 def test_global_batch_derives_accumulation():
-    from shardyard.dist_env import DistEnv
+    from shardyard.core.dist_env import DistEnv
 
     cfg = compose(["train.global_batch_size=64", "train.micro_batch_size=8"])
     p = plan(cfg, DistEnv("elastic", 0, 0, 4, 4))
@@ -131,7 +131,7 @@ def test_the_cpu_tiers_see_no_gpu():
 
     import torch
 
-    from shardyard.validate import device_type
+    from shardyard.planning.validate import device_type
 
     assert os.environ.get("CUDA_VISIBLE_DEVICES") == "" and torch.cuda.device_count() == 0
     assert device_type(compose([])) == "cpu"
@@ -185,11 +185,11 @@ def test_a_missing_monitor_package_is_named_before_launch(monkeypatch):
     with pytest.raises(UserError) as e:
         validate(cfg, None)
     assert e.value.key == "monitor" and e.value.value == "mlflow"
-    assert "pip install mlflow" in e.value.paragraph()
+    assert "setup EXTRAS=monitors`" in e.value.paragraph()  # make setup EXTRAS=monitors (shardyard.config.preflight)
 
 
 def test_fast_dev_run_shortens_the_run_and_saves_nothing():
-    from shardyard.validate import apply_fast_dev_run
+    from shardyard.planning.validate import apply_fast_dev_run
 
     cfg = compose(["debug.fast_dev_run=true", "checkpoint.every_n_steps=10", "checkpoint.export_hf=true"])
     apply_fast_dev_run(cfg)
@@ -202,7 +202,7 @@ def test_plugins_import_nothing_heavy_until_built():
     import subprocess
     import sys
 
-    code = ("import sys; import shardyard.monitors, shardyard.validate; "
+    code = ("import sys; import shardyard.monitors, shardyard.planning.validate; "
             "print(sorted(m for m in ('wandb', 'mlflow', 'tensorboard', 'matplotlib', 'deepspeed') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -12,8 +12,8 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from shardyard.config import schema
-from shardyard.validate import validate
-from shardyard.errors import UserError
+from shardyard.planning.validate import validate
+from shardyard.core.errors import UserError
 from shardyard.testing import CONF_DIR, compose
 
 ROOT = Path(CONF_DIR).parent
@@ -129,7 +129,7 @@ def test_precision_cannot_contradict_itself():
     (["+optim.momentum=0.9"], "optim.momentum"),  # AdamW takes no momentum
     (["+monitor.console.colour=red"], "monitor.console.colour"),
     (["optim._target_=torch.optim.SGD"], "optim.betas"),  # adamw's keys handed to SGD
-    (["model._target_=shardyard.model.no_such_builder"], "model._target_"),
+    (["model._target_=shardyard.models.build.no_such_builder"], "model._target_"),
     (["data._target_=nowhere.Corpus"], "data._target_"),
 ])
 def test_keys_no_schema_or_plugin_reads_are_refused(overrides, key):
@@ -161,6 +161,13 @@ def test_keys_no_schema_or_plugin_reads_are_refused(overrides, key):
     (["backend=pipeline", "launch.nproc_per_node=2", "model.loss_chunk=256"], "model.loss_chunk"),
     (["backend=fsdp_tp", "launch.nproc_per_node=2", "precision=fp8"], "precision"),
     (["precision=fp8", "peft=lora"], "precision"),
+    # HSDP (issue 57): copies that do not divide the world, none, and the engines that do not run it
+    (["backend=fsdp", "backend.replicate=3", "launch.nproc_per_node=4"], "backend.replicate"),
+    (["backend=fsdp", "backend.replicate=0"], "backend.replicate"),
+    (["backend=fsdp_tp", "launch.nproc_per_node=4", "backend.replicate=2"], "backend.replicate"),
+    (["backend=pipeline", "launch.nproc_per_node=4", "backend.replicate=2"], "backend.replicate"),
+    (["model=deepseek_moe_tiny", "backend=fsdp", "backend.ep=2", "backend.replicate=2", "launch.nproc_per_node=4"],
+     "backend.replicate"),
 ])
 def test_bad_values_name_the_key(overrides, key):
     cfg = compose(overrides)
@@ -173,7 +180,7 @@ def test_a_new_optimizer_is_one_yaml_file():
     """Adafactor is conf/optim/adafactor.yaml and nothing else; it builds and steps."""
     import torch
 
-    from shardyard.optim import build_optimizer
+    from shardyard.backends.optim import build_optimizer
 
     cfg = compose(["optim=adafactor"])
     validate(cfg, None)
@@ -222,7 +229,8 @@ def _bad_values(r) -> list:
 
 RANGE_OPTIONS = {schema.DDPBackendConfig: ("backend", "backend=ddp"), schema.ZeroBackendConfig: ("backend", "backend=zero3"),
                  schema.PrecisionConfig: ("precision", None), schema.BalanceConfig: ("model.balance", "model=deepseek_moe_tiny"),
-                 schema.BackendConfig: ("backend", "backend=fsdp")}
+                 schema.BackendConfig: ("backend", "backend=fsdp"), schema.FSDPBackendConfig: ("backend", "backend=fsdp"),
+                 schema.RopeScalingConfig: ("model.rope_scaling", "model=deepseek_moe_tiny")}
 
 
 @pytest.fixture(scope="module")
@@ -268,7 +276,7 @@ def test_the_ranges_cover_every_numeric_engine_key_and_the_deepspeed_json_uses_t
         assert numeric - inherited == set(schema.RANGES[cls]), (cls.__name__, numeric ^ set(schema.RANGES[cls]))
     cfg = compose(["backend=zero_infinity", "backend.nvme_path=/tmp", "backend.flops_profiler=true",
                    "precision=fp16"])
-    validate_ranges = __import__("shardyard.validate", fromlist=["check_ranges"]).check_ranges
+    validate_ranges = __import__("shardyard.planning.validate", fromlist=["check_ranges"]).check_ranges
     validate_ranges(cfg)  # the defaults are in range
     plan = type("P", (), {"global_batch_size": 8, "micro_batch_size": 8, "grad_accum_steps": 1})
     ds = ds_config(cfg, plan)

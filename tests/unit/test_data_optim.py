@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from shardyard import data
-from shardyard.dist_env import DistEnv, detect
-from shardyard.optim import build_schedule
+from shardyard.data import pipeline as data
+from shardyard.core.dist_env import DistEnv, detect
+from shardyard.backends.optim import build_schedule
 from shardyard.testing import compose
 
 
@@ -110,7 +110,7 @@ def test_text_files_corpus_and_its_caches_are_verified(tmp_path, capsys):
     ("a.json", '{"text": "ok"}\n{"text": 1}\n', "data.text_field", ":2"),  # one object per line
 ])
 def test_every_malformed_record_exits_2_naming_file_and_line(tmp_path, name, content, key, where):
-    from shardyard.errors import UserError
+    from shardyard.core.errors import UserError
 
     (tmp_path / name).write_text(content)
     with pytest.raises(UserError) as e:
@@ -119,7 +119,7 @@ def test_every_malformed_record_exits_2_naming_file_and_line(tmp_path, name, con
 
 
 def test_paths_that_match_no_readable_file_exit_2(tmp_path):
-    from shardyard.errors import UserError
+    from shardyard.core.errors import UserError
 
     (tmp_path / "notes.xlsx").write_text("a,b\n")
     (tmp_path / "rows.parquet.gz").write_text("")  # Parquet compresses inside: no outer codec
@@ -145,8 +145,8 @@ def test_a_broken_tokenizer_or_cut_short_weights_are_refused_at_validation(tmp_p
 
     from safetensors.numpy import save_file
 
-    from shardyard.validate import _safetensors_problem
-    from shardyard.errors import UserError
+    from shardyard.planning.rules import _safetensors_problem
+    from shardyard.core.errors import UserError
 
     (tmp_path / "tok").mkdir()
     (tmp_path / "tok" / "tokenizer_config.json").write_text("{}")  # no tokenizer.json: was a traceback
@@ -164,7 +164,7 @@ def test_a_broken_tokenizer_or_cut_short_weights_are_refused_at_validation(tmp_p
     os.truncate(weights, os.path.getsize(weights) - 4)
     assert "up to byte" in _safetensors_problem(str(weights))
     with pytest.raises(UserError) as e:
-        from shardyard.validate import validate
+        from shardyard.planning.validate import validate
 
         validate(compose([f"model.weights={weights.parent}"]), None)
     assert e.value.key == "model.weights" and e.value.value == str(weights), e.value.paragraph()
@@ -180,7 +180,7 @@ def test_schedules(name, expect_end):
 
 @pytest.mark.parametrize("listing,node,tasks", [("4", 0, 4), ("4(x2)", 1, 4), ("2(x3),1", 3, 1), ("3,5", 1, 5)])
 def test_slurm_tasks_per_node_listing(listing, node, tasks):
-    from shardyard.dist_env import slurm_tasks_on_node
+    from shardyard.core.dist_env import slurm_tasks_on_node
 
     assert slurm_tasks_on_node(listing, node) == tasks
 

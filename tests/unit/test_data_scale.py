@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from conftest import ROOT
-from shardyard import data
-from shardyard.errors import UserError
+from shardyard.data import pipeline as data
+from shardyard.core.errors import UserError
 from shardyard.testing import compose, peak_tree_rss, synthetic_corpus
 
 RECORDS = [{"title": f"t{i}", "body": f"body {i}: " + "lorem ipsum " * (i % 7) + "\nline two", "n": i}
@@ -97,7 +97,7 @@ def test_bad_files_exit_2_naming_the_key_and_the_file(tmp_path, name, content, k
     ([{"name": "a"}, {"name": "a"}], "data.sources[1].name"),
     ([{"name": "a", "epochs": 0}], "data.sources[0].epochs"),
     ([{"name": "a", "text_feild": "body"}], "data.sources[0].text_feild"),  # a misspelt key
-    ([{"name": "a", "_target_": "shardyard.data.StdlibCode"}], "data.sources[0].exclude_dirs"),  # one missing
+    ([{"name": "a", "_target_": "shardyard.data.sources.StdlibCode"}], "data.sources[0].exclude_dirs"),  # one missing
 ])
 def test_bad_mixtures_exit_2_naming_the_key(tmp_path, sources, key):
     (tmp_path / "a.jsonl").write_text('{"text": "x"}\n')
@@ -111,7 +111,7 @@ def test_bad_mixtures_exit_2_naming_the_key(tmp_path, sources, key):
 
 
 def test_num_proc_0_exits_2():
-    from shardyard.validate import validate_data
+    from shardyard.planning.rules import validate_data
 
     with pytest.raises(UserError) as e:
         validate_data(compose(["data.num_proc=0"]))
@@ -168,7 +168,8 @@ def test_ranks_read_the_samples_of_a_single_run_at_any_world_size():
 
 def test_document_mask_gives_each_document_its_own_logits():
     """A packed window of three documents, masked, gives every document the logits it has alone (1e-5)."""
-    from shardyard.model import build_model, packed_kwargs
+    from shardyard.models.build import build_model
+    from shardyard.models.loss import packed_kwargs
 
     from shardyard.testing import TINY
 
@@ -254,7 +255,7 @@ def test_open_descriptors_and_mappings_do_not_grow_with_the_shard_count(tmp_path
     """2,000 shards read across (windows that span shard boundaries, and their prefetch): the process holds at
     most ``shards.OPEN_SHARDS`` of them mapped and open. Before issue 41 every shard kept a mapping and a
     descriptor from the start: 2,000 of them, past a `ulimit -n` of 1,024."""
-    from shardyard import shards
+    from shardyard.data import shards
 
     n, per = 2000, 40
     stream = (np.arange(n * per) % 65_521).astype(np.uint16)

@@ -31,14 +31,14 @@ from pathlib import Path
 
 import pytest
 
-from shardyard.errors import UserError
+from shardyard.core.errors import UserError
 
 try:  # the one composer, wherever it lives now
     from shardyard.config import compose
 except ImportError:
     from shardyard.testing import compose
 try:
-    from shardyard.validate import apply_fast_dev_run, validate
+    from shardyard.planning.validate import apply_fast_dev_run, validate
 except ImportError:
     from shardyard.config.validate import apply_fast_dev_run, validate
 
@@ -188,16 +188,16 @@ def _scale(cfg) -> None:
     if target:
         get_object(target)(cfg)
     elif OmegaConf.select(cfg, "scale.name") not in (None, "full"):
-        from shardyard import scale
+        from shardyard.planning import scale
 
         scale.apply(cfg)
 
 
 def check(overrides: list[str], plan_only: bool) -> None:
     """What ``python train.py <overrides>`` does before any process starts; raises ``UserError`` as it would."""
-    from shardyard import plan as memory_plan
-    from shardyard import recipes
-    from shardyard.dist_env import DistEnv
+    from shardyard.planning import plan as memory_plan
+    from shardyard.launching import recipes
+    from shardyard.core.dist_env import DistEnv
 
     overrides = list(overrides) + (["plan.only=true"] if plan_only else [])
     env = None

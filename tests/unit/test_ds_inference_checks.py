@@ -1,4 +1,4 @@
-"""engine=deepspeed's refusals (shardyard.ds_inference.check, wrap): each a UserError naming ``tp_size``,
+"""engine=deepspeed's refusals (shardyard.inference.ds_inference.check, wrap): each a UserError naming ``tp_size``,
 ``engine`` or ``dtype`` with the value and the fix; and at tp 1, in this process, DeepSpeed's inference engine
 generates greedily the tokens of transformers' own ``generate`` (tp 2: tests/dist/test_ds_inference.py)."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from shardyard import ds_inference
-from shardyard.errors import UserError
+from shardyard.inference import ds_inference
+from shardyard.core.errors import UserError
 
 PAD = 0
 
@@ -56,7 +56,7 @@ def test_engine_deepspeed_without_deepspeed_or_on_another_device_is_refused(monk
 
 
 def _tiny_llama() -> torch.nn.Module:
-    from shardyard.model import llama
+    from shardyard.models.build import llama
 
     torch.manual_seed(0)
     return llama(vocab_size=256, hidden_size=64, intermediate_size=176, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -66,7 +66,7 @@ def _tiny_llama() -> torch.nn.Module:
 def test_tp1_in_process_generates_the_tokens_of_transformers_generate():
     from deepspeed.inference.engine import InferenceEngine
 
-    from shardyard.generation import generate
+    from shardyard.models.generation import generate
 
     model = _tiny_llama()
     ids = torch.tensor([[PAD, PAD, 5, 9, 11], [7, 3, 200, 41, 8]])

@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from shardyard.errors import UserError
+from shardyard.core.errors import UserError
 from shardyard.testing import TINY, compose
-from shardyard.validate import validate
+from shardyard.planning.validate import validate
 
 
 def _refusal(*overrides: str) -> UserError:
@@ -32,7 +32,7 @@ def test_known_tasks_pass_and_a_missing_include_path_is_named(tmp_path):
 def test_without_lm_eval_the_extra_is_named(monkeypatch):
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # what `import lm_eval` meets where it is not installed
     err = _refusal("train.eval_tasks=[stdlib_qa]")
-    assert err.key == "train.eval_tasks" and "shardyard[eval]" in err.paragraph(), err.paragraph()
+    assert err.key == "train.eval_tasks" and "setup EXTRAS=eval`" in err.paragraph(), err.paragraph()
 
 
 def test_pipeline_stages_and_a_bad_limit_are_refused():
@@ -46,8 +46,10 @@ def _task_dir(tmp_path, output_type: str | None) -> str:
     """A task directory: ``gen_rows`` (with ``output_type`` when given: the harness's default is generate_until),
     tagged ``gen_tag``, and ``gen_group``, a group holding it."""
     kind = f"output_type: {output_type}\n" if output_type else ""
+    (tmp_path / "gen_rows.jsonl").write_text('{"q": "1+1=", "t": "2"}\n')  # tasks are built at validation
     (tmp_path / "gen.yaml").write_text(
-        f"task: gen_rows\ntag: gen_tag\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: none.jsonl\n"
+        f"task: gen_rows\ntag: gen_tag\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {tmp_path / 'gen_rows.jsonl'}\n"
         f"{kind}test_split: test\ndoc_to_text: '{{{{q}}}}'\ndoc_to_target: '{{{{t}}}}'\nmetadata:\n  version: 1\n")
     (tmp_path / "group.yaml").write_text("group: gen_group\ntask:\n  - gen_rows\n")
     return str(tmp_path)
@@ -97,3 +99,89 @@ def test_the_eval_tasks_keys_are_checked_without_tasks_too(tmp_path):
     """A bad limit or an include path with no task is refused even when train.eval_tasks is empty (never ignored)."""
     assert _refusal("train.eval_tasks_limit=-1").key == "train.eval_tasks_limit"
     assert _refusal(f"train.eval_tasks_include_path={tmp_path}").key == "train.eval_tasks_include_path"
+    err = _refusal("train.eval_tasks=[stdlib_qa]", "train.eval_tasks_include_path=")  # issue 53: was ignored
+    assert err.key == "train.eval_tasks_include_path" and "empty" in err.problem, err.paragraph()
+
+
+GOOD_TASK = ("task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {rows}\n"
+             "output_type: multiple_choice\ntest_split: test\ndoc_to_text: '{{{{q}}}}'\n"
+             "doc_to_choice: '{{{{choices}}}}'\ndoc_to_target: a\nmetric_list:\n  - metric: acc\nmetadata:\n"
+             "  version: 1\n")
+"""A local multiple-choice task over ``rows`` (a JSONL file of ``q``, ``choices``, ``a``)."""
+
+
+def _local_task(tmp_path, name: str = "mine", **damage: str) -> tuple[str, str]:
+    """A directory holding ``<name>.yaml`` (``GOOD_TASK``, with ``damage``: a line replaced, ``old=new``) and its
+    rows: ``(the directory, the YAML's path)``."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"q": "2+2=", "choices": ["4", "5"], "a": 0}\n{"q": "1+2=", "choices": ["2", "3"], "a": 1}\n')
+    text = GOOD_TASK.format(name=name, rows=rows)
+    for old, new in damage.values():
+        assert old in text, old
+        text = text.replace(old, new)
+    tasks = tmp_path / "tasks"
+    tasks.mkdir(exist_ok=True)
+    (tasks / f"{name}.yaml").write_text(text)
+    return str(tasks), str(tasks / f"{name}.yaml")
+
+
+DAMAGE = {  # what a user gets wrong in a task YAML: the field at fault, and the line that is wrong
+    "misspelt-output-type": ("output_type", ("multiple_choice", "multiple_choise")),
+    "missing-data-file": ("dataset_kwargs.data_files.test", ("rows.jsonl", "rowz.jsonl")),
+    "misspelt-split": ("test_split", ("test_split: test", "test_split: tset")),
+    "undefined-field": ("doc_to_target", ("doc_to_target: a", "doc_to_target: '{{answer}}'")),
+}
+
+
+@pytest.mark.parametrize("case", list(DAMAGE))
+def test_a_task_yaml_that_does_not_build_is_refused_before_any_rank_naming_it_and_the_field(tmp_path, case):
+    """A local task YAML the harness indexes but cannot build (issue 53) is built at validation, in
+    ``train.eval_tasks`` and in ``shardyard eval`` alike (before the model loads: PATH is never read), and refused
+    naming the key, the task, the YAML and the field; the corrected YAML passes. (Before: validation passed, and
+    training crashed at its first evaluation, ``shardyard eval`` after loading the model.)"""
+    from shardyard.inference import evaluate
+
+    field, line = DAMAGE[case]
+    directory, yaml = _local_task(tmp_path, damage=line)
+    err = _refusal("train.eval_tasks=[mine]", f"train.eval_tasks_include_path={directory}")
+    assert (err.key, err.value) == ("train.eval_tasks", "mine"), err.paragraph()
+    assert yaml in err.problem and f"`{field}`" in err.problem, err.paragraph()
+    with pytest.raises(UserError) as e:
+        evaluate.main([str(tmp_path / "never-read"), "tasks=[mine]", f"include_path={directory}"])
+    assert (e.value.key, e.value.value) == ("tasks", "mine") and yaml in e.value.problem, e.value.paragraph()
+    _local_task(tmp_path)
+    validate(compose([*TINY, "train.eval_tasks=[mine]", f"train.eval_tasks_include_path={directory}"]), None)
+
+
+def test_a_task_yaml_that_does_not_parse_is_named_not_called_unknown(tmp_path):
+    """lm-eval's index skips a YAML that does not parse without a word, so the task it declares was "unknown":
+    the YAML is named, with the parser's line; a member of a group built alone names its own YAML."""
+    directory, yaml = _local_task(tmp_path, damage=("doc_to_target: a", "doc_to_target: [a\n"))
+    err = _refusal("train.eval_tasks=[mine]", f"train.eval_tasks_include_path={directory}")
+    assert (err.key, err.value) == ("train.eval_tasks_include_path", yaml), err.paragraph()
+    assert "line" in err.problem and "not registered" in err.problem, err.paragraph()
+    _local_task(tmp_path, damage=("output_type: multiple_choice", "output_type: multiple_choise"))
+    (tmp_path / "tasks" / "grp.yaml").write_text("group: grp\ntask:\n  - mine\n")
+    err = _refusal("train.eval_tasks=[grp]", f"train.eval_tasks_include_path={directory}")
+    assert err.value == "grp" and "task mine (of grp)" in err.problem and yaml in err.problem, err.paragraph()
+
+
+def test_a_run_refused_for_its_task_leaves_nothing_that_refuses_the_corrected_rerun(tmp_path):
+    """``train.py`` with a task YAML that does not build (issue 53): refused before the run dir holds anything of
+    a run, so the corrected rerun into the same ``hydra.run.dir`` is not refused as another run's results.
+    (Before: the run dir was written, training crashed at its first evaluation, and the rerun was refused.)"""
+    from shardyard.training import rundir
+    from shardyard.launching.run import _run
+
+    directory, _ = _local_task(tmp_path, damage=("rows.jsonl", "rowz.jsonl"))
+    run_dir = tmp_path / "run"
+    overrides = [*TINY, "train.steps=1", "train.eval_tasks=[mine]", f"train.eval_tasks_include_path={directory}"]
+    with pytest.raises(UserError) as e:
+        _run(compose(overrides, str(run_dir)))
+    assert e.value.key == "train.eval_tasks"
+    assert not (run_dir / "config.yaml").exists() and not (run_dir / "plan.json").exists()
+    _local_task(tmp_path)
+    fixed = compose(overrides, str(run_dir))
+    validate(fixed, None)
+    assert rundir.find(fixed) is None
+    rundir.prepare(fixed)  # what the rerun does first: not refused

@@ -9,8 +9,9 @@ import sys
 
 import pytest
 
-from shardyard import evaluate, harness
-from shardyard.errors import UserError
+from shardyard.inference import evaluate
+from shardyard.evaluation import harness
+from shardyard.core.errors import UserError
 
 
 def test_keys_are_options_and_the_rest_train_py_overrides():
@@ -111,7 +112,7 @@ def test_a_device_that_is_not_there_is_refused_naming_device(device):
 def test_limit_is_a_count_or_a_fraction_below_1():
     """``options.limit``: None, a whole count (an int) or a fraction in (0, 1); else a ``UserError`` naming the
     key it was given."""
-    from shardyard import options
+    from shardyard.config import options
 
     assert options.limit("limit", None) is None
     assert options.limit("limit", 100.0) == 100 and isinstance(options.limit("limit", 100.0), int)
@@ -130,3 +131,34 @@ def test_an_include_path_without_tasks_is_refused_naming_it(tmp_path):
     with pytest.raises(UserError) as e:
         evaluate.main(["nowhere", f"include_path={tmp_path}"])
     assert (e.value.key, e.value.value) == ("include_path", str(tmp_path))
+
+
+@pytest.mark.parametrize("arg,key", [("out=", "out"), ("include_path=", "include_path"), ("tasks=", "tasks"),
+                                     ("dtype=", "dtype"), ("device= ", "device"), ("limit=nan", "limit"),
+                                     ("seed=4294967296", "seed"), ("batch_size=", "batch_size")])
+def test_empty_and_unusable_values_are_refused_at_parsing(arg, key):
+    """Every key's empty value (a variable that expanded to nothing), a limit that is no number, a seed numpy
+    cannot take: refused while the command line is read, naming the key (issue 53). (Before: ``out=`` was read as
+    a file named '', whose writing failed after the whole evaluation; ``seed=2**32`` failed in numpy after the
+    model loaded; ``include_path=`` was ignored.)"""
+    with pytest.raises(UserError) as e:
+        evaluate.parse(["outputs/run", arg])
+    assert e.value.key == key, e.value.paragraph()
+
+
+def test_an_out_that_cannot_be_written_is_refused_before_anything_loads(tmp_path):
+    """``out=`` an existing directory, or a file under a path that passes through a file, is refused before the
+    model loads (PATH is never read), naming ``out``; a file under directories that do not exist yet is made with
+    them, and a results file that cannot be written after all goes beside it (issue 53: nothing computed is lost).
+    (Before: the directory was called an existing file; the file-parent case failed after the evaluation.)"""
+    (tmp_path / "plain").write_text("x")
+    for out, says in ((tmp_path, "is a directory"), (tmp_path / "plain" / "r.json", "is a file")):
+        with pytest.raises(UserError) as e:
+            evaluate.main([str(tmp_path / "never-read"), f"out={out}", "tasks=[stdlib_qa]"])
+        assert (e.value.key, e.value.value) == ("out", str(out)) and says in e.value.problem, e.value.paragraph()
+    assert evaluate._out_path(str(tmp_path / "new" / "r.json"), None) == str(tmp_path / "new" / "r.json")
+    taken = tmp_path / "taken.json"
+    taken.write_text("{}")  # made while the evaluation ran
+    written = evaluate._write(str(taken), {"tasks": {"t": {"acc": 0.5}}})
+    assert written != str(taken) and json.load(open(written)) == {"tasks": {"t": {"acc": 0.5}}}
+    assert taken.read_text() == "{}"

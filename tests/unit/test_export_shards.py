@@ -6,8 +6,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from shardyard import export
-from shardyard.validate import _safetensors_problem
+from shardyard.training import export
+from shardyard.planning.rules import _safetensors_problem
 
 TENSORS = {"a.weight": torch.randn(5, 3), "b.bias": torch.randn(7).to(torch.bfloat16), "c.scale": torch.tensor(2.5),
            "d.mask": torch.rand(4, 4) > 0.5, "e.index": torch.arange(6, dtype=torch.int64).reshape(2, 3),

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from conftest import byte_bpe
-from shardyard import generate, inference
-from shardyard.errors import UserError
+from shardyard.inference import generate, loading as inference
+from shardyard.core.errors import UserError
 
 TEXT = "def main(args):\n    return parse(args)\nimport os\nclass Parser:\n    pass\n" * 4
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
@@ -184,7 +184,7 @@ def test_prompt_longer_than_the_model_positions_is_refused_naming_it(export, tra
 def test_rows_end_at_the_generation_config_eos_too(trained):
     """A token of ``generation_config.eos_token_id`` (a list beside the tokenizer's eos) ends a row: the
     completion is the unstopped one up to that token, which is counted and not printed."""
-    from shardyard.generation import generate as plain
+    from shardyard.models.generation import generate as plain
 
     tok = trained.tokenizer
     prompt = torch.tensor([tok("def main(", add_special_tokens=False).input_ids])
@@ -285,3 +285,43 @@ def test_a_device_that_is_not_there_is_refused_naming_device(export, device):
     with pytest.raises(UserError) as err:
         generate.main([export, "prompt=a", f"device={device}"])
     assert (err.value.key, err.value.value) == ("device", device)
+
+
+@pytest.mark.parametrize("arg,key", [("out=", "out"), ("prompt=", "prompt"), ("stop=", "stop"), ("file=", "file"),
+                                     ("chat_template=", "chat_template"), ("dtype=", "dtype"), ("device=", "device"),
+                                     ("max_new_tokens=", "max_new_tokens"), ("temperature=nan", "temperature"),
+                                     ("top_p=inf", "top_p"), ("stream=", "stream")])
+def test_empty_and_unusable_values_are_refused_at_parsing(arg, key):
+    """Every key's empty value, and a number that is not finite, are refused while the command line is read,
+    naming the key (issue 53). (Before: ``out=`` was read as a file named '', whose opening failed after the
+    first batch was generated; ``prompt=`` generated from nothing; ``temperature=nan`` sampled from NaNs.)"""
+    with pytest.raises(UserError) as err:
+        generate.parse(["x", arg])
+    assert err.value.key == key, err.value.paragraph()
+
+
+@pytest.mark.parametrize("args,key,says", [
+    (["chat_template=nonsense"], "chat_template", "neither a built-in"),
+    (["chat_template={% if %}"], "chat_template", "does not compile"),
+    (["seed=-1"], "seed", "from 0"),
+    (["out=."], "out", "is a directory"),
+])
+def test_values_that_need_no_model_are_refused_before_it_loads(tmp_path, args, key, says):
+    """A chat template that is no name and does not compile, a negative seed, ``out=`` a directory: refused
+    naming the key before PATH is read (issue 53). (Before: the template failed after the model loaded, naming
+    data.chat_template or nothing; the directory was called an existing file.)"""
+    with pytest.raises(UserError) as err:
+        generate.main([str(tmp_path / "never-read"), "prompt=a", *args])
+    assert err.value.key == key and says in err.value.problem, err.value.paragraph()
+
+
+def test_a_prompt_file_that_is_not_utf8_names_the_file(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_bytes(b'{"prompt": "caf\xe9"}\n')  # latin-1
+    with pytest.raises(UserError) as err:
+        generate.read_prompts(generate.parse(["x", f"file={f}"])[1])
+    assert (err.value.key, err.value.value) == ("file", str(f)) and "UTF-8" in err.value.problem
+    with pytest.raises(UserError) as err:
+        generate.read_prompts(generate.parse(["x", "file=-"])[1],
+                              io.TextIOWrapper(io.BytesIO(b'{"prompt": "caf\xe9"}\n'), encoding="utf-8"))
+    assert (err.value.key, err.value.value) == ("file", "<stdin>")

@@ -1,4 +1,4 @@
-"""KV-cached batched generation (shardyard.generation): greedy output token for token equal to transformers'
+"""KV-cached batched generation (shardyard.models.generation): greedy output token for token equal to transformers'
 ``generate`` on left-padded prompts of different lengths (LLaMA, and DeepSeek-V3's MLA + MoE); the cache equal to
 recomputing the whole prefix per token when sampling with a fixed generator; the top-k / top-p filter against a
 brute-force reference; the mask and padding after eos and a stop check; lockstep's forward count; MoE routers
@@ -9,9 +9,9 @@ import itertools
 import pytest
 import torch
 
-from shardyard import moe
-from shardyard.generation import filter_logits, generate
-from shardyard.model import build_model
+from shardyard.models import moe
+from shardyard.models.generation import filter_logits, generate
+from shardyard.models.build import build_model
 from shardyard.testing import compose
 
 PAD = 0

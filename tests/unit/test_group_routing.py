@@ -7,12 +7,12 @@ import itertools
 import pytest
 import torch
 
-from shardyard import moe
-from shardyard import plan as memory_plan
-from shardyard.errors import UserError
-from shardyard.model import build_model
+from shardyard.models import moe
+from shardyard.planning import plan as memory_plan
+from shardyard.core.errors import UserError
+from shardyard.models.build import build_model
 from shardyard.testing import compose
-from shardyard.validate import validate
+from shardyard.planning.validate import validate
 
 TINY = ["model=deepseek_moe_tiny", "model.hidden_size=64", "model.num_heads=2", "model.kv_lora_rank=16",
         "model.qk_nope_head_dim=16", "model.qk_rope_head_dim=8", "model.v_head_dim=16", "model.intermediate_size=96",

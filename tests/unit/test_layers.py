@@ -19,17 +19,17 @@ def _lint(root: Path) -> subprocess.CompletedProcess:
 def test_the_layers_hold_and_a_function_level_upward_import_breaks_them(tmp_path):
     ok = _lint(ROOT)
     assert ok.returncode == 0, ok.stdout + ok.stderr
-    assert "2 kept, 0 broken" in ok.stdout
+    assert "5 kept, 0 broken" in ok.stdout
 
     copy = tmp_path / "repo"
     shutil.copytree(ROOT / "src", copy / "src", ignore=shutil.ignore_patterns("*.egg-info", "__pycache__", "conf"))
     shutil.copy(ROOT / "pyproject.toml", copy / "pyproject.toml")
-    errors = copy / "src" / "shardyard" / "errors.py"  # the floor
-    errors.write_text(errors.read_text() + "\n\ndef _upward() -> None:\n    from shardyard import worker  # noqa: F401\n")
-    facts = copy / "src" / "shardyard" / "facts.py"
+    errors = copy / "src" / "shardyard" / "core" / "errors.py"  # the floor
+    errors.write_text(errors.read_text() + "\n\ndef _upward() -> None:\n    from shardyard.training import worker  # noqa: F401\n")
+    facts = copy / "src" / "shardyard" / "core" / "facts.py"
     facts.write_text(facts.read_text() + "\n\ndef _harness() -> None:\n    from shardyard import testing  # noqa: F401\n")
     bad = _lint(copy)
     assert bad.returncode != 0
-    assert "0 kept, 2 broken" in bad.stdout, bad.stdout
-    assert "shardyard.errors -> shardyard.worker" in bad.stdout, bad.stdout
-    assert "shardyard.facts -> shardyard.testing" in bad.stdout, bad.stdout
+    assert "0 kept, 5 broken" in bad.stdout, bad.stdout  # the layers, the three independences, the harness
+    assert "shardyard.core.errors -> shardyard.training.worker" in bad.stdout, bad.stdout
+    assert "shardyard.core.facts -> shardyard.testing" in bad.stdout, bad.stdout

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from shardyard.model import build_model, inspect_model, materialize, prepare_replica, shape_model, wants_meta
+from shardyard.models.build import build_model, inspect_model, materialize, shape_model, wants_meta
+from shardyard.models.prepare import prepare_replica
 from shardyard.testing import compose
 
 TINY_MODEL = ["model.hidden_size=64", "model.intermediate_size=176", "model.num_layers=2", "model.num_heads=4"]
@@ -73,7 +74,7 @@ def test_activation_checkpointing_disables_cache():
 
 
 def test_flops_per_token_is_6n_plus_attention():
-    from shardyard.model import flops_per_token
+    from shardyard.models.shape import flops_per_token
 
     m = compose(["model=deepseek_tiny"]).model
     h, i, L, v = m.hidden_size, m.intermediate_size, m.num_layers, m.vocab_size
@@ -90,7 +91,7 @@ def test_flops_per_token_is_6n_plus_attention():
 def test_peak_table_and_override(monkeypatch):
     import torch
 
-    from shardyard.metrics import peak_tflops
+    from shardyard.training.metrics import peak_tflops
 
     cuda = torch.device("cuda", 0)
     for name, precision, want in [("NVIDIA H100 80GB HBM3", "bf16", 989.4), ("NVIDIA H100 PCIe", "bf16", 756.0),
@@ -105,7 +106,7 @@ def test_peak_table_and_override(monkeypatch):
 def test_anomaly_detection_switch():
     import torch
 
-    from shardyard.debug import anomaly_detection
+    from shardyard.training.debug import anomaly_detection
 
     with anomaly_detection(compose(["debug.detect_anomaly=true"]).debug):
         assert torch.is_anomaly_enabled()
@@ -121,7 +122,9 @@ def test_prepare_model_applies_the_speed_options_where_they_belong():
     """fp8: the blocks' linear layers become torchao's Float8Linear, the LM head and embeddings do not;
     regional compile: each block compiled, not the model; loss_chunk: the head returns the summed loss when
     the loss asks, the logits otherwise (generation, export)."""
-    from shardyard.model import causal_lm_loss_sum, float8_linears, has_chunked_loss, transformer_blocks
+    from shardyard.models.loss import causal_lm_loss_sum
+    from shardyard.models.prepare import float8_linears, has_chunked_loss
+    from shardyard.models.shape import transformer_blocks
 
     cfg = compose([*TINY_MODEL, "precision=fp8", "model.compile=true", "model.loss_chunk=64"])
     model = prepare_replica(build_model(cfg.model, seed=0), cfg, torch.device("cpu"))

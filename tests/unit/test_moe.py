@@ -1,4 +1,4 @@
-"""MoE routing balance (shardyard.moe): the DeepSeek-V3 bias update and the balance losses against values computed
+"""MoE routing balance (shardyard.models.moe): the DeepSeek-V3 bias update and the balance losses against values computed
 by hand on fixed batches (the sequence-wise loss on sigmoid scores, where softmax scores give another number, and
 its gradient in the router's weight), the load counting through real transformers routers (activation
 checkpointing included), no host sync in a MoE layer and one per log step for the metrics, and validation of the
@@ -10,11 +10,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from shardyard import moe
-from shardyard.errors import UserError
-from shardyard.model import build_model
+from shardyard.models import moe
+from shardyard.core.errors import UserError
+from shardyard.models.build import build_model
 from shardyard.testing import compose
-from shardyard.validate import validate
+from shardyard.planning.validate import validate
 from syncs import HostSyncs, moe_step_syncs
 
 SMOKE_MOE = ["model=deepseek_moe_tiny"]
@@ -264,7 +264,7 @@ def test_family_defaults_come_from_the_papers():
     v3 = compose(["model=deepseek_v3"]).model.balance
     assert (v3.bias_update_speed, v3.seq_aux_alpha) == (0.001, 0.0001)  # DeepSeek-V3, section 4.2
     lite = compose(["model=deepseek_v2_lite"]).model
-    assert lite._target_ == "shardyard.model.deepseek_v2" and lite.balance.bias_update_speed == 0
+    assert lite._target_ == "shardyard.models.build.deepseek_v2" and lite.balance.bias_update_speed == 0
     assert lite.balance.seq_aux_alpha == 0.001  # V2-Lite's released aux_loss_alpha
     dense = compose([]).model.balance
     assert not any(dense[k] for k in ("bias_update_speed", "seq_aux_alpha", "device_aux_alpha", "comm_aux_alpha"))
@@ -273,7 +273,7 @@ def test_family_defaults_come_from_the_papers():
 def test_an_export_with_experts_stored_apart_loads_into_the_fused_experts(tiny_moe, tmp_path):
     """transformers 5 writes a DeepSeek MoE's experts one by one (experts.3.gate_proj.weight ...), as DeepSeek's
     releases do; model.weights reads them into the fused gate_up_proj / down_proj tensors."""
-    from shardyard.weights import load_weights
+    from shardyard.models.weights import load_weights
 
     cfg, model = tiny_moe
     model.save_pretrained(str(tmp_path))

@@ -10,14 +10,16 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
 
-from shardyard import model as model_lib, mtp
-from shardyard.errors import UserError
-from shardyard.model import apply_chunked_loss, build_model, causal_lm_loss, causal_lm_loss_sum, materialize
+from shardyard.models import mtp, prepare as model_lib
+from shardyard.core.errors import UserError
+from shardyard.models.build import build_model, materialize
+from shardyard.models.loss import causal_lm_loss, causal_lm_loss_sum
+from shardyard.models.prepare import apply_chunked_loss
 from shardyard.testing import compose
-from shardyard.validate import validate
+from shardyard.planning.validate import validate
 
 V, L, MAIN_LAYERS = 96, 16, 2
-SHAPE = dict(_target_="shardyard.model.deepseek_v3", name="mtp_test", vocab_size=V, hidden_size=64,
+SHAPE = dict(_target_="shardyard.models.build.deepseek_v3", name="mtp_test", vocab_size=V, hidden_size=64,
              intermediate_size=128, num_layers=MAIN_LAYERS, num_heads=4, kv_lora_rank=32, qk_nope_head_dim=16,
              qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
              moe_intermediate_size=32, first_k_dense_replace=1)
@@ -70,9 +72,12 @@ def hand_labels(targets: torch.Tensor, doc: torch.Tensor, k: int) -> torch.Tenso
     return out
 
 
-def reference(model, ids: torch.Tensor, targets: torch.Tensor, docs: list[list[int]] | None = None):
+def reference(model, ids: torch.Tensor, targets: torch.Tensor, docs: list[list[int]] | None = None,
+              chain: str = "normed"):
     """``[main, depth 1, ..., depth D]`` summed cross-entropies, computed by hand: the main trunk layer by layer,
-    then each depth from the paper's formula, with a (block-diagonal) causal mask and shifted ids built here."""
+    then each depth from the paper's formula, with a (block-diagonal) causal mask and shifted ids built here.
+    ``chain``: what depth k+1 reads of depth k, its output after ``shared_head.norm`` (``normed``: Megatron-Core's
+    ``final_layernorm`` output, shardyard's choice) or before it (``raw``: the other reading of the paper)."""
     inner, D = model.model, mtp.depth(model)
     B, n = ids.shape
     doc, pos = documents(ids, docs)
@@ -99,8 +104,10 @@ def reference(model, ids: torch.Tensor, targets: torch.Tensor, docs: list[list[i
         ahead = torch.zeros_like(ids)  # token i+k at position i; the last k positions have none (and no label)
         ahead[:, :n - k] = ids[:, k:]
         x = layer.eh_proj(torch.cat([layer.enorm(inner.embed_tokens(ahead)), layer.hnorm(prev)], dim=-1))
-        prev = run(layer, x)
-        sums.append(ce(layer.shared_head.norm(prev), hand_labels(targets, doc, k)))
+        raw = run(layer, x)
+        normed = layer.shared_head.norm(raw)
+        sums.append(ce(normed, hand_labels(targets, doc, k)))
+        prev = normed if chain == "normed" else raw
     return torch.stack(sums)
 
 
@@ -126,6 +133,51 @@ def test_each_depth_loss_equals_the_hand_built_reference(depth):
     # the loop's counts: the main targets' labels, then L - k per row for depth k (no packed documents here)
     counts = mtp.label_counts(ids, y, depth)
     assert counts.tolist() == [ids.numel()] + [ids.size(0) * (L - k) for k in range(1, depth + 1)]
+
+
+def test_depth_two_reads_depth_one_after_its_final_norm():
+    """The chaining of depths (Megatron-Core's ``MultiTokenPredictionBlock``: each layer returns its
+    ``final_layernorm`` output, which its converters write as ``shared_head.norm``, and the next layer reads that):
+    depth 2's loss computed by hand from depth 1's normed output, with depth 1's ``shared_head.norm`` weights far
+    from 1 (at their initial 1s the two readings agree to ~1e-6, so only such weights tell them apart) and a head
+    10x sharper than at initialisation (near-uniform logits would hide depth 2's input in its loss)."""
+    model = tiny(2)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(10)
+        for k in (0, 1):
+            norm = model.model.layers[MAIN_LAYERS + k].shared_head.norm.weight
+            norm.copy_(torch.rand(norm.shape, generator=g) * 2.8 + 0.2)  # in [0.2, 3]
+    ids, y = batch(8)
+    sums = causal_lm_loss_sum(model, ids, y)
+    inner, depth1, depth2 = model.model, model.model.layers[MAIN_LAYERS], model.model.layers[MAIN_LAYERS + 1]
+    # by hand: h_0 after model.norm; h_1 = depth 1's block output after its shared_head.norm; depth 2 reads h_1
+    pos = torch.arange(L)[None].expand(ids.size(0), L)
+    mask = torch.ones(L, L, dtype=torch.bool).tril()[None, None].expand(ids.size(0), 1, L, L)
+    emb = inner.embed_tokens(ids)
+    rope = inner.rotary_emb(emb, pos)
+
+    def block(layer, h_prev, k):
+        ahead = torch.zeros_like(ids)
+        ahead[:, :L - k] = ids[:, k:]
+        x = layer.eh_proj(torch.cat([layer.enorm(inner.embed_tokens(ahead)), layer.hnorm(h_prev)], -1))
+        return DeepseekV3DecoderLayer.forward(layer, x, attention_mask=mask, position_embeddings=rope, position_ids=pos)
+
+    with torch.no_grad():
+        h0 = inner(input_ids=ids).last_hidden_state
+        raw1 = block(depth1, h0, 1)
+        h1 = depth1.shared_head.norm(raw1)
+        labels2 = torch.full_like(y, -100)
+        labels2[:, :L - 2] = y[:, 2:]
+        want = F.cross_entropy(model.lm_head(depth2.shared_head.norm(block(depth2, h1, 2))).float().reshape(-1, V),
+                               labels2.reshape(-1), ignore_index=-100, reduction="sum")
+        other = F.cross_entropy(model.lm_head(depth2.shared_head.norm(block(depth2, raw1, 2))).float().reshape(-1, V),
+                                labels2.reshape(-1), ignore_index=-100, reduction="sum")
+    close(sums[2].detach(), want)
+    close(sums.detach(), reference(model, ids, y, chain="normed").detach())
+    # the other chaining (depth 1's output before shared_head.norm) gives another depth-2 loss: told apart here
+    assert (other - want).abs() > 5e-3 * want.abs(), (other, want)  # 1.05% here; close() resolves 1e-5
+    close(reference(model, ids, y, chain="raw")[:2].detach(), sums[:2].detach())  # depths <= 1 are the same either way
 
 
 def test_prompt_masks_and_padding_keep_their_labels_out_of_every_depth():
@@ -229,11 +281,29 @@ def test_term_weights_follow_the_schedule():
       "model.mtp.final_weight_from_step=0"], "model.mtp.final_weight_from_step"),
     (["model=deepseek_moe_tiny", "model.mtp.depth=1", "model.mtp.final_weight=-0.1",
       "model.mtp.final_weight_from_step=5"], "model.mtp.final_weight"),
+    # a depth must leave targets in a row (depth 40 on 32 tokens trained on the token 8 ahead: issue 53)
+    (["model=deepseek_moe_tiny", "model.mtp.depth=40", "data.seq_len=32"], "model.mtp.depth"),
+    (["model=deepseek_moe_tiny", "model.mtp.depth=32", "data.seq_len=32"], "model.mtp.depth"),
 ])
 def test_bad_values_are_refused_naming_the_key(overrides, key):
     with pytest.raises(UserError) as e:
         validate(compose(overrides), None)
     assert e.value.key == key, e.value.paragraph()
+
+
+def test_a_depth_never_trains_on_wrapped_targets():
+    """The bound (depth <= data.seq_len - 1, the paragraph naming it) and the code path's own guard: a depth with no
+    room in the row has no target at all, not the rolled row's wrapped tokens."""
+    mtp.check_seq_len(31, 32)  # one target per row left: allowed
+    with pytest.raises(UserError) as e:
+        mtp.check_seq_len(40, 32)
+    text = e.value.paragraph()
+    assert e.value.key == "model.mtp.depth" and "40" in text and "model.mtp.depth<=31" in text, text
+    _, y = batch(9)
+    for k in (L, L + 1, L + 8, 3 * L):
+        assert (mtp.depth_targets(y, None, k) == -100).all(), k
+        assert mtp.label_counts({"input_ids": y}, y, k)[-1] == 0
+    assert (mtp.depth_targets(y, None, L - 1)[:, 0] == y[:, L - 1]).all()  # the last depth with a target
 
 
 def test_the_mtp_build_is_seeded():
@@ -284,7 +354,7 @@ def test_lora_adapters_train_the_depths_too():
     """``peft=lora`` wraps the model in peft's PeftModel, which forwards attribute reads to the model but keeps
     attributes set on itself: the training loss still reaches the depths (its terms equal the hand-built
     reference with the adapters at their zero init), and the depths' adapters get a gradient from the MTP term."""
-    from shardyard import adapters
+    from shardyard.models import adapters
 
     model = tiny(1)
     ids, y = batch()
@@ -303,7 +373,7 @@ def test_lora_on_a_meta_build_materialises_the_depths():
     """``model.weights`` builds on the meta device and peft wraps the model before the engine materialises it
     (``worker.build``): the depths, reached through the PeftModel, get storage and their initialisation (norms 1,
     projections of std 0.02), the same for the same seed."""
-    from shardyard import adapters
+    from shardyard.models import adapters
 
     p = compose(["model=deepseek_moe_tiny", "peft=lora", "peft.target_modules=[q_proj,o_proj,eh_proj]"]).peft
 

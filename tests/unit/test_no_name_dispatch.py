@@ -3,7 +3,8 @@ check run keeps the monitors whose class says ``in_check_runs``, and ``+scale=sm
 
 import pytest
 
-from shardyard import adapters, scale
+from shardyard.models import adapters
+from shardyard.planning import scale
 from shardyard.testing import compose
 
 
@@ -23,7 +24,7 @@ def test_smoke_keeps_only_quiet_monitors_and_runs_qlora_fp16_as_lora_bf16():
 
 
 def test_fast_dev_run_drops_every_monitor_but_the_console():
-    from shardyard.validate import apply_fast_dev_run
+    from shardyard.planning.validate import apply_fast_dev_run
 
     cfg = compose(["debug.fast_dev_run=true", "monitor=[console,csv,tensorboard]"])
     apply_fast_dev_run(cfg)

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from conftest import TINY, train_py
-from shardyard.errors import UserError
+from shardyard.core.errors import UserError
 from shardyard.testing import compose
-from shardyard.validate import validate
+from shardyard.planning.validate import validate
 
 DPO = ["objective=dpo", "data=preference"]
 GRPO = ["objective=grpo", "data=prompts"]
@@ -50,10 +50,10 @@ def refused(overrides: list[str]) -> UserError:
      "objective.rewards[0]._target_", "shardyard.objectives.rewards.NoSuchReward", "cannot be imported"),
     ([*DPO, *PIPELINE], "backend", "pipeline", "pipeline stages"),
     ([*GRPO, *PIPELINE], "backend", "pipeline", "pipeline stages"),
-    (["objective=dpo", "data=prompts"], "data", "shardyard.prompts.PromptData", "objective=dpo trains on data=preference"),
-    (["objective=grpo", "data=preference"], "data", "shardyard.preference.PreferenceData",
+    (["objective=dpo", "data=prompts"], "data", "shardyard.data.prompts.PromptData", "objective=dpo trains on data=preference"),
+    (["objective=grpo", "data=preference"], "data", "shardyard.data.preference.PreferenceData",
      "objective=grpo trains on data=prompts"),
-    (["objective=lm", "data=preference"], "data", "shardyard.preference.PreferenceData", "objective=lm trains on a text"),
+    (["objective=lm", "data=preference"], "data", "shardyard.data.preference.PreferenceData", "objective=lm trains on a text"),
     ([*DPO, "model.loss_chunk=1024"], "model.loss_chunk", 1024, "log-probability"),
     ([*DPO, "objective._target_=no_such_package.MyObjective"], "objective._target_", "no_such_package.MyObjective",
      "cannot be imported"),
@@ -63,6 +63,8 @@ def refused(overrides: list[str]) -> UserError:
      "adapters disabled"),
     ([*GRPO, "objective.reference_weights=/somewhere"], "objective.reference_weights", "/somewhere",
      "no reference model"),
+    ([*DPO, "objective.reference_weights="], "objective.reference_weights", "", "empty"),  # issue 53: was ignored
+    ([*DPO, "model.weights="], "model.weights", "", "empty"),  # issue 53: was a fresh init, silently
 ])
 def test_bad_objective_values_name_their_key(overrides, key, value, says):
     e = refused(overrides)
@@ -138,7 +140,8 @@ def test_a_reference_checkpoint_of_another_shape_is_refused_naming_the_tensor(tm
     hidden size) exits 2 naming the key and the first tensor that differs; the policy's own shape passes."""
     from safetensors.torch import save_file
 
-    from shardyard.model import shape_model, signature
+    from shardyard.models.build import shape_model
+    from shardyard.models.shape import signature
 
     for name, hidden in (("same", 64), ("wider", 96)):
         cfg = compose([*TINY, *DPO, f"model.hidden_size={hidden}"])
@@ -148,3 +151,44 @@ def test_a_reference_checkpoint_of_another_shape_is_refused_naming_the_tensor(tm
     validate(compose([*TINY, *DPO, f"objective.reference_weights={tmp_path}/same"]), None)
     e = refused([*TINY, *DPO, f"objective.reference_weights={tmp_path}/wider"])
     assert e.key == "objective.reference_weights" and "model.embed_tokens.weight" in e.paragraph(), e.paragraph()
+
+
+@pytest.mark.parametrize("damage,fault", [
+    ("cut-short", "model.safetensors"),
+    ("not-safetensors", "model.safetensors"),
+    ("shard-missing", "model-00002-of-00002.safetensors"),
+    ("bin-only", None),
+])
+def test_a_damaged_reference_checkpoint_is_refused_naming_the_key_and_the_file(tmp_path, damage, fault):
+    """``objective.reference_weights`` gets the checks ``model.weights`` gets (issue 53): a cut-short or foreign
+    safetensors file, a shard its index lists that is not there, or .bin pickles alone exit 2 naming the key and
+    the file, at validation. (Before: safetensors' own exception, a traceback; .bin alone named model.weights.)"""
+    import os
+
+    from safetensors.torch import save_file
+
+    from shardyard.models.build import shape_model
+    from shardyard.models.shape import signature
+
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    tensors = {k: torch.zeros(shape) for k, shape in signature(shape_model(compose([*TINY, *DPO]).model)).items()}
+    if damage == "shard-missing":
+        (ref / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {
+            k: f"model-0000{1 + (i % 2)}-of-00002.safetensors" for i, k in enumerate(tensors)}}))
+        save_file({k: v for i, (k, v) in enumerate(tensors.items()) if i % 2 == 0},
+                  str(ref / "model-00001-of-00002.safetensors"))
+    elif damage == "bin-only":
+        torch.save(tensors, ref / "pytorch_model.bin")
+    else:
+        save_file(tensors, str(ref / "model.safetensors"))
+        f = ref / "model.safetensors"
+        if damage == "cut-short":
+            os.truncate(f, os.path.getsize(f) // 2)
+        else:
+            f.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00" + b"{not a header}  " + b"\x00" * 64)
+    e = refused([*TINY, *DPO, f"objective.reference_weights={ref}"])
+    assert e.key == "objective.reference_weights", e.paragraph()
+    assert e.value == (str(ref / fault) if fault else str(ref)), e.paragraph()
+    if fault is None:
+        assert ".bin" in e.problem and "safetensors" in e.fix, e.paragraph()

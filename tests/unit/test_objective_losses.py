@@ -2,16 +2,20 @@
 log-probabilities, within 1e-6 (computed in fp64 on both sides, so the formulas are compared, not roundings; the
 last test runs the fp32 path production uses): DPO's sigmoid (with conservative-DPO label smoothing), IPO and hinge
 losses and rewards; GRPO's advantages (group / batch / none scaling), per-token clipped surrogate, k3 KL and clip
-flags (symmetric and DAPO's asymmetric clip, with and without KL); both aggregations, whole and split over
-micro-batches; and ``token_logps``.
+flags (symmetric and DAPO's asymmetric clip, with and without KL, with and without TRL's default
+``use_bias_correction_kl``); both aggregations, whole and split over micro-batches; ``token_logps`` (at a
+temperature too); and ``GRPO.loss_sum`` on a tiny model at temperature 0.7 against TRL's loss on the same model,
+loss and gradient (issue 53: log-probs of the sampling distribution).
 
 TRL is called, not re-typed: ``DPOTrainer._compute_loss``, ``GRPOTrainer._compute_loss`` and
 ``GRPOTrainer._generate_and_score_completions`` run as plain functions on a namespace that carries the attributes
 they read (``_trl_*`` below). The model behind them is replaced by the given log-probabilities (the DPO stub model
 returns them as ``outputs.log_probs``; GRPO's ``_get_per_token_logps_and_entropies`` returns them; its generation
-and reward calls return fixed completions and rewards), so both sides compute from identical numbers.
+and reward calls return fixed completions and rewards), so both sides compute from identical numbers; in the
+model test TRL's own fused LM head (``add_fused_lm_head`` at the temperature) computes its log-probs.
 """
 
+import contextlib
 import math
 from collections import defaultdict
 from types import SimpleNamespace
@@ -178,17 +182,18 @@ def _rollouts(seed: int = 0, groups: int = 2, g_size: int = 4, length: int = 7):
 
 
 def _trl_grpo(loss_type: str, logps, old, ref, advantages, mask, eps_low: float, eps_high: float, beta: float,
-              num_items=None, accumulation: int = 1):
+              num_items=None, accumulation: int = 1, bias_correction_kl: bool = True):
     """TRL's ``GRPOTrainer._compute_loss`` with its log-prob method returning ``logps``: the loss and the logged
     metrics. ``num_items``: the generation batch's completion tokens (``dapo``'s normaliser); ``accumulation``:
-    micro-batches per step (and per generation, TRL's default ``steps_per_generation``)."""
+    micro-batches per step (and per generation, TRL's default ``steps_per_generation``); ``bias_correction_kl``:
+    TRL's ``use_bias_correction_kl`` (its default True)."""
     b, t = logps.shape
     trainer = SimpleNamespace(
         _get_per_token_logps_and_entropies=lambda *a, **k: (logps, torch.zeros_like(logps), None),
         aux_loss_enabled=False, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
         importance_sampling_level="token", beta=beta, loss_type=loss_type, epsilon_low=eps_low,
         epsilon_high=eps_high, use_vllm=False, _entropy_bonus_enabled=False,
-        args=SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=accumulation),
+        args=SimpleNamespace(use_bias_correction_kl=bias_correction_kl, delta=None, steps_per_generation=accumulation),
         model=SimpleNamespace(training=True), current_gradient_accumulation_steps=accumulation,
         accelerator=SimpleNamespace(num_processes=1, reduce=lambda x, reduction: x, gather=lambda x: x),
         _metrics=defaultdict(lambda: defaultdict(list)))
@@ -211,7 +216,7 @@ def test_grpo_per_token_loss_kl_and_clip_flags_equal_trl(eps_low, eps_high, beta
     """Token by token: TRL on each single (completion, token) gives that token's loss (``bnpo`` over one token),
     its KL (the ``kl`` metric) and its clip flags (the ``clip_ratio/*_mean`` metrics)."""
     logps, old, ref, adv, mask = _rollouts()
-    out = grpo_per_token(logps, old, ref, adv, mask, eps_low, eps_high, beta)
+    out = grpo_per_token(logps, old, ref, adv, mask, eps_low, eps_high, beta, bias_correction_kl=True)
     b, t = logps.shape
     for i in range(b):
         for j in range(t):
@@ -231,32 +236,37 @@ def test_grpo_per_token_loss_kl_and_clip_flags_equal_trl(eps_low, eps_high, beta
     on = mask.bool()
     assert out.low_clipped.any() and out.high_clipped.any() and (on & ~out.region_clipped).any()
     if eps_high == 0.28:  # ratios in (1.2, 1.28] with a positive advantage: clipped only by a symmetric 0.2
-        symmetric = grpo_per_token(logps, old, ref, adv, mask, 0.2, 0.2, beta)
+        symmetric = grpo_per_token(logps, old, ref, adv, mask, 0.2, 0.2, beta, bias_correction_kl=True)
         assert (symmetric.high_clipped & ~out.high_clipped).any()
 
 
 def test_grpo_kl_is_k3_and_zero_without_reference():
     logps, old, ref, adv, mask = _rollouts(seed=3)
-    out = grpo_per_token(logps, old, ref, adv, mask, 0.2, 0.2, 0.0)
+    out = grpo_per_token(logps, old, ref, adv, mask, 0.2, 0.2, 0.0, bias_correction_kl=False)
     d = (ref - logps).double()
     _close(out.kl, ((d.exp() - d - 1) * mask).float())
     assert (out.kl[mask.bool()] > 0).all()
-    no_ref = grpo_per_token(logps, old, None, adv, mask, 0.2, 0.2, 0.0)
+    # DeepSeek-V3.2's bias correction (TRL's default): the k3 estimate times the ratio to the sampling policy
+    corrected = grpo_per_token(logps, old, ref, adv, mask, 0.2, 0.2, 0.0, bias_correction_kl=True)
+    _close(corrected.kl, ((d.exp() - d - 1) * (logps - old).exp() * mask).float())
+    no_ref = grpo_per_token(logps, old, None, adv, mask, 0.2, 0.2, 0.0, bias_correction_kl=True)
     assert (no_ref.kl == 0).all()
     _close(no_ref.loss, out.loss)  # beta 0: the KL is a metric only
     with pytest.raises(ValueError, match="reference"):
-        grpo_per_token(logps, old, None, adv, mask, 0.2, 0.2, 0.04)
+        grpo_per_token(logps, old, None, adv, mask, 0.2, 0.2, 0.04, bias_correction_kl=True)
 
 
 @pytest.mark.parametrize("eps_low, eps_high, beta", CLIPS)
 @pytest.mark.parametrize("how, trl_types", [("sequence", ["grpo"]), ("token", ["bnpo", "dapo"])])
-def test_grpo_aggregated_loss_and_metrics_equal_trl(eps_low, eps_high, beta, how, trl_types):
+@pytest.mark.parametrize("bias", [True, False])
+def test_grpo_aggregated_loss_and_metrics_equal_trl(eps_low, eps_high, beta, how, trl_types, bias):
     logps, old, ref, adv, mask = _rollouts(seed=1)
-    out = grpo_per_token(logps, old, ref, adv, mask, eps_low, eps_high, beta)
+    out = grpo_per_token(logps, old, ref, adv, mask, eps_low, eps_high, beta, bias_correction_kl=bias)
     loss_sum, units = aggregate(out.loss, mask, how)
     on = mask.bool()
     for trl_type in trl_types:
-        trl_loss, metrics = _trl_grpo(trl_type, logps, old, ref, adv, mask, eps_low, eps_high, beta)
+        trl_loss, metrics = _trl_grpo(trl_type, logps, old, ref, adv, mask, eps_low, eps_high, beta,
+                                      bias_correction_kl=bias)
         _close(loss_sum / units, trl_loss)
         _close(out.region_clipped[on].float().mean(), metrics["clip_ratio/region_mean"])
         if beta != 0.0:
@@ -270,7 +280,7 @@ def test_grpo_first_step_ratio_one_and_gradient_through_policy_only():
     logps, _, ref, adv, mask = _rollouts(seed=4)
     logps = logps.clone().requires_grad_(True)
     old = logps.detach().clone().requires_grad_(True)
-    out = grpo_per_token(logps, old, ref, adv, mask, 0.2, 0.2, 0.0)
+    out = grpo_per_token(logps, old, ref, adv, mask, 0.2, 0.2, 0.0, bias_correction_kl=True)
     _close(out.loss, (-adv[:, None] * mask).float())
     loss_sum, units = aggregate(out.loss, mask, "token")
     (loss_sum / units).backward()
@@ -284,11 +294,12 @@ def test_aggregation_splits_over_micro_batches_exactly(how):
     value; for ``token`` it is also TRL's ``dapo`` accumulated over the same micro-batches (its normaliser is the
     generation batch's token count)."""
     logps, old, ref, adv, mask = _rollouts(seed=2, groups=3, g_size=3)
-    whole = aggregate(grpo_per_token(logps, old, ref, adv, mask, 0.2, 0.28, 0.04).loss, mask, how)
+    whole = aggregate(grpo_per_token(logps, old, ref, adv, mask, 0.2, 0.28, 0.04, bias_correction_kl=True).loss,
+                      mask, how)
     parts = [slice(0, 2), slice(2, 7), slice(7, 9)]
     total_sum, total_units, trl_total = 0.0, 0.0, 0.0
     for s in parts:
-        out = grpo_per_token(logps[s], old[s], ref[s], adv[s], mask[s], 0.2, 0.28, 0.04)
+        out = grpo_per_token(logps[s], old[s], ref[s], adv[s], mask[s], 0.2, 0.28, 0.04, bias_correction_kl=True)
         part_sum, part_units = aggregate(out.loss, mask[s], how)
         total_sum, total_units = total_sum + part_sum, total_units + part_units
         trl_loss, _ = _trl_grpo("dapo", logps[s], old[s], ref[s], adv[s], mask[s], 0.2, 0.28, 0.04,
@@ -380,6 +391,128 @@ def test_token_logps_equal_trl_and_brute_force_zero_where_ignored():
     half = token_logps(logits.bfloat16(), targets)  # upcast: the same as fp32 math on the bf16 values
     assert half.dtype == torch.float32
     _close(half, token_logps(logits.bfloat16().float(), targets))
+    # at a temperature: the log-probs of logits / T, from fp32 and bf16 logits (the latter divided in place on the
+    # upcast copy, leaving the caller's logits as they were)
+    for t in (0.7, 1.5):
+        brute_t = torch.log_softmax(logits.double() / t, -1).gather(-1, safe[..., None])[..., 0] * (targets != -100)
+        _close(token_logps(logits.double(), targets, t), brute_t)  # fp64 stays fp64: the formula, to 1e-6
+        _close(token_logps(logits, targets, t), brute_t, 1e-5)  # fp32: values up to ~30, rounded at ~2e-6
+        kept = logits.bfloat16()
+        copy = kept.clone()
+        _close(token_logps(kept, targets, t), token_logps(kept.float(), targets, t))
+        assert torch.equal(kept, copy)
+
+
+# ------------------------------------------------------------------------------ GRPO on a model, at temperature T
+
+
+def _tiny_lm(seed: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64, attn_implementation="eager")
+    return LlamaForCausalLM(cfg).double()
+
+
+def _trl_logps(trainer, model, ids, attn, completion_len: int, **kwargs):
+    """TRL's ``GRPOTrainer._get_per_token_logps_and_entropies`` itself (under its profiling decorator): the
+    completion's log-probs from the model's fused LM head (``add_fused_lm_head``: at the model's temperature)."""
+    return GRPOTrainer._get_per_token_logps_and_entropies.__wrapped__(trainer, model, ids, attn, completion_len,
+                                                                        **kwargs)
+
+
+def _trl_on_model(policy, ref, inputs: dict, loss_type: str, beta: float, bias: bool):
+    """TRL's own ``_compute_loss`` on a model: its fused LM head (``add_fused_lm_head``, the logits divided by the
+    temperature) computes the policy's log-probs, ``_get_per_token_logps_and_entropies`` the reference's. The loss
+    (before backward) and the metrics."""
+    from functools import partial
+
+    trainer = SimpleNamespace(
+        aux_loss_enabled=False, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
+        importance_sampling_level="token", beta=beta, loss_type=loss_type, epsilon_low=0.2, epsilon_high=0.28,
+        use_vllm=False, _entropy_bonus_enabled=False,
+        args=SimpleNamespace(use_bias_correction_kl=bias, delta=None, steps_per_generation=1),
+        model=SimpleNamespace(training=True), current_gradient_accumulation_steps=1,
+        accelerator=SimpleNamespace(num_processes=1, reduce=lambda x, reduction: x, gather=lambda x: x,
+                                    autocast=contextlib.nullcontext),
+        _metrics=defaultdict(lambda: defaultdict(list)))
+    trainer._get_per_token_logps_and_entropies = partial(_trl_logps, trainer)
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    if beta != 0.0 and "ref_per_token_logps" not in inputs:
+        with torch.no_grad():
+            inputs["ref_per_token_logps"] = _trl_logps(trainer, ref, ids, attn, inputs["completion_ids"].size(1))[0]
+    loss = GRPOTrainer._compute_loss(trainer, policy, inputs)
+    return loss, {k: v[0] for k, v in trainer._metrics["train"].items()}
+
+
+@pytest.mark.parametrize("how, trl_type", [("token", "dapo"), ("sequence", "grpo")])
+@pytest.mark.parametrize("bias", [True, False])
+def test_grpo_on_a_model_at_temperature_equals_trl_loss_and_gradient(how, trl_type, bias):
+    """``GRPO.loss_sum`` on a tiny LLaMA at T = 0.7 with beta = 0.04 against TRL's ``_compute_loss`` on a copy of
+    the same model and the same sequences (TRL's fused LM head at ``temperature``, its reference log-probs by its own
+    method): the loss, the KL and clip metrics and every parameter's gradient within 1e-6 (relative), on a round's
+    first step (old = the policy's own log-probs) and on its second, after the policy moved (old = the log-probs of
+    the policy that sampled, which must also be taken at T). Fails if the log-probs are of the raw logits (issue
+    53: the loss differs by 5e-4 at the first step)."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    from shardyard.objectives.grpo import GRPO
+
+    T, beta, B, P, M = 0.7, 0.04, 6, 5, 7
+    ours, ref = _tiny_lm(0), _tiny_lm(1)  # the reference: other weights, so the KL is not 0
+    theirs, ref_theirs = _tiny_lm(0), _tiny_lm(1)
+    for m in (theirs, ref_theirs):
+        add_fused_lm_head(m, temperature=T, outputs=("log_probs", "entropy"))
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, 40, (B, P), generator=g)
+    comp = torch.randint(0, 40, (B, M), generator=g)
+    lengths = torch.tensor([1, 3, 7, 5, 7, 2])
+    cmask = (torch.arange(M) < lengths[:, None]).long()
+    adv = torch.tensor([1.2, -0.7, 0.4, -1.5, 0.9, -0.3], dtype=torch.float64)
+    attn = torch.cat([torch.ones(B, P, dtype=torch.long), cmask], 1)
+    x = {"input_ids": torch.cat([prompt, comp], 1), "attention_mask": attn,
+         "position_ids": (attn.cumsum(-1) - 1).clamp(min=0), "advantages": adv}
+    targets = torch.where(cmask.bool(), comp, torch.full_like(comp, -100))
+    objective = GRPO(rewards=[{"_target_": "shardyard.objectives.rewards.NumericAnswer"}], temperature=T, beta=beta,
+                     epsilon=0.2, epsilon_high=0.28, loss_aggregation=how, use_bias_correction_kl=bias)
+    objective.reference, objective.policy = ref, ours
+    trl_inputs = {"prompt_ids": prompt, "prompt_mask": torch.ones(B, P, dtype=torch.long), "completion_ids": comp,
+                  "completion_mask": cmask, "advantages": adv, "num_items_in_batch": cmask.sum().double()}
+
+    def close(a, b):  # relative 1e-6: ``loss_sum`` returns the loss in fp32 (the loop's dtype), so is its backward
+        _close(a, b, TOL * max(1.0, float(torch.as_tensor(b).detach().abs().max())))
+
+    def step():
+        objective.loss_sums = torch.zeros(5, dtype=torch.float64)
+        ours.zero_grad(set_to_none=True)
+        theirs.zero_grad(set_to_none=True)
+        loss = objective.loss_sum(ours, x, targets) / objective.counts(x, targets)[0]
+        loss.backward()
+        trl_loss, metrics = _trl_on_model(theirs, ref_theirs, trl_inputs, trl_type, beta, bias)
+        trl_loss.backward()
+        close(loss, trl_loss)
+        close(objective.loss_sums[0] / cmask.sum(), metrics["kl"])
+        close(objective.loss_sums[3] / cmask.sum(), metrics["clip_ratio/region_mean"])
+        theirs_grads = dict(theirs.named_parameters())
+        for name, p in ours.named_parameters():
+            close(p.grad, theirs_grads[name].grad)
+        return metrics
+
+    step()  # the round's first step: old = the policy's own log-probs (at T), ratio 1
+    assert "old_logps" in x and "ref_logps" in x
+    # the sampling policy's log-probs, as TRL keeps them for a later step of the round: at T, before the update
+    with torch.no_grad():
+        ids_all = torch.cat([prompt, comp], 1)
+        trl_inputs["old_per_token_logps"] = _trl_logps(
+            SimpleNamespace(accelerator=SimpleNamespace(autocast=contextlib.nullcontext)), theirs, ids_all, attn, M)[0]
+        for a, b in zip(ours.parameters(), theirs.parameters()):  # the same update on both copies
+            noise = torch.randn(a.shape, generator=g, dtype=a.dtype) * 0.1
+            a.add_(noise)
+            b.add_(noise)
+    metrics = step()  # the round's second step: old = the sampling policy's (stored in x), ratio != 1
+    assert metrics["clip_ratio/region_mean"] > 0  # the clip is exercised
 
 
 # --------------------------------------------------------------------------------------------------- fp32
@@ -396,7 +529,7 @@ def test_fp32_path_equals_trl_in_fp32():
     for loss_type in ("sigmoid", "ipo", "hinge"):
         close32(_ours_dpo(loss_type, 0.1, 0.0, *data)[0].mean(), _trl_dpo(loss_type, 0.1, 0.0, *data)[0])
     logps, old, ref, adv, mask = (x.float() if x.is_floating_point() else x for x in _rollouts(seed=5))
-    out = grpo_per_token(logps, old, ref, adv, mask, 0.2, 0.28, 0.04)
+    out = grpo_per_token(logps, old, ref, adv, mask, 0.2, 0.28, 0.04, bias_correction_kl=True)
     for how, trl_type in (("sequence", "grpo"), ("token", "dapo")):
         loss_sum, units = aggregate(out.loss, mask, how)
         close32(loss_sum / units, _trl_grpo(trl_type, logps, old, ref, adv, mask, 0.2, 0.28, 0.04)[0])

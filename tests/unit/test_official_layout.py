@@ -15,13 +15,13 @@ from safetensors.torch import load_file, save_file
 
 from conftest import Whole
 
-from shardyard import export
-from shardyard.errors import UserError
-from shardyard.model import build_model
-from shardyard.weights import load_weights, weights_dir
+from shardyard.training import export
+from shardyard.core.errors import UserError
+from shardyard.models.build import build_model
+from shardyard.models.weights import load_weights, weights_dir
 
 V, I, MAIN_LAYERS, E = 300, 200, 2, 4  # vocab and dense intermediate size not multiples of 128: partial FP8 blocks
-SHAPE = dict(_target_="shardyard.model.deepseek_v3", name="official", vocab_size=V, hidden_size=64,
+SHAPE = dict(_target_="shardyard.models.build.deepseek_v3", name="official", vocab_size=V, hidden_size=64,
              intermediate_size=I, num_layers=MAIN_LAYERS, num_heads=4, kv_lora_rank=32, qk_nope_head_dim=16,
              qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=E, n_shared_experts=1, num_experts_per_tok=2,
              moe_intermediate_size=32, first_k_dense_replace=1)
@@ -207,7 +207,7 @@ def test_fp8_blocks_are_dequantised_with_their_scales(tmp_path, capsys):
 def test_an_fp8_slice_reads_its_rows_and_columns_only(tmp_path):
     """The FSDP path reads each rank's rows through the same slice: ranges across block edges, as well as the
     whole tensor, equal the reference dequantisation's."""
-    from shardyard.weights import _BlockFP8
+    from shardyard.models.weights import _BlockFP8
 
     w = torch.randn(300, 260)
     q, s = quantise(w)
@@ -303,7 +303,7 @@ def test_model_hf_of_an_export_keeps_the_users_depth(tmp_path, tokenizer_dir, ca
     export.save_hf(Whole(source), tokenizer_dir, str(tmp_path / "hf"))
     capsys.readouterr()
     for depth in (0, 1):
-        m = OmegaConf.create({"_target_": "shardyard.model.hf", "name": "hf", "path": str(tmp_path / "hf"),
+        m = OmegaConf.create({"_target_": "shardyard.models.build.hf", "name": "hf", "path": str(tmp_path / "hf"),
                               "weights": "auto", "mtp": dict(depth=depth, weight=0.3, final_weight=None,
                                                              final_weight_from_step=None)})
         model = build_model(m, seed=1)
@@ -328,7 +328,7 @@ def test_an_fp8_releases_config_is_not_carried_into_the_model_or_its_export(tmp_
     config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                                      "weight_block_size": [128, 128]}
     cfg_file.write_text(json.dumps(config))
-    m = OmegaConf.create({"_target_": "shardyard.model.hf", "name": "hf", "path": str(tmp_path / "release"),
+    m = OmegaConf.create({"_target_": "shardyard.models.build.hf", "name": "hf", "path": str(tmp_path / "release"),
                           "weights": "auto", "mtp": dict(depth=1, weight=0.3, final_weight=None,
                                                          final_weight_from_step=None)})
     model = build_model(m, seed=1)

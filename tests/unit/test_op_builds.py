@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from shardyard import op_builds
-from shardyard.errors import UserError
+from shardyard.core import op_builds
+from shardyard.core.errors import UserError
 
 BUILD = textwrap.dedent("""
     import torch.utils.cpp_extension as ext
@@ -95,8 +95,8 @@ def test_a_killed_compile_is_reported_and_once_its_lock_is_removed_the_build_run
     assert "left from a build that was interrupted" in text and f"Remove the file (rm {lock})" in text
     # As a run reports it: the paragraph on stderr, exit 2, no traceback.
     report = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
-        from shardyard import op_builds
-        from shardyard.errors import UserError, report_and_exit
+        from shardyard.core import op_builds
+        from shardyard.core.errors import UserError, report_and_exit
         try:
             op_builds.wait_for_lock({build_dir!r}, "backend.offload_optimizer", "cpu", what="the tiny op")
         except UserError as e:
@@ -196,7 +196,7 @@ def test_each_engine_names_the_ops_deepspeed_compiles_for_it(overrides, needs, t
     CPU Adam class as a client optimizer), async I/O when anything is swapped to NVMe, nothing for torch's SGD."""
     from shardyard.backends.deepspeed import ds_config
     from shardyard.testing import compose
-    from shardyard.validate import validate
+    from shardyard.planning.validate import validate
 
     cfg = compose([*overrides, f"backend.nvme_path={tmp_path}"])
     config = ds_config(cfg, validate(cfg, None))
@@ -204,6 +204,34 @@ def test_each_engine_names_the_ops_deepspeed_compiles_for_it(overrides, needs, t
 
 
 def test_importing_it_imports_neither_deepspeed_nor_torch():
-    code = "import sys, shardyard.op_builds; print(sorted(m for m in ('deepspeed', 'torch') if m in sys.modules))"
+    code = "import sys, shardyard.core.op_builds; print(sorted(m for m in ('deepspeed', 'torch') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "[]", out.stderr
+
+
+def test_each_install_compiles_its_ops_in_a_root_of_its_own(tmp_path, monkeypatch):
+    """torch's default build root is one per user: a developer's checkout and a CI clone on one machine shared each
+    op's directory, and each build.ninja names its own torch's and DeepSpeed's include directories, so each
+    recompiled the ops the other had built (12 minutes each way here). The engines' check (and the setup's
+    prebuild) now put torch's builder in a root of this install's own, under torch's default, keyed by where torch
+    and DeepSpeed are installed: a venv reaching this one's packages (tests/e2e/test_project.py's) shares its
+    builds. A root the user set is kept."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # torch's default root: $XDG_CACHE_HOME/torch_extensions
+    here = op_builds._installed("torch", "deepspeed")
+    assert all(os.path.isfile(os.path.join(d, "__init__.py")) for d in here), here
+    roots = []
+    for installs in (here, ["/check/work/main/.venv/lib/python3.11/site-packages/" + p for p in ("torch", "deepspeed")],
+                     here):
+        monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+        monkeypatch.setattr(op_builds, "_installed", lambda *packages, installs=installs: installs)
+        op_builds.check_deepspeed_ops([])  # what the DeepSpeed engine calls before deepspeed.initialize
+        roots.append(os.environ["TORCH_EXTENSIONS_DIR"])
+        assert op_builds.build_dir("cpu_adam") == os.path.join(roots[-1], "cpu_adam")
+    assert roots[0] == roots[2] != roots[1]  # one root per install, the same one every time
+    for root in roots:
+        assert os.path.dirname(root) == get_default_build_root() == str(tmp_path / "torch_extensions")
+        assert os.path.basename(root).startswith(f"py{sys.version_info.major}{sys.version_info.minor}")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "mine"))
+    assert op_builds.venv_build_root() == str(tmp_path / "mine") == os.environ["TORCH_EXTENSIONS_DIR"]

@@ -7,10 +7,12 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from shardyard import plan as memory_plan
-from shardyard.model import call_builder, causal_lm_loss_sum, flops_per_token, model_shape, param_count
+from shardyard.planning import plan as memory_plan
+from shardyard.models.build import call_builder
+from shardyard.models.loss import causal_lm_loss_sum
+from shardyard.models.shape import flops_per_token, model_shape, param_count
 from shardyard.testing import compose
-from shardyard.validate import validate
+from shardyard.planning.validate import validate
 from test_plan import V3, saved_by
 
 L = 2  # main layers: the depth is model.layers.2
@@ -97,7 +99,7 @@ def test_depth_activations_equal_what_autograd_saves(regime, chunk):
     """What one depth adds to a training forward's saved tensors, per token: its block (the plan's per-block
     figure, within 5% as test_plan's blocks), its norms', eh_proj's and head's inputs and targets, and the log-softmax
     of its loss (none with model.loss_chunk, whose head recomputes it in backward)."""
-    from shardyard.model import apply_chunked_loss
+    from shardyard.models.prepare import apply_chunked_loss
 
     b, s = 2, 32
     x = torch.randint(0, V3["vocab_size"], (b, s), generator=torch.Generator().manual_seed(0))
@@ -121,7 +123,7 @@ def test_the_plans_increase_agrees_with_the_dry_run():
     """The plan's activations and peak with one depth less without, against the same from the dry run (the engine's
     own step on fake tensors, PyTorch's memory tracker) at deepseek_moe_tiny's size on FSDP over 8 ranks: within
     15%, and the plan's increase is more than the depth's block alone (its head pass and inputs count)."""
-    from shardyard import dryrun
+    from shardyard.planning import dryrun
 
     planned, measured, block_only = {}, {}, 0.0
     for d in (0, 1):

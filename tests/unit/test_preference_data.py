@@ -8,9 +8,9 @@ import pytest
 
 from conftest import byte_bpe
 
-from shardyard import sft, synthetic
-from shardyard.errors import UserError
-from shardyard.preference import PreferenceData
+from shardyard.data import sft, synthetic
+from shardyard.core.errors import UserError
+from shardyard.data.preference import PreferenceData
 
 EOS = "<|endoftext|>"
 
@@ -127,3 +127,67 @@ def test_generated_pairs_prefer_the_right_answer(tok):
     assert rows["input_ids"].shape == (50, 2, 96) and not (rows["input_ids"][:, 0] == rows["input_ids"][:, 1]).all()
     first = [(rows["targets"][:, s] != -100).argmax(axis=1) for s in (0, 1)]  # the response starts at one column
     assert np.array_equal(first[0], first[1])
+
+
+def test_pairs_whose_prompts_all_fill_the_row_are_refused_with_the_count_and_the_key(tok, tmp_path):
+    """Every pair's prompt longer than data.seq_len (issue 53): each policy leaves every pair out, and the refusal
+    names data.seq_len, the count, why, the file and the longest pair, not "the train split has no conversation".
+    (Before: an empty split, reported later by data.prepare naming data.paths without a count.)"""
+    path = write(tmp_path / "p.jsonl", [{"prompt": "Hello there " * 40, "chosen": "Paris.", "rejected": "Lyon."}] * 3)
+    longest = max(len(ids) for ids, _ in [sft.encode(tok, [{"role": "user", "content": "Hello there " * 40},
+                                                           {"role": "assistant", "content": r}],
+                                                     sft.TEMPLATES["plain"], first=1) for r in ("Paris.", "Lyon.")])
+    for policy, why in (("truncate", "with every response token past data.seq_len=40"),
+                        ("drop", "longer than data.seq_len=40 (data.truncation=drop)")):
+        with pytest.raises(UserError) as e:
+            PreferenceData([path], truncation=policy).tokenize_rows(tok, 40, lambda name: False)
+        assert (e.value.key, e.value.value) == ("data.seq_len", 40), e.value.paragraph()
+        assert f"All 3 preference pairs of data.paths ({tmp_path / 'p.jsonl'}) in the train split" in e.value.problem
+        assert f"3 {why}" in e.value.problem and f"{longest:,} tokens" in e.value.fix, e.value.paragraph()
+
+
+def test_pairs_without_a_preference_are_left_out_counted_and_refused_when_nothing_is_left(tok, tmp_path):
+    """A pair whose chosen and rejected are the same (or one of them empty) has DPO's loss log 2 and gradient 0
+    (issue 53): left out and counted beside the pairs kept, and refused naming data.paths and the count when no
+    pair is left; a pair that differs only past data.seq_len is the same pair within the row: left out too.
+    (Before: such pairs were kept, and a set of them trained at loss log 2 with a zero gradient.)"""
+    same = {"prompt": "Capital of France?", "chosen": "Paris.", "rejected": "Paris."}
+    same_msgs = {"prompt": [{"role": "user", "content": "Capital?"}],
+                 "chosen": [{"role": "assistant", "content": "Lyon."}],
+                 "rejected": [{"role": "assistant", "content": "Lyon."}]}
+    empty = {"prompt": "Capital of France?", "chosen": "Paris.", "rejected": "  "}
+    good = {"prompt": "Hi", "chosen": "Paris.", "rejected": "Lyon."}
+    path = write(tmp_path / "p.jsonl", [same, good, empty, same_msgs])
+    out = PreferenceData([path]).tokenize_rows(tok, 96, lambda name: False)
+    assert len(out["train"]["input_ids"]) == 1 and out["stats"]["no_preference"] == 3
+    assert "3 left out with no preference" in out["stats"]["summary"]
+    path = write(tmp_path / "p.jsonl", [same, empty, same_msgs])
+    with pytest.raises(UserError) as e:
+        PreferenceData([path]).tokenize_rows(tok, 96, lambda name: False)
+    assert e.value.key == "data.paths" and str(tmp_path / "p.jsonl") in e.value.value, e.value.paragraph()
+    assert "All 3 preference pairs" in e.value.problem and "2 whose chosen and rejected are the same" in e.value.problem
+    assert "1 with an empty chosen or rejected reply" in e.value.problem, e.value.problem
+    late = {"prompt": "Hi", "chosen": "Paris " * 30 + "yes", "rejected": "Paris " * 30 + "no"}
+    with pytest.raises(UserError) as e:
+        PreferenceData([write(tmp_path / "late.jsonl", [late])]).tokenize_rows(tok, 40, lambda name: False)
+    assert e.value.key == "data.seq_len" and "are the same tokens within data.seq_len=40" in e.value.problem
+
+
+def test_a_run_refused_for_its_data_leaves_nothing_that_refuses_the_corrected_rerun(tmp_path):
+    """``train.py objective=dpo`` on pairs none of which fits data.seq_len (issue 53): refused while the parent
+    prepares the data, after it wrote the run dir's config.yaml and plan.json; those are taken back, so the
+    corrected rerun into the same ``hydra.run.dir`` is not refused as another run's results. (Before: they stayed,
+    and the rerun was refused naming hydra.run.dir.)"""
+    from shardyard.training import rundir
+    from shardyard.launching.run import _run
+    from shardyard.testing import TINY, compose
+
+    path = write(tmp_path / "p.jsonl", [{"prompt": "Hello there " * 40, "chosen": "Paris.", "rejected": "Lyon."}] * 8)
+    run_dir = tmp_path / "run"
+    overrides = [*TINY, "objective=dpo", "data=preference", f"data.paths=[{path}]", "data.seq_len=32",
+                 f"data.cache_dir={tmp_path / 'cache'}", "data.tokenizer.vocab_size=300", "train.steps=1"]
+    with pytest.raises(UserError) as e:
+        _run(compose(overrides, str(run_dir)))
+    assert e.value.key == "data.seq_len" and "All " in e.value.problem, e.value.paragraph()
+    assert not (run_dir / "config.yaml").exists() and not (run_dir / "plan.json").exists()
+    assert rundir.find(compose(overrides, str(run_dir))) is None

@@ -10,9 +10,9 @@ import pytest
 
 from conftest import byte_bpe
 
-from shardyard import data, sft, synthetic
-from shardyard.errors import UserError
-from shardyard.prompts import PromptData
+from shardyard.data import pipeline as data, sft, synthetic
+from shardyard.core.errors import UserError
+from shardyard.data.prompts import PromptData
 from shardyard.testing import compose
 
 EOS = "<|endoftext|>"
@@ -161,3 +161,31 @@ def test_a_slipping_teacher_forgets_every_carry_of_its_share_of_problems():
         synthetic.ArithmeticData(worked=True, slip=1.5)
     with pytest.raises(UserError, match="data.worked=true"):
         synthetic.ArithmeticData(slip=0.5)
+
+
+def test_prompts_all_longer_than_the_row_are_refused_with_the_count_and_the_key(tok, tmp_path):
+    """Every prompt longer than data.seq_len (issue 53): refused naming data.seq_len, the count, the file and
+    the longest prompt. (Before: an empty split, reported later as "no conversation" naming data.paths.)"""
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"prompt": "France " * (40 + i), "answer": "x"}) + "\n" for i in range(3)))
+    text = tok.apply_chat_template([{"role": "user", "content": "France " * 42}], chat_template=sft.TEMPLATES["plain"],
+                                   tokenize=False, add_generation_prompt=True)
+    longest = len(tok(text, add_special_tokens=False)["input_ids"])
+    with pytest.raises(UserError) as e:
+        PromptData([str(path)], chat_template="plain").tokenize_rows(tok, 40, lambda name: False)
+    assert (e.value.key, e.value.value) == ("data.seq_len", 40), e.value.paragraph()
+    assert "All 3 prompts" in e.value.problem and "3 longer than data.seq_len=40" in e.value.problem
+    assert str(path) in e.value.problem and f"{longest:,} tokens" in e.value.fix, e.value.paragraph()
+
+
+@pytest.mark.parametrize("source", [PromptData, sft.SFTData])
+def test_files_that_hold_no_record_are_named(tok, tmp_path, source):
+    """An empty file (or an empty JSON array) in data.paths: refused naming data.paths and the file, not later as
+    a split without conversations (issue 53)."""
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "none.json").write_text("[]")
+    for f in ("empty.jsonl", "none.json"):
+        with pytest.raises(UserError) as e:
+            source([str(tmp_path / f)]).tokenize_rows(tok, 40, lambda name: False)
+        assert (e.value.key, e.value.value) == ("data.paths", str(tmp_path / f)), e.value.paragraph()
+        assert "no record at all" in e.value.problem, e.value.paragraph()

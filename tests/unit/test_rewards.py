@@ -11,12 +11,18 @@ import time
 
 import pytest
 
-from shardyard.errors import UserError
+from shardyard.core.errors import UserError
 from shardyard.objectives.rewards import (_NUMERAL, FormatRegex, NumericAnswer, Reward, _last_numeral,
                                           build_rewards)
 
 HUGE = "1" + "0" * 5000  # 10**5000: past Python's 4300-digit int-string limit
 MB = 1_000_000
+STUCK = 10.0
+"""Seconds past which a reward is taken for stuck: what these inputs guard against is catastrophic backtracking
+or quadratic scans, which on them take minutes to hours ((a+)+$ on 30 a's and a b: 2**30 steps of re; a quadratic
+scan of a megabyte: 10**12), while a linear scan takes milliseconds. The ceiling is that far from both so that a
+loaded machine (the suite's second worker, other jobs) cannot fail it; how fast the rewards are is not a test's
+business."""
 
 NUMERIC_CASES = [
     # (completion, the row's answer, reward)
@@ -78,7 +84,7 @@ def test_numeric_answer_on_hostile_completions(case):
     reward = NumericAnswer()
     start = time.perf_counter()
     got = reward([completion], [{"answer": answer}])
-    assert time.perf_counter() - start < 1.0
+    assert time.perf_counter() - start < STUCK
     assert got == [expected], (completion[:60], answer)
 
 
@@ -132,12 +138,12 @@ def test_format_regex_search_length_cap_and_backtracking_bomb():
     for completion in ["a" * 30 + "b", "a" * 5000 + "b", "a" * 99_999 + "b", "a" * MB + "b"]:
         start = time.perf_counter()
         assert bomb([completion], [{}]) == [0.0]
-        assert time.perf_counter() - start < 1.0
+        assert time.perf_counter() - start < STUCK
     assert bomb(["a" * 30], [{}]) == [1.0]
     nested = FormatRegex(r"(x+x+)+y", search=True)
     start = time.perf_counter()
     assert nested(["x" * 5000], [{}]) == [0.0]
-    assert time.perf_counter() - start < 1.0
+    assert time.perf_counter() - start < STUCK
 
 
 def test_format_regex_refuses_a_pattern_that_does_not_compile():

@@ -8,8 +8,8 @@ import os
 import pytest
 from omegaconf import OmegaConf
 
-from shardyard import rundir
-from shardyard.errors import UserError
+from shardyard.training import rundir
+from shardyard.core.errors import UserError
 
 
 def cfg(run_dir, **checkpoint):

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from forge import FORGER, Call, G, Raw, Seq, forge
-from shardyard.errors import UserError
-from shardyard.safe_load import dcp_load, dcp_metadata_globals, load_weights_only, read_dcp_metadata, weights_only_loads
+from shardyard.core.errors import UserError
+from shardyard.core.safe_load import dcp_load, dcp_metadata_globals, load_weights_only, read_dcp_metadata, weights_only_loads
 
 
 @dataclass
@@ -271,7 +271,7 @@ def test_exact_unpickler_reads_every_dcp_metadata_protocol():
 
 
 def _read(data: bytes):
-    from shardyard.safe_load import exact_loads
+    from shardyard.core.safe_load import exact_loads
 
     return exact_loads(data, dcp_metadata_globals())
 
@@ -283,7 +283,7 @@ def test_the_rendezvous_state_round_trips_through_the_exact_set():
 
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
-    from shardyard.safe_load import exact_loads, rendezvous_globals
+    from shardyard.core.safe_load import exact_loads, rendezvous_globals
 
     state = _RendezvousState()
     state.round, node = 3, _NodeDesc("host-a", 11, 0)
@@ -297,7 +297,7 @@ def test_metadata_cannot_point_dcp_outside_the_checkpoint(tmp_path):
     """Only classes of the exact set, yet a path: a shard's ``relative_path`` must be a name in the checkpoint."""
     import torch.distributed.checkpoint as dcp
 
-    from shardyard.safe_load import read_dcp_metadata
+    from shardyard.core.safe_load import read_dcp_metadata
 
     dcp.save({"w": torch.arange(6.0), "lr": 0.1}, checkpoint_id=str(tmp_path))
     metadata = read_dcp_metadata(str(tmp_path))
@@ -314,7 +314,7 @@ def test_metadata_cannot_point_dcp_outside_the_checkpoint(tmp_path):
 def test_every_ranks_torch_files_are_vetted_as_opcodes_without_unpickling(tmp_path):
     """What rank 0 runs over a DeepSpeed checkpoint before any collective load (``unsafe_global_in``): the data
     classes of the allow-list pass, a hostile global in any rank's file is named, and nothing runs."""
-    from shardyard.safe_load import unsafe_global_in
+    from shardyard.core.safe_load import unsafe_global_in
 
     (tmp_path / "global_step3").mkdir()
     torch.save({"t": torch.ones(2), "plain": _Plain(1)}, tmp_path / "global_step3/zero_pp_rank_0_mp_rank_00_optim_states.pt")
@@ -348,7 +348,7 @@ def test_the_fast_reader_refuses_the_corpus_as_the_pure_python_one_does(tmp_path
     stand-ins. Every file of the corpus is refused naming what ``ExactUnpickler`` names, through the reader
     and through ``read_dcp_metadata``, and runs nothing. Extension codes that ``copyreg`` does not hold are
     an error of the C unpickler itself (``ExactUnpickler`` refuses them by name)."""
-    from shardyard.safe_load import ExactUnpickler, FastExactUnpickler, Refused
+    from shardyard.core.safe_load import ExactUnpickler, FastExactUnpickler, Refused
 
     cases = corpus(tmp_path)
     with extension_codes():  # the EXT cases written as a library's codes would let them be written
@@ -382,7 +382,7 @@ def _changeable_state(obj) -> tuple:
 def test_build_on_every_allowed_object_and_on_shared_results_is_refused_by_both_readers(which):
     """BUILD (dict state, slot state) on each object of the exact set, and on the process-wide objects that
     calling one returns (an enum member, a layout, the UTC timezone): both readers refuse, nothing changes."""
-    from shardyard.safe_load import ExactUnpickler, FastExactUnpickler, rendezvous_globals
+    from shardyard.core.safe_load import ExactUnpickler, FastExactUnpickler, rendezvous_globals
 
     allowed = dcp_metadata_globals() if which == "dcp" else rendezvous_globals()
     targets = [G(m, n) for m, n in allowed]
@@ -412,7 +412,7 @@ def _memory_format_encodings() -> list:
 def test_the_fast_reader_hands_out_nothing_it_cannot_fence():
     """An allowed object BUILD could change, with no stand-in for it (an instance with a ``__dict__``), is a
     programming error when the table is built, not an object handed to a hostile file."""
-    from shardyard.safe_load import _stand_ins
+    from shardyard.core.safe_load import _stand_ins
 
     with pytest.raises(TypeError, match="no stand-in"):
         _stand_ins({("tests", "plain"): _Plain(1)})
@@ -428,7 +428,7 @@ def test_a_64_rank_fsdp_metadata_reads_as_pickle_reads_it_without_a_python_opcod
 
     from fsdp_metadata import write_fsdp_metadata
 
-    from shardyard.safe_load import _gc_paused
+    from shardyard.core.safe_load import _gc_paused
 
     file = write_fsdp_metadata(tmp_path, world=64)
     with _gc_paused():
@@ -456,7 +456,7 @@ def test_both_readers_build_the_same_objects_through_every_calling_opcode():
     protocols 0-5: the stand-ins make what the real classes make, as ``ExactUnpickler`` does."""
     import io
 
-    from shardyard.safe_load import ExactUnpickler, FastExactUnpickler
+    from shardyard.core.safe_load import ExactUnpickler, FastExactUnpickler
 
     md = "torch.distributed.checkpoint.metadata"
     size = Call(G("torch", "Size"), [4, 2])

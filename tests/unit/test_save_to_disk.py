@@ -10,11 +10,11 @@ import pytest
 
 from conftest import byte_bpe
 
-from shardyard import data, sft
-from shardyard.errors import UserError
-from shardyard.preference import PreferenceData
-from shardyard.prompts import PromptData
-from shardyard.sources import TextFiles, is_val
+from shardyard.data import pipeline as data, sft
+from shardyard.core.errors import UserError
+from shardyard.data.preference import PreferenceData
+from shardyard.data.prompts import PromptData
+from shardyard.data.sources import TextFiles, is_val
 from shardyard.testing import compose
 
 EOS = "<|endoftext|>"
@@ -108,3 +108,28 @@ def test_bad_rows_in_a_saved_dataset_name_the_directory_and_row(tok, tmp_path):
     with pytest.raises(UserError) as e:
         PreferenceData([ds]).tokenize_rows(tok, 64, lambda name: False)
     assert e.value.value == f"{ds} row 3" and "`rejected`" in e.value.problem
+
+
+@pytest.mark.parametrize("damage,fault", [
+    (lambda d: (d / "dataset_info.json").unlink(), "dataset_info.json"),
+    (lambda d: (d / "state.json").unlink(), "state.json"),
+    (lambda d: (d / "data-00000-of-00001.arrow").unlink(), "data-00000-of-00001.arrow"),
+    (lambda d: (d / "state.json").write_text('{"_fingerprint": "x"}'), "state.json"),
+    (lambda d: (d / "train" / "dataset_info.json").unlink(), "train/dataset_info.json"),
+    (lambda d: (d / "dataset_dict.json").write_text('{"splits": ["train", "validation"]}'), "validation"),
+], ids=["no-dataset-info", "no-state", "no-arrow-file", "state-without-data-files", "dict-split-no-info",
+        "dict-split-not-there"])
+def test_a_save_to_disk_dir_missing_a_file_is_named_by_that_file(tmp_path, damage, fault):
+    """A ``save_to_disk`` directory that lacks a file ``load_from_disk`` reads (issue 53) is told by its marker
+    files (``dataset_info.json``, a ``state.json`` listing ``_data_files``, ``dataset_dict.json``): every data
+    option refuses it naming data.paths and the missing file, named directly or found under a named directory.
+    (Before: without dataset_info.json it was read as a directory of JSON files, and its valid state.json blamed.)"""
+    split = {"train": slice(0, 8), "test": slice(8, 12)} if fault.startswith(("train/", "validation")) else None
+    _, ds = saved(tmp_path, SFT_ROWS, "chat", split)
+    damage(tmp_path / "chat")
+    for source in (lambda p: sft.SFTData([p]), lambda p: TextFiles([p], text_field="messages")):
+        for named in (ds, str(tmp_path)):
+            with pytest.raises(UserError) as e:
+                source(named)
+            assert e.value.key == "data.paths" and e.value.value == str(tmp_path / "chat" / fault), e.value.paragraph()
+            assert "save_to_disk" in e.value.problem, e.value.paragraph()

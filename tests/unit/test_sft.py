@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from shardyard import sft
-from shardyard.errors import UserError
-from shardyard.model import causal_lm_loss, packed_kwargs
+from shardyard.data import sft
+from shardyard.core.errors import UserError
+from shardyard.models.loss import causal_lm_loss, packed_kwargs
 
 CONV = [{"role": "system", "content": "You are terse."},
         {"role": "user", "content": "Capital of France?"},
@@ -93,7 +93,7 @@ def test_json_files_are_the_users_data_never_the_embedded_set(tmp_path):
     without a known file exits 2 (it trained on the embedded stdlib set before, issue 30)."""
     import json
 
-    from shardyard import data
+    from shardyard.data import pipeline as data
     from shardyard.testing import compose
 
     pairs = [{"question": f"What is {i} + {i}?", "answer": f"It is {2 * i}."} for i in range(30)]
@@ -170,7 +170,7 @@ def test_embedded_instruction_set_is_stable():
 def test_health_warns_on_rising_eval_loss_and_stops_early(capsys):
     from omegaconf import OmegaConf
 
-    from shardyard.loop import Health
+    from shardyard.training.loop import Health
 
     cfg = OmegaConf.create({"train": {"steps": 100, "warn_after_evals": 2, "early_stopping_patience": 3}})
     h = Health(cfg.train, rank0=True)
@@ -192,3 +192,24 @@ def test_health_warns_on_rising_eval_loss_and_stops_early(capsys):
         quiet.on_train(step * 10, loss)
         quiet.on_eval(step * 10, loss + 0.1)
     assert quiet.warnings == []
+
+
+def test_a_split_every_conversation_was_left_out_of_is_refused_with_the_count_and_the_key(tok, tmp_path):
+    """Every conversation longer than data.seq_len under truncation=drop, or cut before its first assistant token,
+    or without an assistant turn (issue 53): refused naming the key at fault (data.seq_len; data.paths for
+    conversations with nothing to learn), the count and why. (Before: an empty split, reported later as "no
+    conversation" without a count.)"""
+    import json
+
+    path = tmp_path / "chat.jsonl"
+    long = {"messages": [{"role": "user", "content": "Q " * 60}, {"role": "assistant", "content": "Paris."}]}
+    path.write_text((json.dumps(long) + "\n") * 2)
+    for policy, why in (("drop", "2 longer than data.seq_len=32"), ("truncate", "2 with every response token past")):
+        with pytest.raises(UserError) as e:
+            sft.SFTData([str(path)], truncation=policy).tokenize_rows(tok, 32, lambda name: False)
+        assert (e.value.key, e.value.value) == ("data.seq_len", 32) and why in e.value.problem, e.value.paragraph()
+        assert "All 2 conversations" in e.value.problem and str(path) in e.value.problem
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "Hello?"}]}) + "\n")
+    with pytest.raises(UserError) as e:
+        sft.SFTData([str(path)]).tokenize_rows(tok, 32, lambda name: False)
+    assert e.value.key == "data.paths" and "1 with no assistant turn" in e.value.problem, e.value.paragraph()

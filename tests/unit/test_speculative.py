@@ -1,4 +1,4 @@
-"""MTP speculative decoding (shardyard.speculative, issue 45): the output equals plain greedy decoding
+"""MTP speculative decoding (shardyard.inference.speculative, issue 45): the output equals plain greedy decoding
 (``generation.generate`` at temperature 0) token for token, with eos and a stop check inside, on tiny DeepSeek-V3
 models with 1 and 2 MTP depths, random (drafts rejected) and briefly trained (drafts mostly accepted, some
 rounds only partly); the counts equal a brute-force replay that recomputes every draft without a cache
@@ -15,13 +15,15 @@ from transformers.masking_utils import create_causal_mask
 
 from conftest import Whole
 
-from shardyard import mtp, speculative
-from shardyard.generation import generate
-from shardyard.model import build_model, causal_lm_loss_sum
-from shardyard.speculative import available, generate_mtp
+from shardyard.models import mtp
+from shardyard.inference import speculative
+from shardyard.models.generation import generate
+from shardyard.models.build import build_model
+from shardyard.models.loss import causal_lm_loss_sum
+from shardyard.inference.speculative import available, generate_mtp
 
 V = 96
-SHAPE = dict(_target_="shardyard.model.deepseek_v3", name="spec_test", vocab_size=V, hidden_size=64,
+SHAPE = dict(_target_="shardyard.models.build.deepseek_v3", name="spec_test", vocab_size=V, hidden_size=64,
              intermediate_size=128, num_layers=2, num_heads=4, kv_lora_rank=32, qk_nope_head_dim=16,
              qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
              moe_intermediate_size=32, first_k_dense_replace=1)
@@ -159,6 +161,21 @@ def test_random_init_equals_greedy(monkeypatch, depth):
         assert _check(monkeypatch, model, _prompt(3, seed=7), n, None).drafted == 0
 
 
+def test_drafts_chain_the_depths_as_training_does(monkeypatch):
+    """Depth 2 drafts from depth 1's output after its ``shared_head.norm``, as ``mtp.run_depths`` (and Megatron-Core)
+    chain them: with norm weights far from 1 and a sharp head, drafting from depth 1's output before that norm
+    gives other drafts than ``_replay``'s (issue 53)."""
+    model = _tiny(2, seed=5)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(10)
+        for layer in mtp.layers(model):
+            norm = layer.shared_head.norm.weight
+            norm.copy_(torch.rand(norm.shape, generator=g) * 2.8 + 0.2)
+    for i, n in enumerate([2, 6]):
+        _check(monkeypatch, model, _prompt(n, seed=40 + i), 12, None)
+
+
 def test_trained_drafts_accepted_and_rejected(monkeypatch, trained):
     total = None
     for i in range(4):
@@ -201,7 +218,8 @@ def test_from_an_export(tmp_path, trained):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from shardyard import export, inference
+    from shardyard.training import export
+    from shardyard.inference import loading as inference
 
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(V)}, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -217,7 +235,7 @@ def test_from_an_export(tmp_path, trained):
     # plain greedy decoding and prints the measured speed-up. The counts are generate_mtp's own on that prompt.
     import re
 
-    from shardyard import generate as command
+    from shardyard.inference import generate as command
 
     text = " ".join(f"t{i}" for i in prompt[0].tolist())
     tok = inference.load(str(tmp_path / "hf")).tokenizer

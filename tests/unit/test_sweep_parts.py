@@ -6,7 +6,7 @@ import json
 import pytest
 from omegaconf import OmegaConf
 
-from shardyard import sweep
+from shardyard.launching import sweep
 
 
 def test_job_names_show_only_what_varies_readably():
@@ -87,8 +87,8 @@ def test_jobs_left_to_run_are_launched_in_runs_of_consecutive_numbers():
 @pytest.mark.parametrize("override,key", [("sweep.objective=eval/los", "sweep.objective"),
                                           ("sweep.base_port=80", "sweep.base_port")])
 def test_bad_sweep_settings_name_their_key(override, key):
-    from shardyard.validate import validate
-    from shardyard.errors import UserError
+    from shardyard.planning.validate import validate
+    from shardyard.core.errors import UserError
     from shardyard.testing import compose
 
     with pytest.raises(UserError) as e:

@@ -2,7 +2,7 @@
 
 They live in the ``hydra_plugins`` namespace because Hydra instantiates sweepers only from there.
 
-Both hand the jobs to whichever launcher is chosen (basic, joblib, submitit) and share ``shardyard.sweep``:
+Both hand the jobs to whichever launcher is chosen (basic, joblib, submitit) and share ``shardyard.launching.sweep``:
 readable job dirs, every job checked before the first starts, failures recorded while the sweep goes on,
 resume with ``checkpoint.resume=auto``, and the summary at the end.
 
@@ -30,17 +30,22 @@ from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig
 
-from shardyard import sweep
-from shardyard.sweep import Job
-from shardyard import errors
+from shardyard.launching import sweep
+from shardyard.launching.sweep import Job
+from shardyard.core import errors
+from shardyard.config import preflight
 from shardyard.config.sweepers import register  # noqa: F401 - Hydra's name for the plug-in's configs
-from shardyard.errors import UserError, report_and_exit
+from shardyard.core.errors import UserError, report_and_exit
 
 
 def _setup(self: Any, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
     from hydra.core.plugins import Plugins
 
     self.hydra_context, self.config = hydra_context, config
+    try:  # the sweeper's own packages (optuna), before any job or its launcher is built
+        preflight.check_hydra(config.hydra)
+    except UserError as err:
+        report_and_exit(err)
     self.launcher = Plugins.instance().instantiate_launcher(hydra_context=hydra_context, task_function=task_function,
                                                             config=config)
 
@@ -126,7 +131,7 @@ class ParallelLauncher(Launcher):
         from hydra.core.utils import run_job, setup_globals
         from omegaconf import open_dict
 
-        from shardyard.errors import leave
+        from shardyard.core.errors import leave
 
         assert self.hydra_context is not None and self.config is not None
         setup_globals()
@@ -156,7 +161,7 @@ def _prepare(self: Any, key: Any, jobs: list[sweep.Job]) -> tuple[str, bool]:
     """The sweep dir, and whether it continues an earlier sweep of the same jobs (``checkpoint.resume=auto``);
     every job checked. A sweep dir that holds another sweep, or this one without ``checkpoint.resume=auto``, is
     refused: its finished jobs would be taken for this sweep's."""
-    from shardyard import run
+    from shardyard.launching import run
 
     config = self.config
     errors.JOB_STARTED = True  # composed: an exit from here on is the sweep's own, not a composition error
@@ -241,6 +246,8 @@ def _batches(indices: list[int], size: int | None) -> list[list[int]]:
 
 class OptunaSweeper(Sweeper):
     """Optuna search with pruning (see the module docstring for why not hydra-optuna-sweeper)."""
+
+    requires = "optuna"  # the sweep extra (shardyard.config.preflight.check_hydra, before any job)
 
     def __init__(self, params: Dict[str, str], n_trials: int, n_jobs: int, sampler: str, seed: Optional[int],
                  pruner: str, pruner_startup_trials: int, pruner_warmup_steps: int, study_name: Optional[str]) -> None:

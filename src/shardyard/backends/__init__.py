@@ -1,7 +1,10 @@
 """Distributed engines behind one small interface.
 
 A backend is chosen by the ``_target_`` of the ``backend`` group; nothing outside this package branches on
-its name. Engines share code by composition (``torch_step.TorchStepper``), never by inheritance.
+its name. Engines share code by composition (``torch_step.TorchStepper``), never by inheritance. What the
+engines build lives here too: optimizers and schedules (``optim``).
+
+May import: ``models``, ``data``, ``monitors``, ``config``, ``core``. Independent of ``evaluation``.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import torch
 from omegaconf import DictConfig
 
 from shardyard.config import checkpointing_mode
-from shardyard.facts import ParallelDims, Plan
+from shardyard.core.facts import ParallelDims, Plan
 
 
 @dataclass
@@ -32,7 +35,7 @@ class StepStats:
 
 @dataclass
 class ModelStates:
-    """What an engine holds per rank, for the plan (``shardyard.plan``): bytes by category and place, and the
+    """What an engine holds per rank, for the plan (``shardyard.planning.plan``): bytes by category and place, and the
     bytes its collectives move. Each engine states it in its own module, next to the code that allocates it."""
 
     regime: str
@@ -130,7 +133,7 @@ def expert_parallel_states(states: ModelStates, cfg: DictConfig, shape: dict, wo
     """
     import dataclasses
 
-    from shardyard.moe import routing_groups
+    from shardyard.models.moe import routing_groups
 
     ep = int(cfg.backend.ep)
     if ep <= 1 or not shape.get("expert_params"):
@@ -164,7 +167,7 @@ def refuse_speed_options(cfg: DictConfig, engine_name: str, why: dict[str, str])
     set option named with its key and value: ``fp8`` (``precision=fp8``), ``loss_chunk``
     (``model.loss_chunk``), ``compile`` (``model.compile``), ``selective``
     (``model.activation_checkpointing=selective``)."""
-    from shardyard.errors import UserError
+    from shardyard.core.errors import UserError
 
     m = cfg.model
     set_ = {"fp8": ("precision", "fp8", cfg.precision.name == "fp8", "Use precision=bf16."),
@@ -204,6 +207,35 @@ def shard_ends(world: int) -> list[tuple[int, str, int]]:
     return [(0, "first shard", 0)] + ([(world - 1, "last shard", 0)] if world > 1 else [])
 
 
+def uneven_shard_ends(cfg: DictConfig, shards: int) -> list[tuple[int, str, int]]:
+    """``shard_ends`` of ``shards`` ranks (FSDP2's, which splits every parameter on its first dimension), only the
+    first where every parameter's rows divide by ``shards`` (the adapters' too, built on the meta device as the run
+    builds them): then each rank holds the same shapes, as the last can hold less only of a remainder, and one
+    simulation stands for all (a DeepSeek-7B or MoE-16B dry run at a node's 8 ranks is half the work). With expert
+    parallelism (``backend.ep``) the routed experts' E rows are first split over the ep group, and their E / ep
+    over the shards / ep that hold the same experts (``parallelize_fsdp``'s edp); the dry run routes uniformly."""
+    from shardyard.backends.expert_parallel import EXPERT_WEIGHTS
+    from shardyard.models import adapters
+    from shardyard.models.build import shape_model
+    from shardyard.models.moe import expert_modules
+
+    if shards > 1:
+        ep = int(cfg.backend.get("ep", 1))
+        model = adapters.apply(shape_model(cfg.model), cfg.peft, 0)
+        experts = {id(getattr(m, n)) for m in expert_modules(model) for n in EXPERT_WEIGHTS} if ep > 1 else set()
+
+        def even(p: torch.Tensor) -> bool:
+            if p.dim() == 0:
+                return False
+            if id(p) in experts:
+                return p.shape[0] % ep == 0 and (p.shape[0] // ep) % (shards // ep) == 0
+            return p.shape[0] % shards == 0
+
+        if all(even(p) for p in model.parameters()):
+            return [(0, f"every shard (rows divide by {shards})", 0)]
+    return shard_ends(shards)
+
+
 def smoke_degree(degree: int, world: int) -> int:
     """A parallel degree shrunk to a smoke run's ``world`` (``+scale=smoke``): the largest that divides it, so
     that the split itself is still exercised (2 or more where the world allows)."""
@@ -215,7 +247,7 @@ class Backend(Protocol):
     ``Backend(cfg, plan)`` from ``backend._target_``; engines share code by composition only."""
 
     launcher: ClassVar[str]
-    """Name of the function in ``shardyard.launch.LAUNCHERS`` that starts this engine's workers."""
+    """Name of the function in ``shardyard.launching.launch.LAUNCHERS`` that starts this engine's workers."""
     checkpoint_format: ClassVar[str]
     """Name of the on-disk form (``dcp``, ``deepspeed``, ``torch-rank0``); a checkpoint resumes only into
     an engine of the same format."""

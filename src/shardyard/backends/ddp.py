@@ -11,13 +11,13 @@ import torch
 from omegaconf import DictConfig
 from torch.nn.parallel import DistributedDataParallel
 
-from shardyard.facts import Plan
+from shardyard.core.facts import Plan
 from shardyard.backends import process_group, reference
 from shardyard.backends.forward import forward_to
 from shardyard.backends.process_group import init_process_group, teardown
 from shardyard.backends.torch_step import TorchStepper, pick_device, read_dcp_model_state, replica_states
-from shardyard.errors import UserError
-from shardyard.model import prepare_replica
+from shardyard.core.errors import UserError
+from shardyard.models.prepare import prepare_replica
 
 
 def _buffer_sync_kwargs(sync: bool) -> dict:

@@ -23,16 +23,19 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from shardyard.facts import Plan
+from shardyard.core.facts import Plan
 from shardyard.backends import (FP32, HALF, ModelStates, StepStats, deepspeed_patches, process_group, reference,
                                 refuse_speed_options)
 from shardyard.backends.process_group import init_process_group, teardown
 from shardyard.backends.torch_step import pick_device
-from shardyard.errors import UserError
-from shardyard import moe, op_builds
-from shardyard.model import causal_lm_loss, causal_lm_loss_sum, prepare_model, wants_meta
-from shardyard.optim import build_optimizer, build_scheduler, optimizer_kwargs, param_groups
-from shardyard.safe_load import weights_only_loads
+from shardyard.core.errors import UserError
+from shardyard.models import moe
+from shardyard.core import op_builds
+from shardyard.models.build import wants_meta
+from shardyard.models.loss import causal_lm_loss, causal_lm_loss_sum
+from shardyard.models.prepare import prepare_model
+from shardyard.backends.optim import build_optimizer, build_scheduler, optimizer_kwargs, param_groups
+from shardyard.core.safe_load import weights_only_loads
 
 
 def ds_config(cfg: DictConfig, plan) -> dict:
@@ -165,6 +168,9 @@ def ds_optimizer(o: DictConfig) -> dict | None:
 
 class DeepSpeedBackend:
     launcher: ClassVar[str] = "elastic"
+    requires: ClassVar[str] = "deepspeed"
+    """The optional package this engine needs (``shardyard.config.preflight``: the ``deepspeed`` extra, which ``make
+    train``'s setup installs; its ops compile on first use)."""
     dry_run: ClassVar[str] = "estimators"
     """``plan.dry_run``: the plan's model states against DeepSpeed's own estimators; ZeRO allocates its flat
     partitions with real storage, so it does not run on fake tensors."""
@@ -416,8 +422,8 @@ class DeepSpeedBackend:
                             "checkpoint.export_hf=true for one beside every checkpoint).")
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        from shardyard.adapters import frozen
-        from shardyard.safe_load import refused, unsafe_global_in, weights_only_loads
+        from shardyard.models.adapters import frozen
+        from shardyard.core.safe_load import refused, unsafe_global_in, weights_only_loads
 
         allowed = _safe_globals()
         found = unsafe_global_in(path, allowed)
@@ -434,7 +440,7 @@ class DeepSpeedBackend:
         from deepspeed.checkpoint.constants import (UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY,
                                                     UNIVERSAL_CHECKPOINT_VERSION_VALUE)
 
-        from shardyard.adapters import frozen
+        from shardyard.models.adapters import frozen
 
         self.engine.save_checkpoint(path, tag="zero", save_latest=False, client_state={
             UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}},
@@ -475,7 +481,7 @@ class DeepSpeedBackend:
         if same_layout:  # each rank reads back exactly the partition it wrote
             self._load(path)
             return
-        from shardyard.adapters import frozen
+        from shardyard.models.adapters import frozen
 
         if frozen(self.engine.module):  # ds_to_universal expects every parameter in the checkpoint
             raise UserError("checkpoint.resume", path, f"It is an adapter-only checkpoint (the base is frozen) of "
@@ -500,7 +506,7 @@ class DeepSpeedBackend:
 
     def _load(self, path: str) -> None:
         with weights_only_loads(_safe_globals(), source=path):  # DeepSpeed's own loads use weights_only=False
-            from shardyard.adapters import frozen
+            from shardyard.models.adapters import frozen
 
             load_path, _ = self.engine.load_checkpoint(path, tag="zero", load_optimizer_states=True,
                                                        load_lr_scheduler_states=True,
@@ -585,7 +591,7 @@ class DeepSpeedBackend:
         """Rank 0 reads the globals of every rank's files (as opcodes) before any collective load: ZeRO-3 ranks
         each load only their own partition file, and rank 0 alone converts to a universal checkpoint, so a
         crafted file one rank reads would otherwise fail there alone and leave the others in a collective."""
-        from shardyard.safe_load import refused, unsafe_global_in
+        from shardyard.core.safe_load import refused, unsafe_global_in
 
         found = unsafe_global_in(path, _safe_globals()) if self.rank == 0 else None
         flag = torch.tensor([1.0 if found else 0.0], device=self.device)

@@ -37,8 +37,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from shardyard.errors import UserError
-from shardyard.moe import EXPERT_WEIGHTS, count_routed, expert_modules
+from shardyard.core.errors import UserError
+from shardyard.models.moe import EXPERT_WEIGHTS, count_routed, expert_modules
 
 _GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
@@ -210,7 +210,7 @@ _UNIFORM = {"on": False}
 @contextlib.contextmanager
 def assume_uniform_routing() -> Iterator[None]:
     """Inside, the expert-parallel forward routes every rank's T x K slots evenly over the E experts instead of
-    by the router's choice: what a dry run on fake tensors (``shardyard.dryrun``), which has no values to route
+    by the router's choice: what a dry run on fake tensors (``shardyard.planning.dryrun``), which has no values to route
     by, assumes. Nothing else changes: the same buffers, all-to-alls and grouped GEMMs run on those splits."""
     _UNIFORM["on"] = True
     try:
@@ -242,7 +242,7 @@ def shard_experts(model: torch.nn.Module, ep_mesh: DeviceMesh, capacity_factor: 
     """Give every routed-experts module of ``model`` this rank's ``E / ep`` experts (dim-0 DTensor shards over
     ``ep_mesh``) and the all-to-all forward, its receive buffer bounded by ``capacity_factor``
     (``backend.ep_capacity_factor``; None: dropless); returns how many modules it changed. Run before FSDP."""
-    from shardyard.moe import RoutingGroups, routers
+    from shardyard.models.moe import RoutingGroups, routers
 
     found = routers(model)
     router: Any = found[0].module if found else None
@@ -306,7 +306,7 @@ def stepper_options(model: torch.nn.Module, ep: int) -> dict[str, Any]:
 def sharded_grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
     """The global L2 norm of gradients that are all sharded (FSDP2 over dp_shard, experts over edp x ep): every
     element lives on exactly one rank, so the squares of the local shards add up over the world."""
-    from shardyard.memory import local
+    from shardyard.core.memory import local
 
     grads = [local(p.grad).float() for p in params if p.grad is not None]
     device = grads[0].device if grads else torch.device("cpu")

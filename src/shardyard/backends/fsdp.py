@@ -11,16 +11,18 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from shardyard.facts import Plan
+from shardyard.core.facts import Plan
 from shardyard.backends import (FP32, HALF, ModelStates, expert_parallel_states, fsdp_buffers, process_group,
-                                reference, refuse_speed_options, shard_ends, smoke_degree)
+                                reference, refuse_speed_options, smoke_degree, uneven_shard_ends)
 from shardyard.backends.expert_parallel import shard_experts, stepper_options
-from shardyard.moe import expert_modules
+from shardyard.models.moe import expert_modules
 from shardyard.backends.forward import forward_to
 from shardyard.backends.process_group import init_process_group, teardown
 from shardyard.backends.torch_step import COMPUTE_DTYPES, TorchStepper, pick_device, read_dcp_model_state
-from shardyard.errors import UserError
-from shardyard.model import materialize, prepare_model, transformer_blocks
+from shardyard.core.errors import UserError
+from shardyard.models.build import materialize
+from shardyard.models.prepare import prepare_model
+from shardyard.models.shape import transformer_blocks
 
 
 def parallelize_fsdp(model: torch.nn.Module, cfg: DictConfig, device: torch.device,
@@ -40,7 +42,8 @@ def parallelize_fsdp(model: torch.nn.Module, cfg: DictConfig, device: torch.devi
        tokens are already summed in them).
     4. Shard every transformer block as its own unit (its all-gather overlaps the previous block's
        compute), then the root, which takes what is left: embeddings, final norm and LM head; over every rank
-       (with EP: the flattened edp x ep mesh).
+       (with EP: the flattened edp x ep mesh; with HSDP, ``mesh`` the (replicate, shard) mesh: FSDP2 shards
+       over its inner dimension and all-reduces the reduce-scattered gradients over the outer one).
     5. A big model was built on the meta device; only now, sharded, does each rank give its own shards
        storage and initialise them, so no rank ever holds the full model. With CPU offload the shards get
        host memory and the buffers the compute device: the offload policy moves parameters, never buffers,
@@ -53,8 +56,8 @@ def parallelize_fsdp(model: torch.nn.Module, cfg: DictConfig, device: torch.devi
     mp = MixedPrecisionPolicy(param_dtype=COMPUTE_DTYPES[pr.name], reduce_dtype=torch.float32) \
         if pr.name != "fp32" else MixedPrecisionPolicy()
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if b.cpu_offload else OffloadPolicy()
-    dp = None
-    if mesh is not None:  # 3
+    dp = mesh if mesh is not None and mesh.mesh_dim_names == ("replicate", "shard") else None  # 4: HSDP
+    if mesh is not None and dp is None:  # 3
         shard_experts(model, mesh["ep"], b.ep_capacity_factor)
         dp = mesh["edp", "ep"]._flatten("dp")
         for experts in expert_modules(model):
@@ -71,6 +74,16 @@ def parallelize_fsdp(model: torch.nn.Module, cfg: DictConfig, device: torch.devi
     return model
 
 
+def refuse_replicate(cfg: DictConfig, why: str) -> None:
+    """For an engine built on FSDP2 that does not run HSDP (its schema inherits ``backend.replicate``): more than
+    one copy refused, saying ``why``."""
+    replicate = int(cfg.backend.get("replicate", 1))
+    if replicate > 1:
+        raise UserError("backend.replicate", replicate, f"backend={cfg.backend.name} does not run HSDP: {why}",
+                        f"Use backend.replicate=1 with backend={cfg.backend.name}, or backend=fsdp "
+                        f"backend.replicate={replicate} (HSDP without {cfg.backend.name}'s own split).")
+
+
 def gather_full_state_dict(model: torch.nn.Module, rank: int) -> dict | None:
     """The full state dict of a model sharded by FSDP2 (over a 1D or a 2D mesh): gathered tensor by tensor
     into rank 0's CPU memory; the other ranks receive nothing (None)."""
@@ -81,17 +94,20 @@ def gather_full_state_dict(model: torch.nn.Module, rank: int) -> dict | None:
 class FSDPBackend:
     launcher: ClassVar[str] = "elastic"
     dry_run: ClassVar[str] = "engine"
-    """``plan.dry_run``: this engine itself runs on a fake process group and fake tensors (``shardyard.dryrun``)."""
-    degree_keys: ClassVar[dict[str, str]] = {"ep": "backend.ep"}
+    """``plan.dry_run``: this engine itself runs on a fake process group and fake tensors (``shardyard.planning.dryrun``)."""
+    degree_keys: ClassVar[dict[str, str]] = {"dp_replicate": "backend.replicate", "ep": "backend.ep"}
 
     @staticmethod
     def degrees(b: DictConfig) -> dict[str, int | None]:
-        return {"dp_shard": None, "ep": int(b.ep)}  # every rank a shard of the one replica; EP borrows from them
+        # the shards take the ranks the copies leave (HSDP: backend.replicate copies); EP borrows from the shards
+        return {"dp_replicate": int(b.get("replicate", 1)), "dp_shard": None, "ep": int(b.ep)}
 
     @staticmethod
     def dry_run_roles(cfg: DictConfig, dims) -> list[tuple[int, str, int]]:
-        """The ranks whose figures can differ: the ends of the shards (and of each expert-parallel group)."""
-        return shard_ends(dims.world_size)
+        """The ranks whose figures can differ: the ends of the shards, or the first alone where every parameter
+        divides evenly (``uneven_shard_ends``; with expert parallelism the ends of each group; with HSDP, of the
+        first copy's shard group: every copy holds the same)."""
+        return uneven_shard_ends(cfg, dims.dp_shard if dims.dp_replicate > 1 else dims.world_size)
 
     @staticmethod
     def for_smoke(cfg: DictConfig, world: int) -> None:
@@ -109,6 +125,11 @@ class FSDPBackend:
         if cfg.precision.name == "fp16" and plan.device_type == "cpu":
             raise UserError("precision", "fp16", "FSDP2 keeps fp16 parameters for compute, and fp16 matmuls on CPU "
                             "are emulated and unstable.", "Use precision=bf16 (or fp32) on CPU; fp16 works on CUDA.")
+        replicate = int(cfg.backend.get("replicate", 1))
+        if replicate > 1 and int(cfg.backend.get("ep", 1)) > 1:
+            raise UserError("backend.replicate", replicate, f"HSDP (copies of the sharded model) and expert "
+                            f"parallelism (backend.ep={cfg.backend.ep}, which borrows the shards' ranks) are not "
+                            "combined yet.", "Use backend.replicate=1 with backend.ep > 1, or backend.ep=1 for HSDP.")
         if int(cfg.backend.get("ep", 1)) > 1:  # measured: the recompute's op count differs, torch raises mid-backward
             refuse_speed_options(cfg, f"backend={cfg.backend.name} with backend.ep={cfg.backend.ep}", {
                 "selective": "the experts are an FSDP unit of their own inside each MoE block, whose hooks run "
@@ -129,20 +150,26 @@ class FSDPBackend:
         6. reduce_every_micro_batch=false: the unsharded fp32 gradients of the whole model stay between
            micro-batches (FSDP2 accumulates them in the reduce dtype), 4 x P more while accumulating.
         7. Expert parallelism (``backend.ep``): ``backends.expert_parallel_states``.
+        8. HSDP (``backend.replicate`` = R): N above is the shard group's world / R ranks, and each rank also
+           all-reduces its fp32 gradient shard across the R copies (ring: 2 x 4 x P / N bytes sent) wherever
+           the reduce-scatter runs.
         Communication per optimizer step: all-gather in forward and again in backward (the compute dtype)
         on every micro-batch, and an fp32 reduce-scatter on every micro-batch (or only the last):
         (2 x c + 4) x P x accumulation, or 2 x c x P x accumulation + 4 x P.
         """
-        b, P, N = cfg.backend, float(n_params), max(world, 1)
+        b, P = cfg.backend, float(n_params)
+        R = max(int(b.get("replicate", 1)), 1)
+        N = max(world // R, 1)  # 8
         c = FP32 if cfg.precision.name == "fp32" else HALF
         buffers, apart = fsdp_buffers(c, shape["root_params"], shape["max_block_params"], shape["block_params"],
                                b.reshard_after_forward)
         shards = {"params": FP32 * P / N, "grads": FP32 * P / N, "optimizer": optim_bytes * P / N}
         device, host = ({"buffers": buffers}, shards) if b.cpu_offload else ({**shards, "buffers": buffers}, {})
         every_micro = b.reduce_every_micro_batch
+        across = 2 * FP32 * P / N if R > 1 else 0.0  # 8
         states = ModelStates("fp32" if c == FP32 else "half", device, host,
-                             comm_per_step=0.0 if every_micro else FP32 * P,
-                             comm_per_micro=(2 * c + FP32) * P if every_micro else 2 * c * P,
+                             comm_per_step=0.0 if every_micro else FP32 * P + across,
+                             comm_per_micro=(2 * c + FP32) * P + across if every_micro else 2 * c * P,
                              grads_freed_each_step=True, buffers_apart=apart,  # 5
                              accumulation_bytes=0.0 if every_micro else FP32 * P)  # 6
         return expert_parallel_states(states, cfg, shape, N, c)  # 7
@@ -150,10 +177,13 @@ class FSDPBackend:
     def init(self) -> None:
         self.device = pick_device(self.plan, int(os.environ.get("LOCAL_RANK", 0)))
         init_process_group(self.cfg, self.device)
-        ep = self.plan.dims.ep
-        # Expert parallelism: the ranks as (edp, ep), ep innermost, so an EP group is consecutive ranks (one node).
-        self.mesh = init_device_mesh(self.device.type, (self.world_size // ep, ep), mesh_dim_names=("edp", "ep")) \
-            if ep > 1 else None
+        ep, replicate = self.plan.dims.ep, self.plan.dims.dp_replicate
+        self.mesh: DeviceMesh | None = None
+        if ep > 1:  # the ranks as (edp, ep), ep innermost: an EP group is consecutive ranks (one node)
+            self.mesh = init_device_mesh(self.device.type, (self.world_size // ep, ep), mesh_dim_names=("edp", "ep"))
+        elif replicate > 1:  # HSDP: (replicate, shard), shard innermost: a shard group is consecutive ranks
+            self.mesh = init_device_mesh(self.device.type, (replicate, self.world_size // replicate),
+                                         mesh_dim_names=("replicate", "shard"))
 
     def prepare(self, build, total_steps: int) -> None:
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler

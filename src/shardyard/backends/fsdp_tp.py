@@ -14,14 +14,16 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from shardyard.facts import Plan
+from shardyard.core.facts import Plan
 from shardyard.backends import ModelStates, process_group, reference, refuse_speed_options, shard_ends, smoke_degree
 from shardyard.backends.forward import forward_to
-from shardyard.backends.fsdp import FSDPBackend, gather_full_state_dict
+from shardyard.backends.fsdp import FSDPBackend, gather_full_state_dict, refuse_replicate
 from shardyard.backends.process_group import init_process_group, teardown
 from shardyard.backends.torch_step import COMPUTE_DTYPES, TorchStepper, pick_device, read_dcp_model_state
-from shardyard.errors import UserError
-from shardyard.model import apply_activation_checkpointing, apply_compile, materialize, transformer_blocks
+from shardyard.core.errors import UserError
+from shardyard.models.build import materialize
+from shardyard.models.prepare import apply_activation_checkpointing, apply_compile
+from shardyard.models.shape import transformer_blocks
 
 BLOCK_PLAN = {  # the Megatron split of a LLaMA block: one all-reduce after attention, one after the MLP
     "self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
@@ -120,7 +122,7 @@ def check_tp_model(model: Any, tp: int) -> None:
 class FSDPTPBackend:
     launcher: ClassVar[str] = "elastic"
     dry_run: ClassVar[str] = "engine"
-    """``plan.dry_run``: this engine itself runs on a fake process group and fake tensors (``shardyard.dryrun``)."""
+    """``plan.dry_run``: this engine itself runs on a fake process group and fake tensors (``shardyard.planning.dryrun``)."""
     checkpoint_format: ClassVar[str] = "dcp"
 
     @staticmethod
@@ -153,9 +155,11 @@ class FSDPTPBackend:
 
     @staticmethod
     def validate(cfg: DictConfig, plan) -> None:
-        from shardyard.model import shape_model
+        from shardyard.models.build import shape_model
 
         FSDPBackend.validate(cfg, plan)
+        refuse_replicate(cfg, "its mesh is (dp, tp), the data-parallel ranks all shards of one copy; a third "
+                         "dimension of copies is not built yet.")
         refuse_speed_options(cfg, "backend=fsdp_tp", {
             "fp8": "tensor-parallel float8 needs its own sharding plans (float8 all-gathers of the split layers).",
             "loss_chunk": "the LM head is split over the tensor-parallel ranks (vocab-parallel logits).",

@@ -9,16 +9,18 @@ from typing import Any, ClassVar
 import torch
 from omegaconf import DictConfig
 
-from shardyard.facts import Plan
+from shardyard.core.facts import Plan
 from shardyard.backends import reference, refuse_speed_options
 from shardyard.backends.forward import forward_to
 from shardyard.backends.torch_step import TorchStepper, pick_device, replica_states
-from shardyard.errors import UserError
-from shardyard.model import prepare_replica
+from shardyard.core.errors import UserError
+from shardyard.models.prepare import prepare_replica
 
 
 class HorovodBackend:
     launcher: ClassVar[str] = "horovod"
+    requires: ClassVar[str] = "horovod"
+    """The optional package this engine needs (``shardyard.config.preflight``: the ``horovod`` extra, built by setup)."""
     dry_run: ClassVar[str] = "replica"
     """``plan.dry_run``: every rank is one whole replica, which the dry run simulates on the ``single`` engine's
     code (the replica this engine wraps); its gradient buckets are checked by arithmetic."""
@@ -33,7 +35,7 @@ class HorovodBackend:
 
     @staticmethod
     def validate(cfg: DictConfig, plan) -> None:
-        from shardyard.dist_env import detect
+        from shardyard.core.dist_env import detect
 
         try:
             import horovod.torch as hvd
@@ -162,7 +164,7 @@ class HorovodBackend:
         if self.rank == 0:
             from safetensors.torch import save_file
 
-            from shardyard.adapters import checkpoint_state  # adapters only, when the base is frozen
+            from shardyard.models.adapters import checkpoint_state  # adapters only, when the base is frozen
 
             save_file({k: v.contiguous() for k, v in checkpoint_state(self.model).items()},
                       os.path.join(path, "model.safetensors"))
@@ -171,8 +173,8 @@ class HorovodBackend:
     def load_checkpoint(self, path: str, meta: dict) -> None:
         from safetensors.torch import load_file
 
-        from shardyard.adapters import frozen
-        from shardyard.safe_load import load_weights_only
+        from shardyard.models.adapters import frozen
+        from shardyard.core.safe_load import load_weights_only
 
         self.model.load_state_dict(load_file(os.path.join(path, "model.safetensors"), device=str(self.device)),
                                    strict=not frozen(self.model))

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import os
 from typing import Any, ClassVar
 
@@ -17,23 +16,38 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from shardyard import moe, mtp
-from shardyard.facts import Plan
+from shardyard.models import moe, mtp
+from shardyard.core.facts import Plan
 from shardyard.backends import FP32, HALF, ModelStates, process_group, refuse_speed_options, smoke_degree
 from shardyard.backends.expert_parallel import shard_experts, stepper_options
-from shardyard.moe import expert_modules
+from shardyard.models.moe import expert_modules
 from shardyard.backends.forward import forward_to
-from shardyard.backends.fsdp import FSDPBackend
+from shardyard.backends.fsdp import FSDPBackend, refuse_replicate
 from shardyard.backends.process_group import init_process_group, teardown
 from shardyard.backends.torch_step import COMPUTE_DTYPES, TorchStepper, pick_device, read_dcp_model_state
-from shardyard.errors import UserError
-from shardyard.model import apply_activation_checkpointing, apply_compile, materialize, signature
+from shardyard.core.errors import UserError
+from shardyard.models.build import materialize
+from shardyard.models.prepare import apply_activation_checkpointing, apply_compile
+from shardyard.models.shape import signature
 
 
-PIPELINE_EDGE = 3.3
-"""What a pipeline stage holds of each micro-batch in flight beside its blocks' checkpointed inputs, per token,
-in units of the hidden state in the compute dtype (h x c): its output and what its layers share (the causal mask,
-the rotary tables). Measured by the dry run on DeepSeek-V3's stages (3 to 16 micro-batches in flight)."""
+def edge_units(s: int, pp: int, chunks: int, m: int, in_flight: int, mtp_depth: int) -> float:
+    """What pipeline stage ``s`` (of ``pp``; ``chunks`` in all, this rank's every ``pp``-th) holds at its edges, in
+    hidden states of one pipeline micro-batch (h x c bytes per token of it), as torch's ``PipelineStage`` allocates
+    them (torch 2.13, ``torch.distributed.pipelining.stage``): every chunk after the first receives into one buffer
+    per pipeline micro-batch of the step (``m``), kept for the whole step, and the input gradient it sends lives
+    until the send completes (one); every chunk before the last receives its output's gradient into one buffer per
+    pipeline micro-batch, and keeps each output it sent until that micro-batch's backward (``in_flight``). With
+    multi-token prediction the first stage's embedding travels beside the hidden states (``Stage``): every buffer
+    is two hidden states, an output one (the embedding passed on is a view of the one received). A received
+    buffer in flight is its stage's first layer's input, which the blocks' activations count already (the layer
+    keeps its input: checkpointed or not), so those are not counted twice."""
+    carry = 2 if mtp_depth else 1
+    mine = list(range(s, chunks, pp))
+    receives = sum(1 for ch in mine if ch > 0)
+    sends = sum(1 for ch in mine if ch < chunks - 1)
+    received = carry * (m * receives + 1) - in_flight if receives else 0
+    return float(received + carry * m * sends + (in_flight if sends else 0))
 
 
 class Hole(torch.nn.Module):
@@ -45,7 +59,7 @@ class Stage(torch.nn.Module):
     the final norm and LM head (last stage). Positions, rotary embeddings and the causal mask are rebuilt
     from the sequence length in every stage, exactly as the HF model builds them once.
 
-    Multi-token prediction (``shardyard.mtp``) runs on the last stage, beside the head it shares. Its depths
+    Multi-token prediction (``shardyard.models.mtp``) runs on the last stage, beside the head it shares. Its depths
     read the shared embedding of the tokens ahead, which only the first stage holds: while training
     (``with_mtp``), every stage passes the first stage's embedding output along beside the hidden states (one
     more hidden-sized activation per boundary), so its gradient flows back to the one embedding through the
@@ -94,7 +108,7 @@ class Stage(torch.nn.Module):
             if self.last:
                 h = self.norm(h)
                 heads = [self.head(h)]
-                if carry:  # the MTP depths (shardyard.mtp._forward's, on the embedding carried from the first stage)
+                if carry:  # the MTP depths (shardyard.models.mtp._forward's, on the embedding carried from the first stage)
                     assert emb is not None
                     heads += [self.head(n) for n in mtp.run_depths(self._hf, h, emb, attention_mask=mask,
                                                                   position_embeddings=rope, position_ids=pos)]
@@ -209,7 +223,7 @@ def check_pipeline_model(model: Any, cfg: DictConfig) -> None:
 class PipelineBackend:
     launcher: ClassVar[str] = "elastic"
     dry_run: ClassVar[str] = "engine"
-    """``plan.dry_run``: this engine itself runs on a fake process group and fake tensors (``shardyard.dryrun``)."""
+    """``plan.dry_run``: this engine itself runs on a fake process group and fake tensors (``shardyard.planning.dryrun``)."""
     checkpoint_format: ClassVar[str] = "dcp"
 
     @staticmethod
@@ -219,7 +233,7 @@ class PipelineBackend:
     degree_keys: ClassVar[dict[str, str]] = {"pp": "backend.stages", "ep": "backend.ep"}
     post_training: ClassVar[bool] = False
     """The post-training objectives (DPO, GRPO) need each sequence's log-probabilities from one forward of the
-    whole model, and GRPO samples with it: a stage holds only its layers (``validate._validate_objective``)."""
+    whole model, and GRPO samples with it: a stage holds only its layers (``planning.rules.validate_objective``)."""
 
     @staticmethod
     def degrees(b: DictConfig) -> dict[str, int | None]:
@@ -233,7 +247,7 @@ class PipelineBackend:
         head, another count of layers or of MoE layers); of stages alike, the first, which has the most
         micro-batches in flight. Every rank of a stage holds the same shapes (its experts and shards are even
         splits), so one data-parallel rank stands for its stage."""
-        from shardyard.model import shape_model
+        from shardyard.models.build import shape_model
 
         b = cfg.backend
         model: Any = shape_model(cfg.model)
@@ -279,11 +293,13 @@ class PipelineBackend:
 
     @staticmethod
     def validate(cfg: DictConfig, plan) -> None:
-        from shardyard.model import shape_model
+        from shardyard.models.build import shape_model
 
         import transformers
 
         FSDPBackend.validate(cfg, plan)
+        refuse_replicate(cfg, "each stage's data-parallel ranks are all shards of one copy of the stage; copies "
+                         "of the shard groups are not built yet.")
         refuse_speed_options(cfg, "backend=pipeline", {
             "fp8": "the stages are not built with float8 linears here.",
             "loss_chunk": "the last stage's loss function receives the logits from the schedule."})
@@ -309,7 +325,7 @@ class PipelineBackend:
                             f"Use backend.microbatches={b.stages} (or a multiple), or backend.schedule=gpipe.")
         unsupported = [("backend.cpu_offload", True, b.cpu_offload, "CPU offload"),
                        ("peft", str(cfg.peft.name), cfg.peft.name != "none", "Adapters (peft)"),
-                       ("data", "sft", cfg.data._target_ == "shardyard.sft.SFTData", "Packed SFT rows (positions "
+                       ("data", "sft", cfg.data._target_ == "shardyard.data.sft.SFTData", "Packed SFT rows (positions "
                         "restarting per conversation travel beside the hidden states)"),
                        ("data.document_mask", True, cfg.data.document_mask, "Document masking (positions restarting "
                         "per document travel beside the hidden states)")]
@@ -373,28 +389,25 @@ class PipelineBackend:
             held = blocks - experts * (1 - 1 / ep)  # 3
             device = {**states.device, "buffers": (c + FP32) * held + 2 * c * root
                       + c * (largest - largest_e * (1 - 1 / ep))}
-            # 2: per micro-batch in flight, beside its blocks' checkpointed inputs: the stage's output and the
-            # tensors every layer of it shares (causal mask, rotary tables): 3.3 x h x c per token (the dry run's
-            # DeepSeek-V3 stages, 3 to 16 in flight). The root's backward (stage_bytes): the embedding's or the
-            # head's gradient made in the compute dtype beside the one accumulated, and the head's from the fp32
-            # logits' gradient, c x root x 3.1 on the last stage, x 1.4 on the first (x 0.7 without a micro-batch
-            # after its first backward: all of them in flight).
-            edge = c * shape["root_params"] / 2 * ((1.36 if in_flight < m else 0.68) * (s == 0) + 3.13 * (s == pp - 1))
+            # 2: beside its blocks' checkpointed inputs, the stage's edges as torch allocates them (``edge_units``:
+            # a receive buffer per pipeline micro-batch of the step, the outputs in flight). The root's backward
+            # (stage_bytes): the embedding's or the head's gradient made in the compute dtype beside the one
+            # accumulated, and the head's from the fp32 logits' gradient, c x root x 3.1 on the last stage, x 1.4 on
+            # the first (measured by the dry run on both V3 layouts, 8 and 16 of 16 micro-batches in flight there;
+            # with the edges fitted per micro-batch in flight it had taken 0.7 where all were in flight)
+            edge = c * shape["root_params"] / 2 * (1.36 * (s == 0) + 3.13 * (s == pp - 1))
             # 3: the first stage backpropagates its embedding last, after the blocks whose recompute is the
             # activations' peak: its gradient (and, with every micro-batch in flight, the accumulated one) is not
             # there yet
             apart = c * root * (2 if in_flight == m else 1) if s == 0 and pp > 1 else 0.0
-            # MTP: every stage carries the embedding beside the hidden states, which doubles what a stage holds at
-            # its edges per micro-batch in flight (the received tensor, its view sent on, their gradients: measured
-            # by the dry run at deepseek_v3_pipeline's 512 ranks, stage 1 with 15 in flight: 14.98 GiB of
-            # activations, 12.18 without the depth), and the last stage's output holds each depth's logits beside the
-            # main head's (c x vocab per token). The first stage makes the embedding from its own input (the dry run:
-            # 13.84 GiB there, as without the depth).
-            carried = PIPELINE_EDGE * (2 if d and s > 0 else 1)
+            # MTP: every stage carries the embedding beside the hidden states (``edge_units``: its buffers hold
+            # two), and the last stage's output holds each depth's logits beside the main head's (c x vocab per
+            # token).
             out_logits = c * shape["vocab"] * d * logits / m if s == pp - 1 else 0.0
             kinds.append(dataclasses.replace(
                 states, device=device, buffers_apart=apart, activation_factor=1 / m,
-                stage_bytes_per_token=carried * c * shape["hidden"] * in_flight / m + out_logits, stage_bytes=edge,
+                stage_bytes_per_token=edge_units(s, pp, chunks, m, in_flight, d) * c * shape["hidden"] / m
+                + out_logits, stage_bytes=edge,
                 activation_parts=(in_flight / m * len(mine) / n, 1 / m if mine else 0.0, logits / m),
                 notes=states.notes + [f"pipeline {pp} stages ({b.schedule}, {m} micro-batches): stage {s} holds "
                                       f"{len(mine)} layers, {in_flight} micro-batches in flight, FSDP over {dp} "
@@ -465,37 +478,48 @@ class PipelineBackend:
         return ce if self.depths else ce[0]
 
     def simulated_forward_backward(self, inputs, targets, is_last_micro: bool, weight: torch.Tensor) -> None:
-        """The dry run's ``forward_backward`` (``shardyard.dryrun``): this rank's stages at the schedule's deepest
+        """The dry run's ``forward_backward`` (``shardyard.planning.dryrun``): this rank's stages at the schedule's deepest
         point, on a fake process group that cannot carry the schedule's shape handshake. The micro-batches in
         flight (GPipe: all ``microbatches``; 1F1B: ``stages - s`` of them on stage s) run forward, each on its slice
-        of the micro batch (token ids on the first stage, hidden states of the compute dtype elsewhere), then
-        backward, and 1F1B one more forward after the first backward: its steady state, where a backward runs beside
-        the gradients earlier ones accumulated. FSDP runs as the schedule runs it (``torch.distributed.pipelining.stage``,
-        torch 2.13): every backward without resharding or reducing, so each stage keeps its parameters unsharded and
-        its gradients unsharded and accumulating over the step's pipeline micro-batches, then one reduction
-        (``perform_reduce_grad``). The last stage's loss is the run's ``_scaled_loss``; the others' output gradient
-        a tensor of its shape."""
+        of the micro batch, then backward, and 1F1B one more forward after the first backward: its steady state,
+        where a backward runs beside the gradients earlier ones accumulated. The edges are torch's
+        (``torch.distributed.pipelining.PipelineStage``, torch 2.13): a stage after the first receives into one
+        buffer per pipeline micro-batch of the step (the hidden states, and the carried embedding with MTP), a
+        stage before the last receives its output's gradient into one buffer per pipeline micro-batch too, all of
+        them held by every chunk of this rank for the whole step; an output stays until its backward; an input's
+        gradient stays until it is sent (here: until the next backward). FSDP runs as the schedule runs it: every
+        backward without resharding or reducing, so each stage keeps its parameters unsharded and its gradients
+        unsharded and accumulating over the step's pipeline micro-batches, then one reduction
+        (``perform_reduce_grad``). The last stage's loss is the run's ``_scaled_loss``."""
         b = self.bcfg
         m = int(b.microbatches)
         in_flight = m if b.schedule == "gpipe" else min(self.pp - self.pp_rank, m)  # 1F1B: stage s, pp - s
         self._weight = weight
         dtype = COMPUTE_DTYPES[self.cfg.precision.name]
-        for stage in self.stages:
-            # the micro-batches in flight, then one more after the first backward: the steady state, where a
-            # backward runs beside the gradients an earlier one accumulated (1F1B: from its first backward on)
-            todo = list(zip(inputs.chunk(m), targets.chunk(m)))[:min(in_flight + 1, m)]
+        rows = inputs.shape[0] // m
+        shape = (rows, inputs.shape[1], self.model.config.hidden_size)
+
+        def buffers(stage: Stage, requires_grad: bool) -> list[tuple[torch.Tensor, ...]]:
+            return [tuple(torch.empty(shape, dtype=dtype, requires_grad=requires_grad)
+                          for _ in range(1 + stage.with_mtp)) for _ in range(m)]
+
+        # every chunk's receive buffers at once, as the schedule's stages hold them: inputs (after the first
+        # chunk), output gradients (before the last)
+        received = [buffers(st, True) if not st.first else None for st in self.stages]
+        grads_in = [buffers(st, False) if not st.last else None for st in self.stages]
+        for stage, inputs_of, grads_of in zip(self.stages, received, grads_in):
+            todo = list(enumerate(zip(inputs.chunk(m), targets.chunk(m))))[:min(in_flight + 1, m)]
             outs: list = []
 
             def forward() -> None:
-                ids, tgt = todo.pop(0)
-                hidden = [torch.randn(*ids.shape, self.model.config.hidden_size, dtype=dtype, requires_grad=True)
-                          for _ in range(1 + stage.with_mtp)]  # the hidden states, and the carried embedding
-                outs.append((stage(ids) if stage.first else stage(*hidden), tgt))
+                j, (ids, tgt) = todo.pop(0)
+                outs.append((j, stage(ids) if inputs_of is None else stage(*inputs_of[j]), tgt))
 
             for _ in range(in_flight):
                 forward()
+            sending: list = []  # the input gradient sent last, alive until its send completes
             while outs:  # each output released after its backward, as the schedule drops it (and its graph)
-                out, tgt = outs.pop(0)
+                j, out, tgt = outs.pop(0)
                 stage.set_is_last_backward(False)  # type: ignore[operator]  # FSDPModule methods, added at runtime
                 stage.set_reshard_after_backward(False)  # type: ignore[operator]
                 stage.set_requires_gradient_sync(False)  # type: ignore[operator]
@@ -503,10 +527,16 @@ class PipelineBackend:
                     self._scaled_loss(out, tgt).backward()
                 else:
                     sent = out if isinstance(out, tuple) else (out,)
-                    torch.autograd.backward(sent, [torch.ones_like(o) for o in sent])
+                    assert grads_of is not None
+                    torch.autograd.backward(sent, list(grads_of[j][:len(sent)]))
                 del out
+                if inputs_of is not None:  # torch takes the input's gradient off its buffer to send it
+                    sending = [x.grad for x in inputs_of[j]]
+                    for x in inputs_of[j]:
+                        x.grad = None
                 if todo:
                     forward()
+            del sending
             stage.pipe.perform_reduce_grad(1)
 
     step = forward_to("stepper", TorchStepper.step)

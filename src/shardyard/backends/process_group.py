@@ -80,7 +80,7 @@ def elastic_start(cfg: DictConfig, timeout: datetime.timedelta | None = None) ->
         return count  # 1
     import base64
 
-    from shardyard.safe_load import exact_loads, rendezvous_globals
+    from shardyard.core.safe_load import exact_loads, rendezvous_globals
 
     host, port = cfg.launch.rdzv_endpoint.rsplit(":", 1)  # 2
     rdzv = dist.TCPStore(host, int(port), is_master=False,

@@ -83,7 +83,7 @@ def replica(build: Callable[..., torch.nn.Module], cfg: DictConfig, device: torc
     forward under the autocast ``TorchStepper`` trains the policy under (none for fp32). Identical on every rank
     without a broadcast: ``build`` seeds the init and reads the same ``model.weights`` everywhere."""
     from shardyard.backends.torch_step import COMPUTE_DTYPES
-    from shardyard.model import prepare_replica
+    from shardyard.models.prepare import prepare_replica
 
     with keep_rng(device):
         model = freeze(prepare_replica(build_frozen(build, cfg, allow_meta=True), options(cfg), device))

@@ -7,12 +7,12 @@ from typing import ClassVar
 import torch
 from omegaconf import DictConfig
 
-from shardyard.facts import Plan
+from shardyard.core.facts import Plan
 from shardyard.backends import reference
 from shardyard.backends.forward import forward_to
 from shardyard.backends.torch_step import TorchStepper, pick_device, read_dcp_model_state, replica_states
-from shardyard.errors import UserError
-from shardyard.model import prepare_replica
+from shardyard.core.errors import UserError
+from shardyard.models.prepare import prepare_replica
 
 
 class SingleBackend:

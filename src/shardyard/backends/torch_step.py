@@ -11,10 +11,10 @@ from omegaconf import DictConfig
 
 from shardyard.backends import FP32, ModelStates, StepStats
 from shardyard.backends.expert_parallel import clip_by_mesh
-from shardyard import moe
-from shardyard.memory import local
-from shardyard.model import causal_lm_loss, causal_lm_loss_sum
-from shardyard.optim import build_optimizer, build_scheduler
+from shardyard.models import moe
+from shardyard.core.memory import local
+from shardyard.models.loss import causal_lm_loss, causal_lm_loss_sum
+from shardyard.backends.optim import build_optimizer, build_scheduler
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 """``precision.name`` -> the autocast dtype (fp8: bf16 around the float8 linears, which cast themselves); master
@@ -136,18 +136,18 @@ class TorchStepper:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_dcp_options(self.model))
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
 
-    def save_checkpoint_async(self, path: str, group: Any) -> Any:
+    def save_checkpoint_async(self, path: str, group: Any, stager: Any = None) -> Any:
         """``save_checkpoint`` in the background (``checkpoint.async_save``): the state is copied to host memory
-        now (DCP's default stager: a deep copy, so the next steps cannot change what is written) and written by a
-        thread, whose collectives run over ``group`` (gloo, apart from the training's). Returns the write's
-        Future."""
+        now (``stager``: the caller's, whose host buffer every save reuses; DCP's default, a new copy each time,
+        without one), so the next steps cannot change what is written, and written by a thread, whose
+        collectives run over ``group`` (gloo, apart from the training's). Returns the write's Future."""
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_dcp_options(self.model))
         return dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path, process_group=group,
-                              no_dist=not dist.is_initialized())
+                              no_dist=not dist.is_initialized(), async_stager=stager)
 
     def load_checkpoint(self, path: str, meta: dict) -> None:
         """Loads into this run's layout, so a checkpoint resumes at another world size (DCP reshards; ``meta``
@@ -157,7 +157,7 @@ class TorchStepper:
         in the file."""
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-        from shardyard.safe_load import dcp_load
+        from shardyard.core.safe_load import dcp_load
 
         model = self.model
         options = _dcp_options(model)
@@ -179,8 +179,8 @@ def read_dcp_model_state(path: str, model: torch.nn.Module, meta: dict) -> dict[
 
     import torch.distributed.checkpoint as dcp
 
-    from shardyard.adapters import checkpoint_state
-    from shardyard.safe_load import dcp_reader, read_dcp_metadata, weights_only_loads
+    from shardyard.models.adapters import checkpoint_state
+    from shardyard.core.safe_load import dcp_reader, read_dcp_metadata, weights_only_loads
 
     metadata = read_dcp_metadata(path)
     saved = {k[len("model."):] for k in metadata.state_dict_metadata if k.startswith("model.")}
@@ -193,7 +193,7 @@ def read_dcp_model_state(path: str, model: torch.nn.Module, meta: dict) -> dict[
 def _dcp_options(model: torch.nn.Module):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    from shardyard.adapters import frozen
+    from shardyard.models.adapters import frozen
 
     # The frozen base is not in the checkpoint, so loading it back is not strict about the base's keys.
     return StateDictOptions(ignore_frozen_params=True, strict=False) if frozen(model) else StateDictOptions()

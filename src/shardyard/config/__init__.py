@@ -1,5 +1,8 @@
-"""The config layer: schemas (ConfigStore), resolvers, plug-in building, migrations, and the one ``compose()``
-outside a Hydra app. Cross-group validation lives above it (``shardyard.validate``)."""
+"""The config layer: schemas (ConfigStore), resolvers, plug-in building (``plugins``), migrations, the sweepers'
+config classes, ``+key`` help (``options``), the extras a config's choices need (``preflight``), and the one
+``compose()`` outside a Hydra app. Cross-group validation lives above it (``shardyard.planning.validate``).
+
+May import: ``core`` only."""
 
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ def run_dir_defaulted() -> bool:
 
 def _run_dir(root: str = "outputs") -> str:
     """Hydra's run dir: one per run, and the same for every worker of an external launch (torchrun, srun)."""
-    from shardyard import dist_env
+    from shardyard.core import dist_env
 
     if os.environ.get("SHARDYARD_RUN_DIR"):
         return os.environ["SHARDYARD_RUN_DIR"]
@@ -73,7 +76,7 @@ def compose(overrides: list[str], conf_dir: Path | str = CONF_DIR, config_name: 
 def checkpointing_mode(m: Any) -> str:
     """``model.activation_checkpointing`` as ``none``, ``full`` or ``selective`` (``false``/``true`` are the
     first two: recipes written before ``selective`` existed)."""
-    from shardyard.errors import UserError
+    from shardyard.core.errors import UserError
 
     value = m.activation_checkpointing
     mode = {False: "none", True: "full"}[value] if isinstance(value, bool) else str(value).lower()

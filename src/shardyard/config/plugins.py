@@ -2,7 +2,7 @@
 the option's own keys (less the keys shardyard reads itself) plus what shardyard supplies.
 
 Model builders, data sources, optimizers, schedules and monitors all go through ``build``; engines are
-``Backend(cfg, plan)`` classes named the same way. Validation (``config.validate.check_keys``) checks the
+``Backend(cfg, plan)`` classes named the same way. Validation (``planning.keys.check_keys``) checks the
 same keys against the same signatures before launch.
 """
 

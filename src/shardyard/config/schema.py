@@ -65,6 +65,14 @@ class TopkMethod(Choice):
     group_limited_greedy = "group_limited_greedy"
 
 
+class RopeType(Choice):
+    none = "none"
+    yarn = "yarn"
+    linear = "linear"
+    dynamic = "dynamic"
+    llama3 = "llama3"
+
+
 class InitDevice(Choice):
     auto = "auto"
     cpu = "cpu"
@@ -163,6 +171,8 @@ class DDPBackendConfig(BackendConfig):
     """Re-broadcast module buffers from rank 0 every forward (LLMs have no BatchNorm: not needed)."""
 
 
+FSDP_RANGES = {"replicate": Range(1, becomes="HSDP's copies of the sharded model (the 2-D mesh's outer dimension)")}
+
 DDP_RANGES = {"bucket_cap_mb": Range(0, above=True, multiple_of=None, becomes="DistributedDataParallel(bucket_cap_mb)")}
 
 
@@ -171,6 +181,14 @@ class FSDPBackendConfig(BackendConfig):
     reshard_after_forward: bool = True
     """Free each block's gathered parameters after its forward (ZeRO-3 memory) instead of keeping them
     for backward (ZeRO-2-like: less communication, more memory)."""
+    replicate: int = 1
+    """HSDP (hybrid sharding): copies of the sharded model. FSDP2 then runs on a 2-D mesh, ``replicate x shard``:
+    parameters, gradients and optimizer state are sharded over ``world / replicate`` consecutive ranks (a node,
+    when that is the node's size, so the all-gathers stay on its links), each of the ``replicate`` groups holds
+    a whole copy, and gradients are reduce-scattered within a group and all-reduced across the copies (one
+    gradient shard's bytes cross the nodes instead of every all-gather). 1: plain FSDP over every rank. It must
+    divide the world size. ``fsdp`` and ``fsdp_offload``; ``fsdp_tp`` and ``pipeline`` refuse more than 1, and so
+    does ``backend.ep > 1`` (expert parallelism borrows the shards: not combined yet)."""
     cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state in CPU memory (``CPUOffloadPolicy``)."""
     reduce_every_micro_batch: bool = True
@@ -309,7 +327,7 @@ class HorovodBackendConfig(BackendConfig):
 # ----------------------------------------------------------------------------------------------- model
 @dataclass
 class BalanceConfig:
-    """How a mixture-of-experts model's routing is kept balanced in training (``shardyard.moe``); a dense model
+    """How a mixture-of-experts model's routing is kept balanced in training (``shardyard.models.moe``); a dense model
     has no router and uses none of it. Each key's default is off here; the DeepSeek families set their papers'
     values (``DeepseekV3ModelConfig``, ``DeepseekV2ModelConfig``), and a model option may set its own. 0 turns
     each mechanism off."""
@@ -356,7 +374,7 @@ class V2BalanceConfig(BalanceConfig):
 
 @dataclass
 class MTPConfig:
-    """DeepSeek-V3's multi-token prediction (``shardyard.mtp``; arXiv 2412.19437, section 2.2): ``depth`` extra
+    """DeepSeek-V3's multi-token prediction (``shardyard.models.mtp``; arXiv 2412.19437, section 2.2): ``depth`` extra
     modules, each predicting one token further ahead through the shared embedding and output head. The loss is
     the main loss plus ``weight / depth`` times the sum of the depths' losses. Training only: evaluation, sampling
     and the export's main model ignore it (the export keeps the modules under DeepSeek's own names)."""
@@ -375,11 +393,11 @@ class MTPConfig:
 @dataclass
 class ModelConfig:
     """What shardyard itself reads of every ``model`` option. Every other key of the option is an argument
-    of its ``_target_``, a builder returning the model (``shardyard.model.CausalLM``)."""
+    of its ``_target_``, a builder returning the model (``shardyard.models.build.CausalLM``)."""
 
     _target_: str = MISSING
     """Builder: a callable that takes the option's other keys and returns a ``transformers.PreTrainedModel``
-    or any ``nn.Module`` meeting ``shardyard.model.CausalLM`` (e.g. ``shardyard.model.llama`` or your own
+    or any ``nn.Module`` meeting ``shardyard.models.build.CausalLM`` (e.g. ``shardyard.models.build.llama`` or your own
     ``mypkg.models.build``)."""
     name: str = MISSING
     """Human-readable model name (logs, summaries)."""
@@ -388,7 +406,7 @@ class ModelConfig:
     activation; ``full`` (or ``true``): only each block's input, the block recomputed in backward (least memory,
     about a third more compute); ``selective``: each block keeps its matmul and attention outputs and recomputes
     the cheap ops between them (norms, activations, rotary, products): memory between the two for little
-    recompute (torch's selective checkpoint policy, ``shardyard.model._saved_ops``); not on ZeRO-3, whose
+    recompute (torch's selective checkpoint policy, ``shardyard.models.prepare._saved_ops``); not on ZeRO-3, whose
     parameter hooks run inside the blocks."""
     activation_checkpointing_every: int = 1
     """Checkpoint every k-th transformer block only (``full`` or ``selective``): 1 = every block; 2 = half of
@@ -415,9 +433,49 @@ class ModelConfig:
     (FSDP shards, ZeRO-3 partitions). ``auto`` (``model=hf``): ``model.path``'s own weights when it has any;
     ``null``: a fresh init."""
     balance: BalanceConfig = field(default_factory=BalanceConfig)
-    """Routing balance of mixture-of-experts layers (``shardyard.moe``); unused by dense models."""
+    """Routing balance of mixture-of-experts layers (``shardyard.models.moe``); unused by dense models."""
     mtp: MTPConfig = field(default_factory=MTPConfig)
-    """Multi-token prediction (``shardyard.mtp``): DeepSeek-V3 models; off (depth 0) by default."""
+    """Multi-token prediction (``shardyard.models.mtp``): DeepSeek-V3 models; off (depth 0) by default."""
+
+
+@dataclass
+class RopeScalingConfig:
+    """Rotary position scaling, to train or run past the length a model was pretrained at: HF's ``rope_scaling``
+    (transformers' ``rope_parameters``), passed to the model's config as it is and written to its export's
+    ``config.json``. DeepSeek-V3's released one: ``{type: yarn, factor: 40, original_max_position_embeddings: 4096,
+    beta_fast: 32, beta_slow: 1, mscale: 1, mscale_all_dim: 1}`` beside ``max_position_embeddings: 163840``; its
+    YaRN phases extend a 4K model to 32K, then 128K (docs/long_context.md)."""
+
+    type: RopeType = RopeType.none
+    """``none`` (plain RoPE: the other fields unused), ``yarn`` (DeepSeek-V2/V3: interpolate the low frequencies,
+    keep the high, and scale attention by ``mscale``), ``linear`` (every position divided by ``factor``),
+    ``dynamic`` (NTK, transformers': the base grown for a sequence past ``model.max_position_embeddings``, the
+    pretrained length here, so it acts only beyond what a run trains on: generation) or ``llama3`` (Llama 3.1's
+    banded interpolation)."""
+    factor: Optional[float] = None
+    """How many times the original length the model is extended to; ``null``: ``model.max_position_embeddings /
+    original_max_position_embeddings``. For ``yarn`` a value given must equal that ratio (DeepSeek's are)."""
+    original_max_position_embeddings: Optional[int] = None
+    """The length the model was pretrained at (DeepSeek-V3: 4096); needed by ``yarn`` and ``llama3``, at most
+    ``model.max_position_embeddings``; ``dynamic`` takes ``model.max_position_embeddings`` as it (refused here)."""
+    beta_fast: float = 32.0
+    """YaRN: rotations below which a frequency is extrapolated as it is (the high-frequency end)."""
+    beta_slow: float = 1.0
+    """YaRN: rotations above which a frequency is fully interpolated (the low-frequency end); below ``beta_fast``."""
+    mscale: float = 1.0
+    """YaRN: the ``0.1 * mscale * ln(factor) + 1`` factor's weight on the rotary embedding (DeepSeek: 1)."""
+    mscale_all_dim: float = 0.0
+    """YaRN: DeepSeek's attention-scale weight: the softmax scale is multiplied by ``(0.1 * mscale_all_dim *
+    ln(factor) + 1) ** 2`` (DeepSeek-V2/V3: 1; 0: unchanged), and the rotary embedding divided by it."""
+    low_freq_factor: float = 1.0
+    """``llama3``: wavelengths beyond ``original / low_freq_factor`` are interpolated by ``factor``."""
+    high_freq_factor: float = 4.0
+    """``llama3``: wavelengths below ``original / high_freq_factor`` are kept; between the two, blended."""
+
+
+ROPE_RANGES = {**{k: Range(0, above=True, multiple_of=None, becomes=f"rope_parameters['{k}']")
+                  for k in ("beta_fast", "beta_slow", "low_freq_factor", "high_freq_factor")},
+               **{k: Range(0, multiple_of=None, becomes=f"rope_parameters['{k}']") for k in ("mscale", "mscale_all_dim")}}
 
 
 @dataclass
@@ -438,6 +496,10 @@ class LlamaModelConfig(ModelConfig):
     """Longest position the rotary embedding is set up for."""
     rope_theta: float = 10000.0
     """RoPE base frequency."""
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
+    """Rotary scaling past the pretrained length (YaRN, linear, dynamic, llama3); type ``none``: plain RoPE. E.g.
+    ``'model.rope_scaling={type: yarn, original_max_position_embeddings: 2048}' model.max_position_embeddings=8192``
+    (factor 4, from their ratio)."""
     rms_norm_eps: float = 1e-6
     """RMSNorm epsilon."""
     tie_word_embeddings: bool = False
@@ -477,7 +539,7 @@ class DeepseekV3ModelConfig(LlamaModelConfig):
     routed_scaling_factor: float = 1.0
     """Scale applied to the routed experts' output."""
     balance: V3BalanceConfig = field(default_factory=V3BalanceConfig)
-    """Routing balance: DeepSeek-V3's selection-bias update and sequence-wise loss (``shardyard.moe``)."""
+    """Routing balance: DeepSeek-V3's selection-bias update and sequence-wise loss (``shardyard.models.moe``)."""
 
 
 @dataclass
@@ -486,7 +548,7 @@ class DeepseekV2ModelConfig(DeepseekV3ModelConfig):
     """How the softmax router picks experts: ``greedy`` (the top-k of all) or ``group_limited_greedy`` (within
     the ``topk_group`` best of ``n_group`` groups)."""
     balance: V2BalanceConfig = field(default_factory=V2BalanceConfig)  # type: ignore[assignment]
-    """Routing balance: DeepSeek-V2's expert-, device- and communication-level losses (``shardyard.moe``)."""
+    """Routing balance: DeepSeek-V2's expert-, device- and communication-level losses (``shardyard.models.moe``)."""
 
 
 @dataclass
@@ -526,8 +588,8 @@ class DataConfig:
 
     _target_: str = MISSING
     """Document source: a callable taking the option's other keys and returning a
-    ``shardyard.data.DocumentSource`` (``documents()`` and ``fingerprint()``), or any iterable of texts or
-    ``(name, text)`` pairs (e.g. ``shardyard.data.StdlibCode`` or your own ``mypkg.data.corpus``)."""
+    ``shardyard.data.sources.DocumentSource`` (``documents()`` and ``fingerprint()``), or any iterable of texts or
+    ``(name, text)`` pairs (e.g. ``shardyard.data.sources.StdlibCode`` or your own ``mypkg.data.corpus``)."""
     seq_len: int = 128
     """Tokens per packed training sequence."""
     val_fraction: float = 0.05
@@ -592,7 +654,7 @@ class SFTDataConfig(DataConfig):
 @dataclass
 class ArithmeticDataConfig(DataConfig):
     max_examples: int = 3000
-    """Distinct generated problems (``shardyard.synthetic``), each one conversation: "What is 23 + 58? Give the
+    """Distinct generated problems (``shardyard.data.synthetic``), each one conversation: "What is 23 + 58? Give the
     final answer after 'Answer:'." -> "23 + 58 = 81. Answer: 81". Never one of the held-out problems
     (``data=prompts``)."""
     digits: int = 2
@@ -690,7 +752,7 @@ class MixtureDataConfig(DataConfig):
     sources: List[Any] = MISSING
     """The sources, each ``{name, weight, epochs, ...}`` plus its own options: by default local files
     (``paths``, ``text_field``, ``template``, as ``data=text_files``), or any source with ``_target_`` (e.g.
-    ``shardyard.data.StdlibCode`` with ``exclude_dirs``). ``weight`` (default 1): its share of the training
+    ``shardyard.data.sources.StdlibCode`` with ``exclude_dirs``). ``weight`` (default 1): its share of the training
     samples is weight / sum of weights. ``epochs`` (default null): at most this many passes over it in the run;
     its share is lowered to that and the others' raised. Each source is tokenized and cached on its own and
     evaluated on its own held-out documents (``eval/loss/<name>``)."""
@@ -752,7 +814,8 @@ class GRPOObjectiveConfig(ObjectiveConfig):
     max_new_tokens: int = 64
     """Tokens sampled per completion at most (a completion ends at the end-of-text token)."""
     temperature: float = 1.0
-    """Sampling temperature of the rollouts (above 0)."""
+    """Sampling temperature of the rollouts (above 0). The loss scores the rollouts under the same distribution
+    (the log-probs of the sampling policy, the policy and the reference all of ``logits / temperature``, as TRL)."""
     top_p: float = 1.0
     """Nucleus sampling of the rollouts: the smallest set of tokens holding this much probability (1: all)."""
     top_k: int = 0
@@ -764,6 +827,11 @@ class GRPOObjectiveConfig(ObjectiveConfig):
     beta: float = 0.0
     """Weight of the KL penalty to the reference (the starting policy; DeepSeekMath's k3 estimator); 0 (TRL's
     default) loads no reference model."""
+    use_bias_correction_kl: bool = True
+    """With ``beta`` > 0: multiply each token's k3 KL by the policy ratio to the sampling policy, which makes the KL
+    gradient the unbiased reverse-KL gradient (DeepSeek-V3.2, arXiv 2512.02556; TRL's option of the same name, on by
+    default there too). It changes the KL's gradient even on a round's first step, where the ratio is 1; ``false``:
+    the plain k3 term (DeepSeekMath). No effect at ``beta`` 0."""
     reference_weights: Optional[str] = None
     """The KL reference's weights (an HF directory of the policy's architecture); ``null``: the policy's own
     starting weights (``model.weights``). Checked against the policy's tensor names and shapes at validation."""
@@ -791,8 +859,8 @@ class QuantType(Choice):
 
 @dataclass
 class PeftConfig:
-    _target_: str = "shardyard.adapters.Full"
-    """The method, a class meeting ``shardyard.adapters.PeftMethod``: ``Full`` (``peft=none``: train every
+    _target_: str = "shardyard.models.adapters.Full"
+    """The method, a class meeting ``shardyard.models.adapters.PeftMethod``: ``Full`` (``peft=none``: train every
     parameter), ``LoRA`` (``peft=lora``: low-rank adapters through the peft library; the base is frozen) or
     ``QLoRA`` (``peft=qlora``: LoRA on 4-bit NF4 base weights through bitsandbytes; CUDA only)."""
     name: str = "none"
@@ -857,7 +925,7 @@ class SchedConfig:
     multiplier of ``optim.lr`` at 0-based optimizer step ``step``."""
 
     _target_: str = MISSING
-    """``shardyard.optim.WarmupCosine``, ``WarmupLinear``, ``WarmupConstant`` or your own factory."""
+    """``shardyard.backends.optim.WarmupCosine``, ``WarmupLinear``, ``WarmupConstant`` or your own factory."""
     warmup_steps: int = 20
     """Steps of linear warmup from 0 to the peak learning rate."""
 
@@ -898,8 +966,9 @@ PRECISION_RANGES = {
 }
 
 RANGES: dict[type, dict[str, Range]] = {DDPBackendConfig: DDP_RANGES, ZeroBackendConfig: ZERO_RANGES,
+                                        FSDPBackendConfig: FSDP_RANGES,
                                         PrecisionConfig: PRECISION_RANGES, BalanceConfig: BALANCE_RANGES,
-                                        BackendConfig: BACKEND_RANGES}
+                                        BackendConfig: BACKEND_RANGES, RopeScalingConfig: ROPE_RANGES}
 """Every numeric key an engine constrains, by the schema that holds it (options inheriting it are checked too)."""
 
 
@@ -928,10 +997,11 @@ class CheckpointConfig:
     """Also write an HF export beside every periodic checkpoint."""
     async_save: bool = False
     """Save in the background (the DCP engines: single, ddp, fsdp, fsdp_tp, pipeline): the step resumes once the
-    state is copied to host memory (one more copy of this rank's model and optimizer state in RAM while it is
-    written); the write, the hashing and the publish follow in a thread, over a gloo group of their own. The
-    next save (and the end of the run) waits for the last one; a crash meanwhile leaves the previous checkpoint
-    the newest that verifies."""
+    state is copied to host memory (one host copy of this rank's parameters and optimizer state, made at the
+    first save and reused by every later one, pinned on CUDA; the plan counts it in host RAM and refuses a run
+    whose host cannot hold it); the write, the hashing and the publish follow in a thread, over a gloo group of
+    their own with ``launch.timeout_s``. The next save (and the end of the run) waits for the last one; a crash
+    meanwhile leaves the previous checkpoint the newest that verifies."""
 
 
 # -------------------------------------------------------------------------------------------- monitor
@@ -996,6 +1066,10 @@ class MetricsConfig:
     peak_tflops: Optional[float] = None
     """Peak dense TFLOP/s of one accelerator for MFU; ``null`` = from the table (A100, H100, H200; bf16/fp16
     or tf32 peaks by precision). MFU is reported only when a peak is known."""
+    report: bool = True
+    """Draw ``report.png`` in the run dir at the end of the run (loss, learning rate, throughput and memory from
+    ``metrics.jsonl``; rank 0, after the summary, about a second on a CPU). ``false`` skips it; ``shardyard report
+    RUN_DIR`` draws it at any time from the same file."""
 
 
 @dataclass
@@ -1104,8 +1178,9 @@ class LaunchConfig:
     """Times the elastic agent restarts failed workers (on every node together, from the last checkpoint
     with ``checkpoint.resume=auto``)."""
     timeout_s: int = 600
-    """Process-group timeout (a rank stuck this long in a collective fails instead of hanging), and how long
-    nodes wait for each other at the rendezvous."""
+    """Process-group timeout (a rank stuck this long in a collective fails instead of hanging; background saves'
+    group too), how long nodes wait for each other at the rendezvous, and how long ``python train.py`` waits for
+    its workers to save after a preemption signal (SIGTERM, SIGUSR1) before it kills them."""
     master_port: Optional[int] = None
     """Rendezvous port for self-launched jobs; ``null`` picks a free one."""
 
@@ -1121,15 +1196,17 @@ class PlanConfig:
     """Fraction of each memory (GPU, host RAM, NVMe) the plan may fill; the rest is left for fragmentation
     and what the plan does not count."""
     hardware: Optional[str] = None
-    """Hardware to plan for: ``8xH100-80GB`` (GPUs per node x a GPU of ``shardyard.plan.GPUS``), or ``cpu``;
+    """Hardware to plan for: ``8xH100-80GB`` (GPUs per node x a GPU of ``shardyard.planning.plan.GPUS``), or ``cpu``;
     ``null`` plans for this machine as it is now."""
     nodes: int = 1
     """Nodes of that hardware (``plan.hardware``); this machine's plan uses ``launch.nnodes``."""
     dry_run: bool = False
     """Run the recipe at its real world size (``plan.hardware`` x ``plan.nodes``) on this CPU before renting it:
     the engine's own ``prepare`` over a fake process group and fake tensors, one simulated rank at a time, two
-    optimizer steps under PyTorch's memory tracker; prints each figure beside the plan's and exits 0 when every
-    one is within 10%, 1 otherwise (``shardyard.dryrun``; docs/plan.md, "The dry run")."""
+    optimizer steps under PyTorch's memory tracker; prints each figure beside the plan's and whether the measured
+    peak fits the hardware (with ``plan.headroom`` and the CUDA runtime, as the plan checks its own); exits 0 when
+    it fits and every figure compared is within 10% of the plan, 1 otherwise, saying which failed and what to do
+    (``shardyard.planning.dryrun``; docs/plan.md, "The dry run")."""
     mfu: float = 0.4
     """Model FLOPs utilisation assumed when turning FLOPs into the planned compute time of a step."""
 
@@ -1139,7 +1216,7 @@ class ScaleConfig:
     _target_: Optional[str] = None
     """``null``: the recipe as written. Else a function ``(cfg) -> str`` that rewrites the composed run config in
     place before validation and the plan, and returns the line saying what it changed; such a run is a check
-    run (no ``report.png``). ``+scale=smoke`` sets ``shardyard.scale.smoke``: any recipe scaled down to run on
+    run (no ``report.png``). ``+scale=smoke`` sets ``shardyard.planning.scale.smoke``: any recipe scaled down to run on
     a CPU box in seconds, with everything that decides *how* it trains kept: the same engine and its options, a
     tiny model of the same architecture family (the builder's ``smoke_shape``), activation checkpointing and
     accumulation as the recipe has them (accumulation at most 2), at most ``world_size`` local ranks, fp16
@@ -1215,12 +1292,12 @@ class TrainConfig:
     debug: DebugConfig = field(default_factory=DebugConfig)
     """Non-finite losses and gradients, anomaly detection, fast_dev_run."""
     plan: PlanConfig = field(default_factory=PlanConfig)
-    """The memory and launch plan: checked before launch, printed at start (``shardyard.plan``)."""
+    """The memory and launch plan: checked before launch, printed at start (``shardyard.planning.plan``)."""
     scale: ScaleConfig = field(default_factory=ScaleConfig)
-    """The recipe as written, or (``+scale=smoke``) scaled down to run here (``shardyard.scale``)."""
+    """The recipe as written, or (``+scale=smoke``) scaled down to run here (``shardyard.planning.scale``)."""
     sweep: SweepConfig = field(default_factory=SweepConfig)
     """How a multirun ranks its jobs (``sweep.objective``), and the settings its sweepers give each job
-    (``shardyard.sweep``)."""
+    (``shardyard.launching.sweep``)."""
 
 
 SCHEMAS = {
@@ -1270,8 +1347,15 @@ option's ``_target_`` (validation checks those against its signature). Use as
 ``defaults: [/schema_model_plugin@_here_, _self_]``."""
 
 
+_REGISTERED: list[bool] = []
+
+
 def register_configs() -> None:
-    """Put every schema into Hydra's ConfigStore (idempotent)."""
+    """Put every schema into Hydra's ConfigStore, once per process (Hydra copies a node out of the store at each
+    compose and never writes one back; storing them all again cost each compose about a second on 2 cores: every
+    pool run of the tests, every in-process sweep job)."""
+    if _REGISTERED:
+        return
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
@@ -1285,3 +1369,4 @@ def register_configs() -> None:
         open_node = OmegaConf.structured(base)
         OmegaConf.set_struct(open_node, False)
         cs.store(name=name, node=open_node)
+    _REGISTERED.append(True)

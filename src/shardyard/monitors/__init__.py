@@ -1,7 +1,10 @@
 """Metric sinks. ``jsonl`` is always on; the ``monitor`` list group picks the others. Rank 0 only.
 
 Each plugin module is imported only when selected (tensorboard, wandb and mlflow are heavy), and
-``validate`` checks before launch that a selected plugin's package is installed.
+``validate`` checks before launch that a selected plugin's package is installed. The end-of-run report
+(``report``: report.png) is drawn from the same metrics.
+
+May import: ``config``, ``core``. Independent of ``models`` and ``data``.
 """
 
 from __future__ import annotations

@@ -7,11 +7,14 @@ own plugs in the same way (``objective._target_=mypkg.MyObjective``).
 
 The engines never see which objective runs. An objective other than ``lm`` is installed on the model the engine
 trains (``install``) and ``model.causal_lm_loss_sum`` / ``causal_lm_loss`` hand the forward to it, as multi-token
-prediction's state is installed (``shardyard.mtp``): so DDP's, FSDP's, DeepSpeed's and Horovod's own
+prediction's state is installed (``shardyard.models.mtp``): so DDP's, FSDP's, DeepSpeed's and Horovod's own
 forward/backward, gradient sync, accumulation and loss scaling run unchanged, and the loop's token weighting
 (docs/architecture.md, "Token-weighted loss") makes every objective's step loss exact over micro-batches and ranks:
 an objective states what its loss averages over (``counts``: label tokens, preference pairs, completion tokens or
 completions) and returns the sum (``loss_sum``).
+
+May import: ``backends``, ``evaluation`` and everything below them (``models``, ``data``, ``monitors``, ``config``,
+``core``).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch
 from omegaconf import DictConfig
 
 from shardyard.backends import Backend
-from shardyard.errors import UserError
+from shardyard.core.errors import UserError
 
 
 @dataclass

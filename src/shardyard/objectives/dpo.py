@@ -28,11 +28,11 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from shardyard import moe
-from shardyard.adapters import is_peft
+from shardyard.models import moe
+from shardyard.models.adapters import is_peft
 from shardyard.backends import Backend
 from shardyard.backends.reference import release as release_reference
-from shardyard.errors import UserError
+from shardyard.core.errors import UserError
 from shardyard.objectives import Setup, install, pairs, to_device
 from shardyard.objectives.losses import dpo_loss, token_logps
 
@@ -116,7 +116,7 @@ class DPO:
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each sequence's log-probability over its response tokens (IPO: their mean, unless ``mean`` is off):
         chosen, rejected."""
-        from shardyard.model import _call, logits
+        from shardyard.models.loss import _call, logits
 
         per_token = token_logps(logits(_call(model, {k: v for k, v in inputs.items() if k != "ref_logps"})), targets)
         lp = per_token.sum(-1)
@@ -169,7 +169,7 @@ class DPO:
 
     def evaluate(self, backend: Backend, val: dict, batches: int, micro_batch: int) -> Optional[dict[str, float]]:
         """The loop's held-out loss (the mean DPO loss over the val pairs) and the pairs' reward metrics."""
-        from shardyard.data import eval_batches
+        from shardyard.data.pipeline import eval_batches
 
         model = backend.hf_model()
         was = model.training
@@ -210,7 +210,7 @@ class RefCache:
     3. A run that finds it never builds the reference model: its memory is the policy's alone."""
 
     def __init__(self, dpo: DPO, s: Setup):
-        from shardyard.token_cache import cache_key, verify_mode
+        from shardyard.data.token_cache import cache_key, verify_mode
 
         self.dpo, self.s, self.b = dpo, s, s.backend
         if len(s.val_rows) != 1 or not hasattr(s.train_rows, "prefix"):
@@ -225,7 +225,7 @@ class RefCache:
     def _reference(self) -> str:
         from omegaconf import OmegaConf
 
-        from shardyard.weights import weights_dir
+        from shardyard.models.weights import weights_dir
 
         cfg = self.s.cfg
 
@@ -241,7 +241,7 @@ class RefCache:
         return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
 
     def splits(self) -> dict[str, np.ndarray]:
-        from shardyard.token_cache import cache_problem
+        from shardyard.data.token_cache import cache_problem
 
         found = torch.tensor([float(cache_problem(self.out, self.verify) is None)], device=self.b.device)
         if self.b.all_reduce_mean(found).item() < 1:  # every rank builds it together (a sharded reference)
@@ -256,7 +256,7 @@ class RefCache:
         import tempfile
 
         from shardyard.objectives import pairs
-        from shardyard.token_cache import _locked, publish
+        from shardyard.data.token_cache import _locked, publish
 
         b, dpo = self.b, self.dpo
         dpo.cache_built = True

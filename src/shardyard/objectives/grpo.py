@@ -5,17 +5,18 @@
     python train.py recipe=r1_zero_tiny_grpo
 
 A round: each prompt of the step's batch is completed ``num_generations`` (G) times by the policy itself, sampled
-with a KV cache (``shardyard.generation``) on the engine's own sharded module; the rewards (``objective.rewards``,
+with a KV cache (``shardyard.models.generation``) on the engine's own sharded module; the rewards (``objective.rewards``,
 each a callable chosen by ``_target_``, never executing what the model wrote) are summed with their weights and
 turned into advantages within each group of G (``scale_rewards``). The round's rollouts are then trained on for
 ``num_iterations`` optimizer steps, ``train.grad_accum_steps`` micro-batches of prompts x G completions each: the
 clipped surrogate ``min(ratio x A, clip(ratio, 1 - epsilon, 1 + epsilon_high) x A)`` per completion token, ratio
 to the policy that sampled them (its log-probs are those of the round's first step, taken in that step's own
 forward), minus ``beta`` x the k3 estimate of KL to the reference (the starting policy, frozen: LoRA disables the
-adapters, else ``Backend.reference_model``), aggregated per token (``loss_aggregation=token``: every completion
-token of the step counts once, DAPO) or per completion (``sequence``: each completion's token mean counts once,
-the GRPO paper). Either is a sum over units divided by their number, which the loop's token weighting makes exact
-over micro-batches and ranks.
+adapters, else ``Backend.reference_model``; times the ratio with ``use_bias_correction_kl``, TRL's default),
+aggregated per token (``loss_aggregation=token``: every completion token of the step counts once, DAPO) or per
+completion (``sequence``: each completion's token mean counts once, the GRPO paper). Either is a sum over units divided by their number, which the loop's token weighting makes exact
+over micro-batches and ranks. Every log-probability of a rollout (the sampling policy's, the policy's, the
+reference's) is of ``logits / temperature``, the distribution the rollouts were drawn from, as TRL computes them.
 
 Every rank samples its own prompts (its data-parallel share, seeded by seed, round, data-parallel rank and
 micro-batch: tensor-parallel peers draw the same tokens); on a sharded engine every rank runs exactly
@@ -32,10 +33,11 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from shardyard import moe
-from shardyard.adapters import is_peft
+from shardyard.models import moe
+from shardyard.models.adapters import is_peft
 from shardyard.backends import Backend
-from shardyard.errors import UserError
+from shardyard.config.schema import GRPOObjectiveConfig
+from shardyard.core.errors import UserError
 from shardyard.objectives import Setup, install
 from shardyard.objectives.losses import aggregate, group_advantages, grpo_per_token, token_logps
 from shardyard.objectives.rewards import build_rewards
@@ -57,7 +59,8 @@ class GRPO:
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, epsilon: float = 0.2,
                  epsilon_high: Optional[float] = None, beta: float = 0.0, loss_aggregation: str = "token",
                  num_iterations: int = 1, scale_rewards: str = "group", rewards: Any = (),
-                 eval_max_new_tokens: Optional[int] = None, reference_weights: Optional[str] = None):
+                 eval_max_new_tokens: Optional[int] = None, reference_weights: Optional[str] = None,
+                 use_bias_correction_kl: bool = GRPOObjectiveConfig.use_bias_correction_kl):
         def refuse(key: str, value: Any, problem: str, fix: str) -> None:
             raise UserError(f"objective.{key}", value, problem, fix)
 
@@ -91,6 +94,7 @@ class GRPO:
         self.name, self.G, self.max_new_tokens = name, num_generations, max_new_tokens
         self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
         self.epsilon, self.epsilon_high, self.beta = epsilon, epsilon_high if epsilon_high is not None else epsilon, beta
+        self.bias_correction_kl = bool(use_bias_correction_kl)
         self.aggregation, self.num_iterations, self.scale = loss_aggregation, num_iterations, scale_rewards
         self.eval_max_new_tokens = eval_max_new_tokens or max_new_tokens
         self.rewards = build_rewards(rewards)  # exit 2 naming objective.rewards[i] (none, a bad _target_, ...)
@@ -113,7 +117,7 @@ class GRPO:
 
     # ------------------------------------------------------------------------------------------------ setup
     def setup(self, s: Setup) -> None:
-        from shardyard.data import load_tokenizer
+        from shardyard.data.pipeline import load_tokenizer
 
         b = s.backend
         self.backend, self.seed = b, int(s.cfg.seed)
@@ -203,7 +207,7 @@ class GRPO:
 
     def _generate(self, model: Any, ids: torch.Tensor, mask: torch.Tensor, *, greedy: bool, max_new: int,
                   generator: Optional[torch.Generator], backend: Backend) -> tuple[torch.Tensor, torch.Tensor]:
-        from shardyard.generation import generate
+        from shardyard.models.generation import generate
 
         with torch.no_grad(), moe.paused(model):
             return generate(model, ids, mask, max_new_tokens=max_new, temperature=0.0 if greedy else self.temperature,
@@ -285,12 +289,14 @@ class GRPO:
         return n.reshape(1).to(targets.device, torch.int64)
 
     def _token_logps(self, model: Any, x: dict, targets: torch.Tensor) -> torch.Tensor:
-        from shardyard.model import logits
+        from shardyard.models.loss import logits
 
         M = targets.shape[1]
         kwargs = {k: x[k] for k in ("input_ids", "attention_mask", "position_ids")}
         out = logits(model(**kwargs, logits_to_keep=M + 1))[:, :-1]  # the positions that predict the completion
-        return token_logps(out, targets)
+        # The distribution the rollouts were sampled from (logits / objective.temperature), for the sampling policy,
+        # the policy and the reference alike, as TRL scores them: the ratio and the KL are then of that distribution.
+        return token_logps(out, targets, self.temperature)
 
     def loss_sum(self, model: Any, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
         x = inputs
@@ -309,7 +315,7 @@ class GRPO:
                             x["ref_logps"] = self._token_logps(model, x, targets)
             ref = x["ref_logps"]
         t = grpo_per_token(logps, x["old_logps"], ref, x["advantages"], mask, self.epsilon, self.epsilon_high,
-                           self.beta)
+                           self.beta, bias_correction_kl=self.bias_correction_kl)
         loss, _ = aggregate(t.loss, mask, self.aggregation)
         with torch.no_grad():
             m = mask.double()
@@ -349,7 +355,7 @@ class GRPO:
     def evaluate(self, backend: Backend, val: dict, batches: int, micro_batch: int) -> Optional[dict[str, float]]:
         """Greedy completions of the held-out prompts: the mean reward (``eval/loss`` is its negative, so that early
         stopping and sweeps read lower as better), accuracy, each reward's mean, the completion length."""
-        from shardyard.data import eval_batches
+        from shardyard.data.pipeline import eval_batches
 
         dev = backend.device
         model = backend.hf_model()

@@ -1,5 +1,5 @@
 """``objective=lm``: next-token cross-entropy over the label tokens (pre-training, SFT), plus one term per
-multi-token-prediction depth when the model has them (``shardyard.mtp``). The model's own loss path
+multi-token-prediction depth when the model has them (``shardyard.models.mtp``). The model's own loss path
 (``model.causal_lm_loss_sum``), so nothing is installed."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from shardyard import mtp
+from shardyard.models import mtp
 from shardyard.backends import Backend
 from shardyard.objectives import Setup, to_device
 
@@ -44,12 +44,12 @@ class LanguageModeling:
         return self._factors(step)
 
     def loss_sum(self, model: Any, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
-        from shardyard.model import causal_lm_loss_sum
+        from shardyard.models.loss import causal_lm_loss_sum
 
         return causal_lm_loss_sum(model, inputs, targets)
 
     def eval_loss(self, model: Any, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
-        from shardyard.model import causal_lm_loss
+        from shardyard.models.loss import causal_lm_loss
 
         return causal_lm_loss(model, inputs, targets)
 

@@ -2,10 +2,11 @@
 variants, GRPO's group-relative advantages, clipped surrogate and k3 KL, and the two loss aggregations.
 
 Every formula is TRL 1.16's (``trl/trainer/dpo_trainer.py`` ``_compute_loss``, ``trl/trainer/grpo_trainer.py``
-``_generate_and_score_completions`` and ``_compute_loss``), and tests/unit/test_objective_losses.py runs TRL's own
-code on the same log-probabilities and asserts equality within 1e-6. The math runs in fp32 at least (bf16 and
-fp16 log-probabilities are upcast first; fp64 stays fp64, which the tests use to compare formulas to 1e-12), so
-every engine computes the same numbers from the same inputs.
+``_generate_and_score_completions`` and ``_compute_loss``, GRPO's log-probabilities at the sampling temperature as
+its fused LM head computes them), and tests/unit/test_objective_losses.py runs TRL's own code on the same
+log-probabilities (and, for GRPO, on the same model and sequences, loss and gradient) and asserts equality within
+1e-6. The math runs in fp32 at least (bf16 and fp16 log-probabilities are upcast first; fp64 stays fp64, which the
+tests use to compare formulas to 1e-12), so every engine computes the same numbers from the same inputs.
 """
 
 from __future__ import annotations
@@ -30,16 +31,22 @@ def _f32(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float64 else x.float()
 
 
-def token_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """``[B, T]``: ``log softmax(logits[b, t])[targets[b, t]]`` in fp32 (at least), 0 where ``targets`` is ``IGNORE``.
+def token_logps(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """``[B, T]``: ``log softmax(logits[b, t] / temperature)[targets[b, t]]`` in fp32 (at least), 0 where
+    ``targets`` is ``IGNORE``.
 
-    ``targets`` are already shifted (``targets[t]`` is the token after position ``t``, as ``sft.encode`` writes
-    them). Computed as ``-cross_entropy(..., reduction="none")``: fp32 logits are used as they are, lower precisions
-    are upcast once, and the only other ``[B, T, V]`` tensor is the one cross-entropy's own log-softmax needs (no
-    ``log_softmax`` + ``gather`` copy besides it)."""
+    ``temperature``: the distribution the tokens were sampled from (GRPO's rollouts at ``objective.temperature``,
+    as TRL's ``GRPOTrainer`` scores them: its fused LM head divides the logits by ``args.temperature``); 1 (DPO,
+    SFT): the model's own. ``targets`` are already shifted (``targets[t]`` is the token after position ``t``, as
+    ``sft.encode`` writes them). Computed as ``-cross_entropy(..., reduction="none")``: fp32 logits are used as they
+    are, lower precisions are upcast once (and divided in place), and the only other ``[B, T, V]`` tensor is the one
+    cross-entropy's own log-softmax needs (no ``log_softmax`` + ``gather`` copy besides it)."""
     b, t, v = logits.shape
-    nll = F.cross_entropy(_f32(logits.reshape(b * t, v)), targets.reshape(b * t), ignore_index=IGNORE,
-                          reduction="none")
+    flat = logits.reshape(b * t, v)
+    x = _f32(flat)
+    if temperature != 1.0:  # in place on the upcast copy (its backward needs neither), else a new tensor
+        x = x.div_(temperature) if x.data_ptr() != flat.data_ptr() else x / temperature
+    nll = F.cross_entropy(x, targets.reshape(b * t), ignore_index=IGNORE, reduction="none")
     return -nll.view(b, t)
 
 
@@ -118,7 +125,8 @@ class GRPOTokens(NamedTuple):
     loss: torch.Tensor
     """The per-token loss: clipped surrogate plus ``beta`` times the KL."""
     kl: torch.Tensor
-    """The k3 estimate of KL(policy || reference) per token (0 everywhere when there is no reference)."""
+    """The k3 estimate of KL(policy || reference) per token, times the ratio when ``bias_correction_kl`` (TRL's
+    ``kl`` metric likewise); 0 everywhere when there is no reference."""
     low_clipped: torch.Tensor
     """``ratio < 1 - epsilon_low`` where the advantage is negative (TRL's ``clip_ratio/low``)."""
     high_clipped: torch.Tensor
@@ -129,12 +137,15 @@ class GRPOTokens(NamedTuple):
 
 def grpo_per_token(logps: torch.Tensor, old_logps: torch.Tensor, ref_logps: Optional[torch.Tensor],
                    advantages: torch.Tensor, mask: torch.Tensor, epsilon_low: float, epsilon_high: float,
-                   beta: float) -> GRPOTokens:
+                   beta: float, *, bias_correction_kl: bool) -> GRPOTokens:
     """GRPO's per-token loss (Shao et al. 2024, eq. 3; TRL's ``loss_type`` grpo/bnpo/dapo before aggregation):
 
     ``ratio = exp(logps - old_logps)``, ``A`` = the sequence's advantage (``advantages`` ``[B]``),
     ``loss = -min(ratio A, clip(ratio, 1 - epsilon_low, 1 + epsilon_high) A) + beta kl``,
-    ``kl = exp(ref - logps) - (ref - logps) - 1`` (the k3 estimator, Schulman 2020; DeepSeekMath eq. 4).
+    ``kl = exp(ref - logps) - (ref - logps) - 1`` (the k3 estimator, Schulman 2020; DeepSeekMath eq. 4), times
+    ``ratio`` when ``bias_correction_kl`` (DeepSeek-V3.2, arXiv 2512.02556, eq. 7: the importance-weighted k3, whose
+    gradient is the unbiased reverse-KL gradient; TRL's ``use_bias_correction_kl``, on by default). The ratio is
+    differentiable, so the correction changes the KL's gradient even on a round's first step, where it is 1.
 
     ``epsilon_high != epsilon_low`` is DAPO's asymmetric "clip-higher" (Yu et al. 2025). ``old_logps`` are the
     rollout policy's (detached; equal to ``logps`` on the first optimisation step of a batch of rollouts, where
@@ -149,6 +160,8 @@ def grpo_per_token(logps: torch.Tensor, old_logps: torch.Tensor, ref_logps: Opti
     if ref_logps is not None:
         delta = _f32(ref_logps).detach() - lp
         kl = torch.exp(delta) - delta - 1
+        if bias_correction_kl:
+            kl = kl * ratio
         if beta != 0.0:
             loss = loss + beta * kl
         kl = kl * m

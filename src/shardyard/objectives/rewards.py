@@ -27,7 +27,7 @@ import re
 from decimal import Decimal, InvalidOperation
 from typing import Any, Callable, Optional
 
-from shardyard.errors import UserError
+from shardyard.core.errors import UserError
 
 _NUMERAL = re.compile(
     r"[-+]?"

@@ -1,0 +1,799 @@
+"""The memory and launch plan: will this recipe fit, and if not, what will?
+
+``estimate(cfg, batch, hardware)`` is a pure function of the composed config, the batch plan and a hardware
+description: per rank, the bytes of parameters, gradients, optimizer state, master weights, the engine's own
+buffers and activations, what offload moves to host RAM or NVMe, the bytes each rank sends per step and the
+step time those bytes and the FLOPs imply. Nothing is allocated: the model's shape comes from the one
+meta-device build validation already does (``model.model_shape``), the optimizer's bytes per parameter from one
+step on a 64 x 64 probe tensor.
+
+Each engine states what it holds in its own module (``Backend.model_states``), next to the code that
+allocates it; this module only adds activations, the runtime and the hardware. Where the figures come from
+(measured, not guessed) is in docs/architecture.md, "The plan".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from omegaconf import DictConfig
+
+from shardyard.config import checkpointed_fraction, checkpointing_mode
+from shardyard.config.schema import Offload, Precision
+from shardyard.core.errors import UserError
+from shardyard.core.facts import GPUS, MAX_NODES, ParallelDims, Plan, find_gpu, node_counts, split_hardware
+
+GiB = float(2 ** 30)
+
+CPU_RUNTIME_BYTES = 0.45 * GiB
+"""One CPU worker's own footprint before any tensor: Python, torch, transformers, numpy, the tokenizer and
+gloo (VmRSS of a fresh worker measured at 0.38-0.45 GiB with torch 2.13 on x86-64 Linux)."""
+CPU_ALLOCATOR_SLACK = 0.3
+"""On CPU, what glibc's allocator keeps resident of the step's freed temporaries, as a fraction of the tensors' own
+peak: the default run's resident high-water mark was 0.91 GiB for 0.45 of runtime and 0.34 of tensors at their
+peak (the dry run's tracker, which agrees with the plan's 0.35 to 3%)."""
+CUDA_RUNTIME_BYTES = 1.0 * GiB
+"""Per GPU outside ``max_memory_allocated``: the CUDA context, cuBLAS/NCCL workspaces and the caching
+allocator's slack. Counted when checking the fit, not in the allocated peak the gpu tier compares."""
+
+
+# ------------------------------------------------------------------------------------------- the model
+def optimizer_bytes_per_param(o: DictConfig) -> float:
+    """Optimizer state bytes per fp32 parameter: one real step of the recipe's optimizer on a 64 x 64 tensor
+    (AdamW 8, SGD with momentum 4, Adafactor's factored rows and columns about 0.1)."""
+    import torch
+
+    key = repr(sorted((k, str(v)) for k, v in o.items()))
+    if key not in _OPT_CACHE:
+        p = torch.nn.Parameter(torch.zeros(64, 64))
+        opt = _probe_optimizer(o, p)
+        p.grad = torch.ones_like(p)
+        opt.step()
+        held = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
+                   if isinstance(v, torch.Tensor) and v.numel() > 1)
+        _OPT_CACHE[key] = held / p.numel()
+    return _OPT_CACHE[key]
+
+
+_OPT_CACHE: dict[str, float] = {}
+
+
+def _probe_optimizer(o: DictConfig, p: Any) -> Any:
+    from hydra.utils import get_object
+
+    from shardyard.backends.optim import optimizer_kwargs
+
+    return get_object(o._target_)([{"params": [p], "weight_decay": 0.0}], **optimizer_kwargs(o))
+
+
+# ---------------------------------------------------------------------------------------- the hardware
+@dataclass(frozen=True)
+class Hardware:
+    """What each rank of a job has. On CPU the ranks of a node share its RAM (``device_bytes`` is None)."""
+
+    name: str
+    device: str
+    ranks_per_node: int
+    nodes: int
+    device_bytes: float | None
+    host_bytes: float
+    """Host RAM of one node the job may use (available now on this machine; the table's figure for a named GPU)."""
+    nvme_bytes: float | None
+    peak_flops: float | None
+    """Per rank, in the recipe's compute dtype; None when unknown (CPU)."""
+    intra_bw: float
+    inter_bw: float
+    this_machine: bool
+
+    @property
+    def world(self) -> int:
+        return self.ranks_per_node * self.nodes
+
+
+def hardware(cfg: DictConfig, batch: Plan) -> Hardware:
+    """``plan.hardware`` (``8xH100-80GB``, ``H100-80GB``, ``cpu``) with ``plan.nodes``, or this machine."""
+    spec = cfg.plan.hardware
+    if spec is None:
+        return this_machine(cfg, batch)
+    return named(spec, cfg.plan.nodes, cfg.precision.name, cfg.backend.get("nvme_path"))
+
+
+def named(spec: str, nodes: int, precision: str = "bf16", nvme_path: str | None = None) -> Hardware:
+    count, name = split_hardware(spec)
+    if count < 1:
+        raise UserError("plan.hardware", spec, f"It names {count} devices per node; a node has at least 1.",
+                        "Use e.g. plan.hardware=8xH100-80GB (GPUs per node x GPU), or plan.hardware=2xcpu.")
+    if nodes < 1:
+        raise UserError("plan.nodes", nodes, "It is the number of nodes of plan.hardware, at least 1.",
+                        "Use plan.nodes=1 or more.")
+    if name.lower() == "cpu":
+        import psutil
+
+        mem = psutil.virtual_memory().total
+        return Hardware(f"{count}x cpu", "cpu", count, nodes, None, mem, _nvme_free(nvme_path), None, 10e9, 10e9, False)
+    gpu = find_gpu(name)
+    if gpu is None:
+        known = ", ".join(g.name for g in GPUS)
+        raise UserError("plan.hardware", spec, f"It names no GPU the plan knows ({known}).",
+                        "Use e.g. plan.hardware=8xH100-80GB (GPUs per node x GPU) with plan.nodes=N, or leave it "
+                        "unset to plan for this machine.")
+    flops = (gpu.fp32_tflops if Precision(precision) is Precision.fp32 else gpu.bf16_tflops) * 1e12
+    return Hardware(f"{count}x{gpu.name}", "cuda", count, nodes, gpu.memory_gib * GiB, gpu.host_gib_per_gpu * count * GiB,
+                    _nvme_free(nvme_path), flops, gpu.intra_gbs * 1e9, gpu.inter_gbs * 1e9, False)
+
+
+def this_machine(cfg: DictConfig, batch: Plan) -> Hardware:
+    """The devices this process sees, without creating a CUDA context (a forked worker must not inherit one)."""
+    import psutil
+
+    nodes = max(1, batch.world_size // batch.nproc_per_node)  # under torchrun/srun: the launch's real nodes
+    nvme = _nvme_free(cfg.backend.get("nvme_path"))
+    host = psutil.virtual_memory().available
+    if batch.device_type == "cuda":
+        name, total = _gpu_name_and_memory()
+        gpu = next((g for g in GPUS if name and g.name.split("-")[0] in name), None)
+        fp32 = Precision(cfg.precision.name) is Precision.fp32
+        flops = None if gpu is None else (gpu.fp32_tflops if fp32 else gpu.bf16_tflops) * 1e12
+        intra, inter = (gpu.intra_gbs, gpu.inter_gbs) if gpu else (64.0, 12.5)
+        return Hardware(f"{batch.nproc_per_node}x {name or 'GPU'} (this machine)", "cuda", batch.nproc_per_node, nodes,
+                        total, host, nvme, flops, intra * 1e9, inter * 1e9, True)
+    return Hardware(f"this machine ({os.cpu_count()} cores, {host / GiB:.1f} GiB RAM available)", "cpu",
+                    batch.nproc_per_node, nodes, None, host, nvme, None, 10e9, 10e9, True)
+
+
+def _gpu_name_and_memory() -> tuple[str | None, float | None]:
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20).stdout.strip().splitlines()
+        rows = [line.rsplit(",", 1) for line in out if "," in line]
+        return rows[0][0].strip(), min(float(r[1]) for r in rows) * 2 ** 20
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        import torch  # no nvidia-smi: ask torch (this creates a CUDA context in the parent)
+
+        props = torch.cuda.get_device_properties(0)
+        return props.name, float(props.total_memory)
+
+
+def _nvme_free(path: str | None) -> float | None:
+    if not path or not os.path.isdir(path):
+        return None
+    return float(shutil.disk_usage(path).free)
+
+
+# -------------------------------------------------------------------------------------------- the plan
+@dataclass
+class Estimate:
+    """One rank's plan for one engine on one piece of hardware (bytes, seconds)."""
+
+    engine: str
+    """The engine's name, with its expert-parallel degree or HSDP copies when it has them (``fsdp ep=8``, ``fsdp replicate=2``)."""
+    world: int
+    micro_batch: int
+    grad_accum: int
+    activation_checkpointing: bool
+    device: dict[str, float]
+    """On the device (CUDA memory; host RAM on CPU): params, grads, optimizer, master, buffers, activations,
+    and on CPU the worker's own runtime."""
+    host: dict[str, float]
+    """Host RAM per rank besides the device (offloaded state; empty on CPU, where everything is host RAM)."""
+    nvme: float
+    comm_bytes: float
+    """Bytes each rank sends per optimizer step (ring collectives)."""
+    compute_s: float | None
+    comm_s: float
+    notes: list[str] = field(default_factory=list)
+    overlap: float = 0.0
+    """Bytes of ``device`` never alive together (gradients built while activations are freed)."""
+    fits: bool = True
+    shortfall: str = ""
+
+    @property
+    def device_peak(self) -> float:
+        return sum(self.device.values()) - self.overlap
+
+    @property
+    def host_peak(self) -> float:
+        return sum(self.host.values())
+
+    @property
+    def model_states(self) -> dict[str, float]:
+        """Parameters, gradients and optimizer state (master weights included) wherever they live."""
+        both = {k: self.device.get(k, 0.0) + self.host.get(k, 0.0) for k in ("params", "grads", "optimizer", "master")}
+        return {"params": both["params"], "grads": both["grads"], "optimizer": both["optimizer"] + both["master"]}
+
+    @property
+    def step_s(self) -> float | None:
+        # Ring collectives overlap with compute at best; count the larger of the two plus a quarter of the other.
+        if self.compute_s is None:
+            return None
+        return max(self.compute_s, self.comm_s) + 0.25 * min(self.compute_s, self.comm_s)
+
+
+NF4_BYTES = (4 + 0.127) / 8
+"""QLoRA's frozen weights: 4-bit NF4 plus double-quantised block constants (0.127 bits per parameter, QLoRA
+paper section 3)."""
+
+
+def frozen_base(states: Any, P: int, trainable: int, shape: dict, quantized: bool = False) -> Any:
+    """Adapters (``peft=lora``): gradients, master weights and optimizer state exist for the trainable
+    parameters only, so each engine's figures for them scale by trainable / P; the frozen base is held as the
+    engine holds parameters (replicated, sharded or partitioned). ``qlora`` (replica engines): the blocks'
+    linear weights in NF4, embeddings, norms and head (the root) and the adapters in fp32. Communication is
+    left as for full training (an upper bound: gradient reductions shrink, parameter all-gathers do not)."""
+    import dataclasses
+
+    f = trainable / max(P, 1)
+
+    def scaled(where: dict) -> dict:  # the adapters are parameters too, held as the base's are
+        return {k: v * f if k in ("grads", "optimizer", "master") else v * (1 + f) if k == "params" else v
+                for k, v in where.items()}
+
+    device = scaled(states.device)
+    if quantized:
+        root = shape.get("root_params", 0)
+        device["params"] = 4.0 * (root + trainable) + NF4_BYTES * max(P - root, 0)
+    return dataclasses.replace(states, device=device, host=scaled(states.host),
+                               accumulation_bytes=states.accumulation_bytes * f,
+                               notes=list(states.notes) + [f"peft: {trainable:,} trainable parameters "
+                                                           f"({100 * f:.2f}%) hold gradients and optimizer state"])
+
+
+def estimate_kinds(cfg: DictConfig, batch: Plan, hw: Hardware) -> list[Estimate]:
+    """The plan of every kind of rank of ``cfg`` on ``hw`` (one on most engines; a pipeline's stages, in order):
+    ``batch.facts.shape`` from the meta build."""
+    from shardyard.backends import engine, parallel_dims
+
+    shape = batch.facts.shape
+    P, N = batch.facts.params, hw.world
+    # This engine's layout on the hardware's world: the run's own (batch.dims) when they are the same run,
+    # another engine's or world when the plan compares them.
+    dims = parallel_dims(cfg, N)
+    mp, dp = dims.model_parallel, dims.dp  # dp: the data-parallel replicas
+    accum = _accumulation(cfg, batch, dp)
+    mbs = batch.micro_batch_size
+    first = engine(cfg.backend).model_states(cfg, P, N, shape, optimizer_bytes_per_param(cfg.optim))
+    return [_one_rank(cfg, batch, hw, s, accum, dims) for s in [first, *first.others]]
+
+
+def estimate(cfg: DictConfig, batch: Plan, hw: Hardware) -> Estimate:
+    """The plan of ``cfg`` (its engine, model, precision, batch) on ``hw``: its busiest rank's (``estimate_kinds``).
+    World size, micro batch and accumulation are those the hardware implies."""
+    return max(estimate_kinds(cfg, batch, hw), key=lambda e: e.device_peak)
+
+
+def _one_rank(cfg: DictConfig, batch: Plan, hw: Hardware, states: Any, accum: int, dims: Any) -> Estimate:
+    """``estimate`` for one kind of rank, whose model states the engine gave (``states``)."""
+    from shardyard.models import adapters
+
+    shape, P, N, mbs = batch.facts.shape, batch.facts.params, hw.world, batch.micro_batch_size
+    mp, dp = dims.model_parallel, dims.dp
+    quantized = batch.facts.trainable is not None and adapters.method(cfg.peft).quantized_base
+    trainable_share = 1.0 if batch.facts.trainable is None else batch.facts.trainable / max(P, 1)
+    staged = checkpoint_staging(cfg, states, trainable_share)  # before frozen_base: what the save holds
+    if batch.facts.trainable is not None:
+        states = frozen_base(states, P, batch.facts.trainable, shape, quantized=quantized)
+    mode = checkpointing_mode(cfg.model)
+    ckpt = mode != "none"
+    fraction = checkpointed_fraction(cfg.model, shape["blocks"])
+    kept_share = 1 - (fraction if ckpt else 0.0)  # of the blocks, those whose activations stay until backward
+    kept, transient, loss, copies = _activation_parts(shape, states.regime, mbs * batch.tokens_per_sample, mode, fraction,
+                                                      int(cfg.model.get("loss_chunk", 0)))
+    if batch.facts.trainable is not None:  # autocast caches the casts of weights that train only (not a frozen base)
+        copies *= batch.facts.trainable / max(P, 1)
+        if states.regime == "autocast" and not quantized:
+            # but each frozen linear keeps its weight's bf16 cast for the backward of its input, until its
+            # block's backward: every block's not checkpointed, one recomputed block's otherwise
+            frozen_blocks = max(shape["block_params"] - batch.facts.trainable, 0)
+            copies += 2 * (kept_share * frozen_blocks + (1 - kept_share) * shape["max_block_params"])
+    if batch.facts.adapter_activations is not None:  # what the adapters keep, less what the frozen base does not
+        adapters_keep = batch.facts.adapter_activations[states.regime]["cpu" if hw.device == "cpu" else "cuda"]
+        frozen_skips = shape["activation_bytes_per_token"][states.regime]["frozen_blocks"]
+        kept += kept_share * (adapters_keep - frozen_skips) * mbs * batch.tokens_per_sample
+    f = states.activation_factor
+    fk, ft, fl = states.activation_parts or (f, f, f)
+    # The loss's logits are freed by its backward before the first block is recomputed (or backpropagated): the
+    # two never coexist (the dry run: a DeepSeek-V3 last stage 9.2 GiB, not 14 as their sum; deepseek7b 11.5).
+    acts = (kept * fk + max(transient * ft, loss * fl)
+            + (copies + states.dispatch_bytes_per_token * mbs * batch.tokens_per_sample) * f
+            + states.stage_bytes_per_token * mbs * batch.tokens_per_sample + states.stage_bytes)
+    device = dict(states.device)
+    if accum > 1 and states.accumulation_bytes:
+        device["grads"] = device.get("grads", 0.0) + states.accumulation_bytes
+    device["activations"] = acts
+    # Post-training (objective=dpo|grpo): the frozen reference is held as the engine holds the policy's parameters
+    # (a replica, or its shards: Backend.reference_model) unless adapters are disabled instead (LoRA); GRPO keeps its
+    # round of rollouts (ids, mask, positions, targets, the sampling policy's and the reference's log-probs).
+    from shardyard.objectives import held
+
+    reference, kept_per_token = held(cfg.objective)
+    if reference and batch.facts.trainable is None:
+        device["reference"] = states.device.get("params", 0.0)
+        if states.host.get("params"):
+            states = dataclasses.replace(states, host={**states.host, "reference": states.host["params"]})
+    if kept_per_token:
+        device["rollouts"] = kept_per_token * mbs * batch.tokens_per_sample * accum
+    # Without accumulation, gradients freed by each step grow in backward as the activations shrink.
+    overlap = min(device.get("grads", 0.0), acts) if states.grads_freed_each_step and accum == 1 else 0.0
+    # Buffers alive only once the activations are freed (FSDP's root reduced after the whole backward).
+    overlap = min(overlap + states.buffers_apart, acts)
+    if hw.device == "cpu":  # one pool: the device is host RAM, offloaded state included
+        for k, v in states.host.items():
+            device[k] = device.get(k, 0.0) + v
+        if staged:
+            device[STAGING] = staged
+        device["runtime"] = CPU_RUNTIME_BYTES + CPU_ALLOCATOR_SLACK * (sum(device.values()) - overlap)
+        host: dict[str, float] = {}
+    else:
+        host = dict(states.host)
+        if staged:
+            host[STAGING] = staged
+    tokens = mbs * batch.tokens_per_sample * accum / mp  # a tensor-parallel or pipeline rank computes its part of each token
+    recompute = {"none": 0.0, "full": 1 / 3, "selective": 1 / 30}[mode] * fraction  # a block's forward is 1/3 of its
+    # training FLOPs; selective recomputes only the ops between matmuls (a few % of them)
+    compute = None if hw.peak_flops is None else batch.facts.flops_per_token * tokens * (1 + recompute) / (
+        hw.peak_flops * cfg.plan.mfu)
+    comm_bytes = states.comm_bytes(accum) * (dp - 1) / dp  # the engine's collectives run over its replicas
+    # Expert parallelism's all-to-all (``backends.expert_parallel_states`` 4): per micro-batch, moe_layers x tokens x
+    # R x hidden x dtype bytes x passes (4; 6 with full recompute) x (ep - 1)/ep, R the rows a token is sent as: one
+    # per rank holding any of its experts, at most min(top_k, ep) and, under group-limited routing lined up with
+    # the ranks, at most topk_group x the ranks of a group (``moe.RoutingGroups.max_ranks``; measured against routed
+    # tokens in tests/unit/test_group_routing.py). The routing line below says which bound holds.
+    comm_bytes += states.all_to_all_per_micro * accum  # point to point: what leaves the rank, counted already
+    bw = hw.intra_bw if hw.nodes == 1 else hw.inter_bw
+    ep = int(cfg.backend.get("ep", 1))
+    notes = list(states.notes)
+    if states.all_to_all_per_micro:
+        notes += routing_notes(cfg, batch, ep, dims.dp_shard, hw.ranks_per_node)
+    replicate = int(cfg.backend.get("replicate", 1))  # HSDP's copies (fsdp, fsdp_offload)
+    name = cfg.backend.name + (f" ep={ep}" if ep > 1 else "") + (f" replicate={replicate}" if replicate > 1 else "")
+    e = Estimate(name, N, mbs, accum, ckpt, device, host, states.nvme, comm_bytes, compute,
+                 comm_bytes / bw if N > 1 else 0.0, notes, overlap)
+    _check_fit(e, hw, cfg.plan.headroom)
+    return e
+
+
+STAGING = "checkpoint_staging"
+"""The plan's name for the host copy a background save writes from (``checkpoint_staging``)."""
+
+
+def checkpoint_staging(cfg: DictConfig, states: Any, trainable_share: float = 1.0) -> float:
+    """``checkpoint.async_save``: the bytes of the host copy a background save writes from, per rank
+    (``checkpoint.HostStaging``: one buffer, reused by every save): this rank's parameters and optimizer state
+    (master weights included) wherever the engine holds them, those of the trainable parameters only
+    (``trainable_share``: a frozen base is not saved); 0 without background saves. In the host column (on CPU
+    in the one pool: the device is host RAM). Engines without a background save (validation refuses the key
+    there) stage nothing: ``plan.only``'s other engines are planned as they would run."""
+    from shardyard.backends import engine
+
+    if not cfg.checkpoint.get("async_save") or not hasattr(engine(cfg.backend), "save_checkpoint_async"):
+        return 0.0
+    held = sum(states.device.get(k, 0.0) + states.host.get(k, 0.0) for k in ("params", "optimizer", "master"))
+    return held * trainable_share
+
+
+ROUTING = "routing groups: "
+"""The start of the plan's note on group-limited routing under expert parallelism (``routing_notes``), which the
+line printed at every start repeats."""
+
+
+def routing_notes(cfg: DictConfig, batch: Plan, ep: int, dp_shard: int, ranks_per_node: int) -> list[str]:
+    """Whether ``model.n_group``'s routing groups line up with the ranks (or nodes) of the EP groups, as one note
+    (``moe.RoutingGroups.note``): none without a group limit. Not an error when they do not: the routing is the
+    model's, only the all-to-all reaches more peers."""
+    from shardyard.models.moe import routing_groups
+
+    E, K = batch.facts.routed_experts, batch.facts.experts_per_token
+    rg = routing_groups(cfg.model, E, K, ep, ranks_per_node)
+    options = [d for d in range(2, min(E, dp_shard) + 1) if E % d == 0 and dp_shard % d == 0]
+    note = rg.note(options)
+    if note is None:
+        return []
+    assert note.startswith(ROUTING)
+    return [note + ("" if rg.lined_up else " (a warning, not an error)") + f"; the all-to-all sends each token as "
+            f"at most {rg.max_ranks} rows (one per rank holding any of its {K} experts)"]
+
+
+def _accumulation(cfg: DictConfig, batch: Plan, world: int) -> int:
+    gbs = cfg.train.global_batch_size
+    if gbs is None:
+        return batch.grad_accum_steps
+    return max(1, gbs // (batch.micro_batch_size * world))
+
+
+def _activations(shape: dict, regime: str, tokens: int, mode: str = "none", fraction: float = 0.0,
+                 loss_chunk: int = 0) -> float:
+    """Activation bytes of one micro-batch of ``tokens``: the blocks (a ``fraction`` of them checkpointed in
+    ``mode``), autocast's bf16 weight copies, and the loss (the logits of ``loss_chunk`` tokens at a time), which
+    is freed before the recomputed block lives."""
+    kept, transient, loss, copies = _activation_parts(shape, regime, tokens, mode, fraction, loss_chunk)
+    return kept + max(transient, loss) + copies
+
+
+def _activation_parts(shape: dict, regime: str, tokens: int, mode: str = "none", fraction: float = 0.0,
+                      loss_chunk: int = 0) -> tuple[float, float, float, float]:
+    """``_activations`` as its parts: what the blocks keep until backward, the one block recomputed at a time,
+    the loss (logits), autocast's weight copies."""
+    a = shape["activation_bytes_per_token"][regime]
+    n = max(shape["blocks"], 1)
+    logits_tokens = min(loss_chunk, tokens) if loss_chunk else tokens
+    loss = a["loss_hidden"] * tokens + a["logits"] * logits_tokens
+    if mode == "none" or fraction == 0:
+        kept, transient = a["blocks"], 0.0
+    else:
+        # checkpointed blocks keep their input (full) or their matmul outputs (selective); one block at a time
+        # is recomputed in backward, all of it (full) or the ops between its matmuls (selective)
+        own = n * a["ckpt_per_block"] if mode == "full" else a["selective_blocks"]
+        kept = (1 - fraction) * a["blocks"] + fraction * own
+        transient = a["max_block"] - (0.0 if mode == "full" else a["max_selective_block"])
+    transient += a.get("max_block_backward", 0.0)  # the backward of the largest block, beside its activations
+    # autocast casts each weight to bf16 once per forward and caches the copy until the forward's autocast region
+    # ends, checkpointed blocks' too: every block's and the head's are alive at the loss (the dry run measured
+    # 18.5 GiB of activations for deepseek7b under DDP/Horovod where counting one block's copies said 7.9)
+    copies = 2 * (shape["block_params"] + shape["root_params"] / 2) if regime == "autocast" else 0.0
+    d = int(shape.get("mtp_depth", 0))
+    if d:
+        # Multi-token prediction, D depths (``shardyard.models.mtp``; each depth's block is one of the blocks above). Its
+        # norms', eh_proj's and head's inputs (``mtp_per_depth``) live until the depth's backward, and without
+        # model.loss_chunk each term keeps its log-softmax (``mtp_logits``) until its own backward: at the first
+        # term's backward, loss + D x (per_depth + logits). Autograd runs the depths' backward (created last)
+        # before the main head's, so a depth's block is recomputed / backpropagated (``transient``) while the main
+        # loss's and the other depths' log-softmax and their inputs are alive: transient + loss_hidden +
+        # D x (per_depth + logits). The larger of the two stands in for the loss (it is on the last pipeline
+        # stage, with the loss).
+        saved = a["mtp_per_depth"] + (0 if loss_chunk else a["mtp_logits"])
+        loss = max(loss + d * saved * tokens, (transient + a["loss_hidden"] + d * saved) * tokens)
+    return kept * tokens, transient * tokens, loss, copies
+
+
+def _check_fit(e: Estimate, hw: Hardware, headroom: float) -> None:
+    short = []
+    if hw.device == "cpu":
+        need, have = e.device_peak * hw.ranks_per_node, hw.host_bytes * headroom
+        if need > have:
+            short.append(f"{hw.ranks_per_node} rank(s) x {e.device_peak / GiB:.1f} GiB = {need / GiB:.1f} GiB of host "
+                         f"RAM, and {headroom:.0%} of the {hw.host_bytes / GiB:.1f} GiB available is {have / GiB:.1f} GiB")
+    else:
+        assert hw.device_bytes is not None
+        need, have = e.device_peak + CUDA_RUNTIME_BYTES, hw.device_bytes * headroom
+        if need > have:
+            short.append(f"{need / GiB:.1f} GiB per GPU (with {CUDA_RUNTIME_BYTES / GiB:.0f} GiB of CUDA runtime), and "
+                         f"{headroom:.0%} of its {hw.device_bytes / GiB:.1f} GiB is {have / GiB:.1f} GiB")
+        host_need = e.host_peak * hw.ranks_per_node
+        if host_need > hw.host_bytes * headroom:
+            what = " and ".join(w for w, on in [("offloaded state", set(e.host) - {STAGING}),
+                                                (f"a background save's host copy ({e.host.get(STAGING, 0) / GiB:.1f} "
+                                                 "GiB per rank, checkpoint.async_save)", STAGING in e.host)] if on)
+            short.append(f"{host_need / GiB:.1f} GiB of host RAM per node for {what}, and {headroom:.0%} of "
+                         f"{hw.host_bytes / GiB:.1f} GiB is {hw.host_bytes * headroom / GiB:.1f} GiB")
+    if e.nvme:
+        if hw.nvme_bytes is None:
+            short.append("an NVMe directory (backend.nvme_path) that does not exist")
+        elif e.nvme * hw.ranks_per_node > hw.nvme_bytes * headroom:
+            short.append(f"{e.nvme * hw.ranks_per_node / GiB:.1f} GiB at backend.nvme_path, which has "
+                         f"{hw.nvme_bytes / GiB:.1f} GiB free")
+    e.fits, e.shortfall = not short, "; ".join(short)
+
+
+def nodes_needed(cfg: DictConfig, batch: Plan, hw: Hardware, limit: int = MAX_NODES,
+                 whole_batch: bool = False) -> int | None:
+    """The fewest nodes of this hardware, ``hw.nodes`` or more, on which the recipe fits (None: not even ``limit``),
+    among the node counts its layout allows (stages x tensor parallel dividing the world, ``ep`` dividing the
+    data-parallel shards), searched over the whole range (``facts.node_counts``). The global batch is not a
+    constraint unless ``whole_batch``: the alternatives keep the run's, which a much larger world may not divide,
+    and the refusal names the nodes for the user to size the batch to; a dry run's advice (``whole_batch``) names
+    a count the recipe can be dry-run at as it is."""
+    from shardyard.backends import engine
+
+    degrees = getattr(engine(cfg.backend), "degrees", None)
+    fixed = degrees(cfg.backend) if degrees else {}
+    gbs, mbs = cfg.train.global_batch_size, batch.micro_batch_size
+
+    def allowed(n: int) -> bool:
+        dims = ParallelDims.of(n * hw.ranks_per_node, fixed)
+        return (dims.product == dims.world_size and dims.dp_shard % max(dims.ep, 1) == 0
+                and (not whole_batch or gbs is None or gbs % (mbs * dims.dp) == 0))
+
+    def fits(n: int) -> bool:
+        return estimate(cfg, batch, dataclasses.replace(hw, nodes=n)).fits
+
+    counts = [n for n in node_counts(allowed, limit) if n >= hw.nodes]
+    if not counts:
+        return None
+    # The per-rank figures only fall as the nodes grow: double the index until one fits, then bisect.
+    lo, hi = -1, 0  # counts[hi] is tried; counts[lo] (lo >= 0) does not fit
+    while not fits(counts[hi]):
+        if hi == len(counts) - 1:
+            return None
+        lo, hi = hi, min(2 * hi + 1, len(counts) - 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(counts[mid]) else (mid, hi)
+    return counts[hi]
+
+
+def measured_fit(e: Estimate, hw: Hardware, peak: float, headroom: float) -> Estimate:
+    """``e`` (the plan of one kind of rank) with the dry run's measured ``peak`` in place of the plan's, checked as
+    the plan checks its own (``_check_fit``: the CUDA runtime added, ``headroom`` of the device). The dry run's
+    fake tensors live in one pool, so what the plan puts in host RAM (offload) is taken out of the device's peak
+    and kept as the plan's; on CPU the worker's runtime and the allocator's slack are added as the plan adds them."""
+    if hw.device == "cpu":
+        device = {"measured": peak, "runtime": CPU_RUNTIME_BYTES + CPU_ALLOCATOR_SLACK * peak}
+    else:
+        device = {"measured": max(peak - e.host_peak, 0.0)}
+    m = dataclasses.replace(e, device=device, overlap=0.0, notes=[])
+    _check_fit(m, hw, headroom)
+    return m
+
+
+# ------------------------------------------------------------------------------------------- printing
+CATEGORIES = ("params", "grads", "optimizer", "master", "buffers", "activations", "runtime")
+
+
+def table(rows: Iterable[tuple[Estimate, int | None]], hw: Hardware) -> str:
+    """One line per engine: per-rank memory by category, fits, bytes sent and step time."""
+    where = "host RAM" if hw.device == "cpu" else "GPU"
+    head = (f"{'engine':18} {'params':>7} {'grads':>7} {'optim':>7} {'master':>7} {'buffers':>7} {'activ':>7} "
+            f"{'runtime':>7} | {'peak/' + where:>12} {'host':>7} {'nvme':>7} | {'fits':13} | {'sent/step':>9} "
+            f"{'comm s':>7} {'compute s':>9}")
+    lines = [f"plan for {hw.name}, {hw.nodes} node(s), {hw.world} rank(s); GiB per rank", head, "-" * len(head)]
+    for e, nodes in rows:
+        cells = " ".join(f"{e.device.get(k, 0.0) / GiB:7.2f}" for k in CATEGORIES)
+        fits = "yes" if e.fits else (f"no: {nodes} nodes" if nodes else "no: nvme_path" if "NVMe" in e.shortfall else "no")
+        comp = f"{e.compute_s:9.3f}" if e.compute_s is not None else f"{'-':>9}"
+        lines.append(f"{e.engine:18} {cells} | {e.device_peak / GiB:12.2f} {e.host_peak / GiB:7.1f} "
+                     f"{e.nvme / GiB:7.1f} | {fits:13} | {e.comm_bytes / GiB:7.2f}Gi {e.comm_s:7.3f} {comp}")
+    return "\n".join(lines)
+
+
+def describe(e: Estimate, hw: Hardware) -> str:
+    """The line printed at every start."""
+    parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in e.device.items() if v)
+    if e.overlap:
+        parts += f"; gradients or buffers that never peak with the activations: -{e.overlap / GiB:.2f}"
+    if hw.device == "cpu":
+        of = f"{hw.ranks_per_node} x {e.device_peak / GiB:.2f} GiB = {e.device_peak * hw.ranks_per_node / hw.host_bytes:.1%} " \
+             f"of {hw.host_bytes / GiB:.1f} GiB host RAM available"
+        return f"plan per rank: peak {e.device_peak / GiB:.2f} GiB ({parts}); {of}" + \
+            "".join(f"\nshardyard | plan: {n}" for n in e.notes if n.startswith(ROUTING))
+    assert hw.device_bytes is not None
+    line = (f"plan per GPU rank: peak {e.device_peak / GiB:.2f} GiB allocated ({parts}) = "
+            f"{(e.device_peak + CUDA_RUNTIME_BYTES) / hw.device_bytes:.1%} of {hw.device_bytes / GiB:.1f} GiB with the CUDA runtime")
+    if e.host_peak:
+        held = ", ".join(f"{'background save staging' if k == STAGING else k} {v / GiB:.2f}" for k, v in e.host.items())
+        line += f"\nshardyard | plan per rank in host RAM: {e.host_peak / GiB:.2f} GiB ({held})"
+    return line + "".join(f"\nshardyard | plan: {n}" for n in e.notes if n.startswith(ROUTING))
+
+# ------------------------------------------------------------------------------- before launch (run.py)
+def before_launch(cfg: DictConfig, batch: Plan, rank0: bool = True) -> tuple[Estimate, str] | None:
+    """This run's plan and the line that describes it; a run that does not fit is refused (``UserError``).
+    With ``plan.only`` every engine's plan is printed and None returned (the caller exits 0)."""
+    hw = hardware(cfg, batch)
+    if cfg.plan.only:
+        if rank0:
+            print(plan_report(cfg, batch, hw), flush=True)
+        return None
+    e = estimate(cfg, batch, hw)
+    if not e.fits and cfg.plan.check:
+        staging_refusal(cfg, batch, hw, e)
+        raise refusal(cfg, batch, hw, e, rank0)
+    return e, describe(e, hw)
+
+
+def plan_report(cfg: DictConfig, batch: Plan, hw: Hardware) -> str:
+    """``plan.only``: every engine for this recipe on ``hw``, the rules of thumb, and how to read it."""
+    rows = []
+    for name, variant in engine_variants(cfg, hw, batch.facts.routed_experts):
+        e = estimate(variant, batch, hw)
+        rows.append((e, None if e.fits else nodes_needed(variant, batch, hw)))
+    P = batch.facts.params
+    mfu = f"at MFU {cfg.plan.mfu:.0%} of {hw.peak_flops / 1e12:.0f} TFLOP/s" if hw.peak_flops else "(no FLOP/s figure for this hardware)"
+    notes = [
+        f"model {cfg.model.name}: {f'{P / 1e9:.2f}B' if P >= 1e9 else f'{P / 1e6:.1f}M'} parameters | precision {cfg.precision.name} | micro batch "
+        f"{batch.micro_batch_size} x seq {batch.seq_len} | activation checkpointing {checkpointing_mode(cfg.model)} "
+        f"| loss chunk {cfg.model.get('loss_chunk', 0) or 'off'} "
+        f"| optimizer {cfg.optim._target_} ({optimizer_bytes_per_param(cfg.optim):.0f} bytes/param)",
+        "rules of thumb (ZeRO paper, mixed-precision Adam: 16 bytes/param): DDP 16P = "
+        f"{16 * P / GiB:.1f} GiB; ZeRO-1 4P+12P/N = {(4 * P + 12 * P / hw.world) / GiB:.1f}; ZeRO-2 2P+14P/N = "
+        f"{(2 * P + 14 * P / hw.world) / GiB:.1f}; ZeRO-3/FSDP 16P/N = {16 * P / hw.world / GiB:.1f} GiB per rank (N={hw.world})",
+        f"sent/step: bytes each rank sends per optimizer step (DDP, ZeRO-1/2 ~2P, ZeRO-3/FSDP ~3P, in the "
+        f"communication dtype); comm s at {(hw.intra_bw if hw.nodes == 1 else hw.inter_bw) / 1e9:.0f} GB/s per rank; "
+        f"compute s {mfu}",
+    ]
+    notes += [f"{e.engine}: {n}" for e, _ in rows for n in e.notes if n.startswith(ROUTING)]
+    ds = deepspeed_estimates(cfg, batch, hw)
+    if ds:
+        notes.append(ds)
+    return table(rows, hw) + "\n" + "\n".join(notes)
+
+
+def engine_variants(cfg: DictConfig, hw: Hardware, experts: int = 0) -> list[tuple[str, DictConfig]]:
+    """The recipe under every ``backend`` option whose engine takes ``hw.world`` ranks (its class's ``max_ranks``;
+    ``single``: one), composed with the run's own overrides; the run's engine first. For a mixture-of-experts
+    model (``experts`` routed experts) the engines that shard experts come again with expert-parallel layouts
+    (``_ep_options``), labelled ``fsdp ep=8``."""
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.errors import ConfigCompositionException
+    # With the primary config's name its hydra.searchpath counts: a project's options and shardyard's packaged ones.
+    options = GlobalHydra.instance().config_loader().get_group_options("backend", config_name=HydraConfig.get().job.config_name)
+    from omegaconf import open_dict
+
+    from shardyard.backends import engine, parallel_dims
+
+    own = f"{cfg.backend.name} ep={cfg.backend.ep}" if cfg.backend.get("ep", 1) > 1 else cfg.backend.name
+    out = [(own, cfg)]
+    for name in [cfg.backend.name] + [o for o in options if o != cfg.backend.name]:
+        try:
+            variant = cfg if name == cfg.backend.name else compose_variant([f"backend={name}"], drop=("backend",))
+        except ConfigCompositionException:  # a recipe that sets its engine's own keys (backend.stages) in its body
+            continue
+        most = getattr(engine(variant.backend), "max_ranks", None)
+        if most is not None and hw.world > most:
+            continue
+        dims = parallel_dims(variant, hw.world)
+        if dims.product != hw.world:  # tensor/pipeline parallel need a multiple of their degree
+            continue
+        if name != cfg.backend.name:
+            out.append((name, variant))
+        if "ep" in getattr(engine(variant.backend), "degree_keys", {}):
+            for ep in _ep_options(experts, dims.dp_shard, hw.ranks_per_node):
+                if ep == variant.backend.ep:
+                    continue
+                v = variant.copy()
+                with open_dict(v):
+                    v.backend.ep = ep
+                out.append((f"{name} ep={ep}", v))
+    return out
+
+
+def _ep_options(experts: int, dp_shard: int, ranks_per_node: int) -> list[int]:
+    """The expert-parallel degrees the plan compares: the largest that keeps the all-to-all inside a node (its
+    fast links), and the largest overall up to 64 (the least expert memory per rank; DeepSeek-V3 trained at
+    64), each dividing both the experts and the data-parallel shards."""
+    divides = [d for d in range(2, min(experts, dp_shard, 64) + 1) if experts % d == 0 and dp_shard % d == 0]
+    if not divides:
+        return []
+    in_node = [d for d in divides if d <= ranks_per_node]
+    return sorted({*in_node[-1:], divides[-1]})
+
+
+def _changes_of_engine(cfg: DictConfig, variant: DictConfig) -> list[str]:
+    """The overrides that turn ``cfg``'s engine into ``variant``'s."""
+    out = [f"backend={variant.backend.name}"] if variant.backend.name != cfg.backend.name else []
+    if variant.backend.get("ep", 1) != cfg.backend.get("ep", 1):
+        out.append(f"backend.ep={variant.backend.ep}")
+    return out
+
+
+def compose_variant(extra: list[str], drop: tuple[str, ...] = ()) -> DictConfig:
+    """The run's config again with ``extra`` overrides (overrides of the ``drop`` keys removed first;
+    ``backend.nvme_path`` is kept)."""
+    from hydra import compose
+    from hydra.core.hydra_config import HydraConfig
+
+    from hydra.errors import ConfigCompositionException
+
+    task = [o for o in HydraConfig.get().overrides.task
+            if not any(o.lstrip("+~").split("=")[0].split(".")[0] == d for d in drop) or "nvme_path" in o]
+    name = HydraConfig.get().job.config_name  # train.py's, or a project's
+    try:
+        return compose(config_name=name, overrides=task + extra)
+    except ConfigCompositionException:  # an engine without backend.nvme_path (ddp, fsdp, ...): without it
+        return compose(config_name=name, overrides=[o for o in task if "nvme_path" not in o] + extra)
+
+
+def _swaps_to_nvme(b: DictConfig) -> bool:
+    return Offload.nvme in (b.get("offload_param"), b.get("offload_optimizer"))
+
+
+def alternatives(cfg: DictConfig, batch: Plan, hw: Hardware, limit: int = 6) -> list[tuple[str, Estimate, int]]:
+    """Changes that would fit, ranked: fewest nodes, then fewest changed settings, then step time (or bytes
+    sent). Each is an override string, its estimate and the nodes it needs."""
+    from omegaconf import open_dict
+
+    found = []
+    gbs = batch.global_batch_size
+    for name, variant in engine_variants(cfg, hw, batch.facts.routed_experts):
+        if _swaps_to_nvme(variant.backend) and not variant.backend.get("nvme_path"):
+            continue  # ZeRO-Infinity needs the user's NVMe directory
+        mode = checkpointing_mode(cfg.model)
+        for ckpt in dict.fromkeys([mode, "full"]):  # as written first, then full checkpointing
+            mbs = batch.micro_batch_size
+            while mbs >= 1:
+                v = variant.copy()
+                with open_dict(v):
+                    v.model.activation_checkpointing = ckpt
+                    v.train.micro_batch_size = mbs
+                    v.train.global_batch_size = gbs
+                    v.train.grad_accum_steps = None
+                b = dataclasses.replace(batch, micro_batch_size=mbs)
+                changes = _changes_of_engine(cfg, variant)
+                if ckpt != mode:
+                    changes.append("model.activation_checkpointing=full")
+                if mbs != batch.micro_batch_size:
+                    changes.append(f"train.micro_batch_size={mbs} train.global_batch_size={gbs}")
+                nodes = nodes_needed(v, b, hw)
+                if nodes is not None:
+                    e = estimate(v, b, dataclasses.replace(hw, nodes=nodes))
+                    if nodes > hw.nodes:
+                        like = "like this one" if hw.this_machine else f"of {hw.name}"
+                        changes.append(f"{nodes} nodes {like} ({'launch.nnodes' if hw.this_machine else 'plan.nodes'}={nodes})")
+                    speed = e.step_s if e.step_s is not None else e.comm_bytes / 1e12
+                    found.append(((nodes, len(changes), speed, e.device_peak), " ".join(changes) or "as it is", e, nodes))
+                    break  # a smaller micro batch fits too, but only costs throughput
+                mbs //= 2
+    found.sort(key=lambda f: f[0])
+    seen, out = set(), []
+    for _, text, e, nodes in found:
+        if text not in seen:
+            seen.add(text)
+            out.append((text, e, nodes))
+    return out[:limit]
+
+
+def staging_refusal(cfg: DictConfig, batch: Plan, hw: Hardware, e: Estimate) -> None:
+    """A run that fits but for its background saves' host copy (``checkpoint.async_save``) is refused naming
+    that key, the copy's size and the host RAM (``UserError``); otherwise nothing."""
+    staged = e.host.get(STAGING, 0.0) or e.device.get(STAGING, 0.0)
+    if not staged:
+        return
+    without = dataclasses.replace(e, host={k: v for k, v in e.host.items() if k != STAGING},
+                                  device={k: v for k, v in e.device.items() if k != STAGING})
+    _check_fit(without, hw, cfg.plan.headroom)
+    if not without.fits:
+        return
+    need = (e.host_peak if hw.device == "cuda" else e.device_peak) * hw.ranks_per_node
+    raise UserError("checkpoint.async_save", True,
+                    f"A background save stages a host copy of each rank's parameters and optimizer state: "
+                    f"{staged / GiB:.1f} GiB per rank, {staged * hw.ranks_per_node / GiB:.1f} GiB for the "
+                    f"{hw.ranks_per_node} rank(s) of a node. With what the run holds there that is {need / GiB:.1f} "
+                    f"GiB of host RAM per node, and {hw.name} has {hw.host_bytes / GiB:.1f} GiB "
+                    f"({cfg.plan.headroom:.0%} of it usable: {hw.host_bytes * cfg.plan.headroom / GiB:.1f} GiB). "
+                    "Without background saves the run fits.",
+                    "Drop checkpoint.async_save (each save then holds the step while it writes), or spread the state "
+                    "over more nodes or a sharded engine (each rank stages its own part only), or plan.check=false "
+                    "to launch anyway.").on_every_rank()
+
+
+def refusal(cfg: DictConfig, batch: Plan, hw: Hardware, e: Estimate, rank0: bool = True) -> UserError:
+    alts = alternatives(cfg, batch, hw)
+    if rank0:
+        print(table([(e, None)], hw), flush=True)
+    if alts:
+        listed = "; ".join(f"({i}) {text}: {a.device_peak / GiB:.1f} GiB per rank" for i, (text, a, _) in enumerate(alts, 1))
+        fix = f"Alternatives that fit, best first: {listed}. Or plan.check=false to launch anyway."
+    else:
+        fix = (f"Nothing within {MAX_NODES} nodes of this hardware fits; use a smaller model, or plan.check=false to "
+               "launch anyway.")
+    where = "GPU" if hw.device == "cuda" else "rank"
+    return UserError("backend", cfg.backend.name,
+                     f"The plan for {cfg.model.name} on {e.world} rank(s) of {hw.name} needs {e.device_peak / GiB:.1f} GiB "
+                     f"per {where} and does not fit: {e.shortfall}.", fix).on_every_rank()
+
+
+def deepspeed_estimates(cfg: DictConfig, batch: Plan, hw: Hardware) -> str:
+    """DeepSpeed's own model-state estimators (ZeRO-2, ZeRO-3) beside ours, when DeepSpeed is installed."""
+    import logging
+
+    logging.disable(logging.WARNING)  # its import warns that it found no GPU: this plan may be for GPUs elsewhere
+    try:
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+    except ImportError:
+        return ""
+    finally:
+        logging.disable(logging.NOTSET)
+    P, shape = batch.facts.params, batch.facts.shape
+    _, z2 = estimate_zero2_model_states_mem_needs(P, hw.ranks_per_node, hw.nodes, cpu_offload=False)
+    _, z3, _ = estimate_zero3_model_states_mem_needs(P, shape["max_module_params"], hw.ranks_per_node, hw.nodes,
+                                                      cpu_offload=False, cpu_offload_params=False)
+    return (f"DeepSpeed's estimators (model states per GPU, mixed precision): ZeRO-2 {z2 / GiB:.2f} GiB "
+            f"(2P + 18P/N: it adds a 16-bit gradient partition that bf16 with fp32 accumulation does not keep), "
+            f"ZeRO-3 {z3 / GiB:.2f} GiB (4 bytes x the largest module + 18P/N; ours counts two gathered modules in the "
+            f"compute dtype and the reduce bucket under buffers)")
