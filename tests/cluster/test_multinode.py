@@ -105,9 +105,10 @@ def test_a_node_without_the_run_dir_of_node_0_says_so(hosts, tmp_path):
 ])
 def test_multi_node_user_errors_name_the_key(args, key, tmp_path):
     args = [a.replace("RUN", str(tmp_path / "run")) for a in args]
-    cmd = [sys.executable, str(ROOT / "train.py"), *STEPS, "backend=ddp", "launch.nproc_per_node=1", *args]
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "SHARDYARD_RUN_DIR": ""})
+    from shardyard.testing import run_python  # refused before any node starts: no namespace, forked warm
+
+    proc = run_python([str(ROOT / "train.py"), *STEPS, "backend=ddp", "launch.nproc_per_node=1", *args],
+                      str(tmp_path), {**os.environ, "SHARDYARD_RUN_DIR": ""}, 120)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert key in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
 

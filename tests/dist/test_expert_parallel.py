@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import train_py
-from shardyard.testing import TINY, compose, hf_eval_loss, on_ranks, run_many
+from shardyard.testing import TINY, compose, hf_eval_loss, on_ranks, run_many, run_ranks
 
 # TINY's 2 layers of deepseek_moe_tiny: layer 0 dense, layer 1 MoE with 8 routed experts (top 2) + 1 shared.
 EP = [*TINY, "model=deepseek_moe_tiny", "train.steps=6", "train.eval_every_n_steps=0", "train.global_batch_size=8",
@@ -74,7 +74,7 @@ def runs(tmp_path_factory):
     w4 = {"ep2": [*EP, "backend.ep=2", "train.micro_batch_size=2", CKPT],
           "ep2-accum2": [*EP, "backend.ep=2", "train.micro_batch_size=1"],
           "ep4": [*EP, "backend.ep=4", "train.micro_batch_size=2", CKPT],
-          "ep4-accum2": [*EP, "backend.ep=4", "train.micro_batch_size=1"],
+          # (ep 4 with accumulation: its all-to-all is ep4's, its accumulation ep2-accum2's and ep2-accum2-ckpt's)
           "pp2-ep2": [*EP, "backend=pipeline", "backend.stages=2", "backend.microbatches=2", "backend.ep=2",
                       "train.micro_batch_size=2"]}
     # a world-4 run's resumes, in a second call: its checkpoints must exist first
@@ -88,7 +88,7 @@ def runs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("run", ["w2-ep2", "w2-ep2-accum2-ckpt", "w4-ep2", "w4-ep2-accum2", "w4-ep4",
-                                 "w4-ep4-accum2", "w4-pp2-ep2"])
+                                 "w4-pp2-ep2"])
 def test_expert_parallel_matches_single_process(run, runs):
     """Equal to the single process, and measured to be expert parallel: tokens crossed ranks (equality alone
     holds with ``backend.ep`` ignored)."""
@@ -226,8 +226,7 @@ def test_a_collapsed_routing_overflows_the_receive_bound_with_one_paragraph_and_
     text = " ".join(err.split())
     assert "sent 512 token rows to rank 0" in text and "bounded to 384 rows" in text, text[-2000:]
     assert "Raise backend.ep_capacity_factor" in text and "leave it null" in text, text[-2000:]
-    dropless = train_py(*run, run_dir=tmp_path / "dropless")
-    assert dropless.returncode == 0, dropless.stderr[-3000:]
+    run_ranks(2, run, str(tmp_path / "dropless"))  # trains on (on the module's warm ranks: the paragraph is above)
     logged = [json.loads(line) for line in open(tmp_path / "dropless" / "metrics.jsonl")]
     first = next(m for m in logged if "moe/layer_1/max_over_mean" in m)
     assert first["moe/layer_1/max_over_mean"] == 4.0  # collapsed: experts 0 and 1 took every slot (8 / 2)

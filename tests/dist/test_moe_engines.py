@@ -4,7 +4,7 @@ its sequence-wise loss) at world size 2, every engine's router biases equal the 
 its losses within 1e-4, and the biases are in the HF export; the single process's logged step-1 loads are those of
 its seeded model routing that step's batch apart from the run. The drill: a router set to favour one expert is
 pulled back under 1.5x the mean load within 20 steps with balancing on (deepseek_moe_tiny's own gamma 0.005 and
-alpha 0.01) and stays there for the rest of a 50-step run (the bias update moves 2 x gamma a step whatever the
+alpha 0.01) and stays there for the rest of a 30-step run (the bias update moves 2 x gamma a step whatever the
 run's length: 20 steps close the 0.2 skew), and stays collapsed with it off."""
 
 import json
@@ -21,8 +21,9 @@ BIAS = "model.layers.1.mlp.gate.e_score_correction_bias"
 MOE = [*TINY, "model=deepseek_moe_tiny", "train.steps=10", "train.eval_every_n_steps=0", "train.global_batch_size=8",
        "model.balance.seq_aux_alpha=0.01", "model.mtp.depth=1"]
 # TINY's 2 layers: layer 0 dense, layer 1 MoE (8 experts, top 2); the MTP depth is layer 2 (MoE)
-ENGINES = {"ddp": [], "fsdp": [], "zero1": [], "zero2": ["model.loss_chunk=48"], "zero3": [],
+ENGINES = {"ddp": [], "fsdp": [], "zero2": ["model.loss_chunk=48"], "zero3": [],
            "pipeline": ["backend.stages=2", "backend.microbatches=2"]}
+# ZeRO-1 holds the router bias as ZeRO-2 does (a replicated buffer outside DeepSpeed's partitions): zero2 carries it.
 
 
 def biases(rank_results):
@@ -152,7 +153,7 @@ def _skewed_model(tmp_path):
 
 def test_drill_a_collapsed_router_is_pulled_back_only_with_balancing_on(tmp_path):
     weights = _skewed_model(tmp_path)
-    drill = [*TINY, "model=deepseek_moe_tiny", f"model.weights={weights}", "model.init_device=cpu", "train.steps=50",
+    drill = [*TINY, "model=deepseek_moe_tiny", f"model.weights={weights}", "model.init_device=cpu", "train.steps=30",
              "train.eval_every_n_steps=0", "train.global_batch_size=16", "train.log_every_n_steps=10", "backend=single"]
     on, off = run_many(1, [(drill, str(tmp_path / "on")),  # deepseek_moe_tiny's own balance: gamma 0.005
                            ([*drill, "model.balance.bias_update_speed=0", "model.balance.seq_aux_alpha=0"],
@@ -163,6 +164,6 @@ def test_drill_a_collapsed_router_is_pulled_back_only_with_balancing_on(tmp_path
                 if "moe/layer_1/max_over_mean" in line]
 
     assert curve("on")[0] > 3 and curve("off")[0] > 3.5  # collapsed at the start: 4x the mean is the ceiling
-    assert max(curve("on")[1:]) < 1.5, curve("on")  # within 20 steps, and for the rest of the run
+    assert max(curve("on")[1:]) < 1.5, curve("on")  # within 20 steps, and for the rest of the run (to 30)
     assert min(curve("off")) > 3.5, curve("off")  # nothing pulls it back
 

@@ -30,8 +30,13 @@ OBJECTIVES = {
              "objective.num_iterations=2", "objective.beta=0.1", "objective.epsilon=0.1", "objective.epsilon_high=0.3",
              "objective.rewards=[{_target_: shardyard.testing.completion_length}]", "optim.lr=0.5"]}
 LAYOUTS = {  # engine -> (world, micro batch); the global batch is 8 (DPO pairs, GRPO prompts)
-    "single": (1, 2), "ddp": (2, 2), "fsdp": (2, 4), "fsdp_tp": (2, 4), "zero1": (2, 4), "zero2": (2, 2),
-    "zero3": (2, 4)}
+    "single": (1, 2), "ddp": (2, 2), "fsdp": (2, 4), "fsdp_tp": (2, 4), "zero2": (2, 2), "zero3": (2, 4)}
+"""ZeRO-1 is not among them: its reference is ZeRO-2's (``deepspeed.reference_ds_config`` makes both a stage-0
+replica), and ZeRO-1 against the single process is test_engines' matrix."""
+HOROVOD_OBJECTIVES = ("grpo",)
+"""Horovod's reference is ``reference.replica``, as DDP's and the single process's: GRPO's run (a KL term, beta 0.1,
+so the reference is used) carries Horovod under post-training; DPO's batching of pairs over ranks is every other
+engine's."""
 
 
 def options(engine: str) -> list[str]:
@@ -41,8 +46,8 @@ def options(engine: str) -> list[str]:
 
 @pytest.fixture(scope="module", params=list(OBJECTIVES))
 def trained(request, tmp_path_factory):
-    """Per objective: the single process at the whole batch, then every engine's layout, then Horovod (started by
-    its own runner); their final weights and logged losses."""
+    """Per objective: the single process at the whole batch, then every engine's layout, then (GRPO) Horovod
+    (started by its own runner); their final weights and logged losses."""
     base = OBJECTIVES[request.param]
     d = tmp_path_factory.mktemp(request.param)
     out = {"ref": run_many(1, [([*base, "backend=single", "train.micro_batch_size=8"], str(d / "ref"))])[0][0]}
@@ -50,6 +55,8 @@ def trained(request, tmp_path_factory):
         names = [e for e, (w, _) in LAYOUTS.items() if w == world]
         out.update((n, got[0]) for n, got in zip(names, run_many(world, [([*base, *options(n)], str(d / n))
                                                                          for n in names])))
+    if request.param not in HOROVOD_OBJECTIVES:
+        return request.param, out
     hv = train_py(*base, "backend=horovod", "launch.nproc_per_node=2", "train.micro_batch_size=4",
                   "checkpoint.save_final=true", run_dir=d / "horovod")
     assert hv.returncode == 0, hv.stderr[-3000:]
@@ -67,7 +74,7 @@ def test_every_engine_trains_to_the_single_process_weights(trained):
     if objective == "dpo":  # the policy starts as its reference: every pair's loss is log 2
         assert losses[0] == pytest.approx(0.6931472, abs=1e-6)
     assert abs(losses[1] - losses[0]) > 1e-3  # the first step moved the weights: no comparison of idle runs
-    for engine in [*LAYOUTS, "horovod"]:
+    for engine in [*LAYOUTS, *(["horovod"] if objective in HOROVOD_OBJECTIVES else [])]:
         full = out[engine]["full"]
         worst = max((full[k].float() - ref[k].float()).abs().max().item() for k in full)
         assert worst < 1e-4, (objective, engine, worst)

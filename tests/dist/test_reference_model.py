@@ -21,23 +21,23 @@ from shardyard.testing import TINY, compose, on_ranks
 BASE = [*TINY, "train.steps=2", "train.eval_every_n_steps=0", "sched.warmup_steps=0"]
 # The fp32 replica, DDP, ZeRO-1/2 and Horovod references are proven by tests/dist/test_post_training.py (DPO on every
 # engine equals the single process, its first loss log 2): here the numerics (bf16), the shards, offload, zero.Init.
+# Not here, as carried elsewhere: DDP bf16 (``reference.replica``, as single bf16 below); plain fp32 FSDP and ZeRO-3
+# (their logits: DPO on fsdp and zero3 in test_post_training; their shards: fsdp_offload and fsdp bf16, zero3
+# zero.Init and zero3_offload below, the same sharding code).
 WORLD1 = {
     "single bf16": ["backend=single", "precision=bf16"],
 }
 WORLD2 = {
-    "ddp bf16": ["backend=ddp", "precision=bf16"],
-    "fsdp": ["backend=fsdp"],
     "fsdp bf16": ["backend=fsdp", "precision=bf16"],
     "fsdp_tp": ["backend=fsdp_tp", "backend.tp=2", "train.global_batch_size=4"],
     "zero2 bf16": ["backend=zero2", "precision=bf16"],
-    # every parameter partitioned (the tiny model's are all below the default persistence threshold of 1e5)
-    "zero3": ["backend=zero3", "backend.stage3_param_persistence_threshold=0"],
-    # the policy built under deepspeed.zero.Init (HfDeepSpeedConfig): the reference is too, under its own config
+    # every parameter partitioned (the tiny model's are all below the default persistence threshold of 1e5); the
+    # policy built under deepspeed.zero.Init (HfDeepSpeedConfig): the reference is too, under its own config
     "zero3 zero.Init": ["backend=zero3", "backend.stage3_param_persistence_threshold=0", "model.init_device=meta"],
     "zero3_offload": ["backend=zero3_offload", "backend.stage3_param_persistence_threshold=0"],
     "fsdp_offload": ["backend=fsdp_offload"],
 }
-SHARDED = ("fsdp", "fsdp bf16", "fsdp_offload", "zero3", "zero3 zero.Init", "zero3_offload")
+SHARDED = ("fsdp bf16", "fsdp_offload", "zero3 zero.Init", "zero3_offload")
 
 
 def _batch(vocab: int) -> torch.Tensor:
