@@ -29,6 +29,15 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT") and "OMP_NUM_THREADS" not in os.e
 
 from shardyard.testing import TINY, run_python  # noqa: E402,F401  (TINY is re-exported to the tests)
 
+# DeepSpeed's compiled ops: every process of the session (this one, the workers, every rank and run they start)
+# builds and loads them in this install's own root (``op_builds.venv_build_root``), where `make setup` compiled
+# them. A test that loads an op itself (DeepSpeedCPUAdam, the async I/O handle) never passes through the engine's
+# ``check_deepspeed_ops``, which sets it: without this it compiled cpu_adam, pin_memory and async_io a second
+# time in torch's shared default root, about 6 minutes of the suite (seen on a fresh machine, 2026-11-29).
+from shardyard.core.op_builds import venv_build_root  # noqa: E402
+
+venv_build_root()
+
 
 def train_py(*overrides: str, run_dir: Path, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run ``python train.py`` as a user would, in its own run dir: forked from a server that has imported torch

@@ -36,17 +36,6 @@ def collect(procs, timeout):
     return [(p.returncode, out) for p, out in zip(procs, outs)]
 
 
-def on_two_hosts(hosts, run_dir, *overrides, port=29471, timeout=300):
-    """``train.py`` started on each host, as on two nodes: [(exit code, output), ...] by node rank."""
-    cmd = [sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={run_dir}", *overrides, "launch.nnodes=2",
-           "launch.nproc_per_node=1", f"launch.rdzv_endpoint={hosts.addrs[0]}:{port}",
-           f"launch.socket_ifname={hosts.ifname}", "launch.timeout_s=60"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    procs = [hosts.popen(i, [*cmd, f"launch.node_rank={i}"], cwd=ROOT, env=env, text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i in range(2)]
-    return collect(procs, timeout)
-
-
 def assert_two_nodes_started_as_one_run(node0: str, node1: str) -> None:
     """What each node of ``python train.py launch.nnodes=2 launch.node_rank=K`` says: node 0 the world it laid
     out, node 1 the run dir it took from node 0."""
@@ -54,17 +43,10 @@ def assert_two_nodes_started_as_one_run(node0: str, node1: str) -> None:
     assert "run dir" in node1 and "written by node 0" in node1, node1[-2000:]
 
 
-# ZeRO-2 across two hosts: test_slurm.py's srun -N2 and DeepSpeed's hostfile below; DDP: train.py on each host
-# is test_a_failed_node_restarts_and_all_nodes_resume_to_the_clean_result's job (the same start of each node,
-# against one_host("ddp", *RESTARTED) at the same 1e-5), the user's own torchrun on each host is test_torchrun_...
-@pytest.mark.parametrize("engine", ["fsdp"])
-def test_two_hosts_train_as_one_host_with_two_workers(engine, hosts, one_host, tmp_path):
-    nodes = on_two_hosts(hosts, tmp_path / "two", *STEPS, f"backend={engine}")
-    assert [code for code, _ in nodes] == [0, 0], "\n\n".join(out[-4000:] for _, out in nodes)
-    assert_two_nodes_started_as_one_run(*(out for _, out in nodes))
-    a, b = one_host(engine), losses(tmp_path / "two")
-    assert len(a) == len(b) == 5
-    assert max(abs(x - y) / abs(y) for x, y in zip(b, a)) <= 1e-5, (a, b)
+# Across two hosts, each engine once: DDP is train.py started on each host
+# (test_a_failed_node_restarts_and_all_nodes_resume_to_the_clean_result: the same start of each node, against
+# one_host("ddp", *RESTARTED) at the same 1e-5) and the user's own torchrun on each host (test_torchrun_...); FSDP is
+# test_slurm.py's srun -N2 (its DeviceMesh over two hosts); ZeRO-2 DeepSpeed's hostfile below; Horovod horovodrun.
 
 
 def test_torchrun_on_each_host_trains_the_same(hosts, one_host, tmp_path):
@@ -182,7 +164,7 @@ def test_a_failed_node_restarts_and_all_nodes_resume_to_the_clean_result(hosts, 
     os.kill(int(workers[0]), 9)
     nodes = collect(procs, 300)
     assert [code for code, _ in nodes] == [0, 0], "\n\n".join(out[-4000:] for _, out in nodes)
-    assert_two_nodes_started_as_one_run(nodes[0][1], nodes[1][1])  # (and test_two_hosts_...[ddp]'s claims)
+    assert_two_nodes_started_as_one_run(nodes[0][1], nodes[1][1])  # (the plain two-host start's claims)
     # Rank 0 (node 0) names the checkpoint it resumed from: one of the restart's step-10/20/30 checkpoints.
     assert re.search(r"resumed from \S+/step-0*[1-3]0\b", nodes[0][1]), nodes[0][1][-3000:]
     assert close(losses(run_dir), one_host("ddp", *RESTARTED)), (losses(run_dir), one_host("ddp", *RESTARTED))
@@ -214,7 +196,9 @@ def test_horovodrun_across_hosts_trains_as_one_host(hosts, ssh, one_host, tmp_pa
                      capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "world size 2" in proc.stdout, proc.stdout[-2000:]
-    assert close(losses(tmp_path / "run"), one_host("horovod")), (losses(tmp_path / "run"), one_host("horovod"))
+    # against the shared single-host DDP run at the engine matrix's 1e-4 (the engines are equal there: a rank that
+    # trained on the wrong shard is ~1e-2 off), not a Horovod run of its own on one host
+    assert close(losses(tmp_path / "run"), one_host("ddp"), 1e-4), (losses(tmp_path / "run"), one_host("ddp"))
 
 
 def test_deepspeed_hostfile_across_hosts_trains_as_one_host(hosts, ssh, one_host, tmp_path):
@@ -239,4 +223,5 @@ def test_deepspeed_hostfile_across_hosts_trains_as_one_host(hosts, ssh, one_host
                      capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "world size 2 (1/node x 2 nodes" in proc.stdout, proc.stdout[-2000:]
-    assert close(losses(tmp_path / "run"), one_host("zero2")), (losses(tmp_path / "run"), one_host("zero2"))
+    # against the shared single-host DDP run at the engine matrix's 1e-4, as horovodrun's above
+    assert close(losses(tmp_path / "run"), one_host("ddp"), 1e-4), (losses(tmp_path / "run"), one_host("ddp"))

@@ -31,13 +31,18 @@ def srun(cluster, layout, run_dir, *overrides, timeout=300):
                        f"hydra.run.dir={run_dir}", *STEPS, *overrides, cwd=ROOT, timeout=timeout)
 
 
-@pytest.mark.parametrize("layout,engine", [(["-N1", "-n2"], "ddp"), (["-N2", "--ntasks-per-node=1"], "zero2")])
+# -N2 is FSDP2 across two hosts (its process groups over the second host's interface); ZeRO-2 across hosts is
+# test_multinode.py's DeepSpeed hostfile run.
+@pytest.mark.parametrize("layout,engine", [(["-N1", "-n2"], "ddp"), (["-N2", "--ntasks-per-node=1"], "fsdp")])
 def test_srun_tasks_train_as_one_host_with_two_workers(layout, engine, cluster, one_host, tmp_path):
     proc = srun(cluster, layout, tmp_path / "run", f"backend={engine}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     nodes = "1/node x 2 nodes" if "-N2" in layout else "2/node"
     assert f"world size 2 ({nodes}" in proc.stdout, proc.stdout[-2000:]
-    assert close(losses(tmp_path / "run"), one_host(engine)), (losses(tmp_path / "run"), one_host(engine))
+    # against the shared single-host DDP run, at the engine matrix's 1e-4 for FSDP (the engines are equal there: a
+    # rank that trained on the wrong shard is ~1e-2 off)
+    rtol = 1e-5 if engine == "ddp" else 1e-4
+    assert close(losses(tmp_path / "run"), one_host("ddp"), rtol), (losses(tmp_path / "run"), one_host("ddp"))
 
 
 def test_sbatch_script_runs_and_a_requeued_job_resumes_to_the_clean_result(cluster, one_host, tmp_path):

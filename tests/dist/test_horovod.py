@@ -54,17 +54,57 @@ def mpi_launch(launcher, run_dir, *overrides):
                           env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
 
 
-@pytest.mark.parametrize("micro", [2])  # accumulation 2 (backward_passes_per_step)
-def test_horovod_matches_single_process(micro, reference, tmp_path):
-    """Our launcher's Gloo controller at accumulation 2 (MPI's: the user's own mpirun below). Accumulation 1
-    (micro 4) equals the single process too, under this Gloo controller in tests/dist/test_finetune.py (LoRA: loss and grad norm 1e-4), test_post_training.py
-    (weights 1e-4) and test_moe_engines.py (MTP losses 1e-4, router biases 1e-6), on 2 workers at accumulation 1."""
-    got = run_horovod(tmp_path, f"train.micro_batch_size={micro}")
+def allreduces(events, pid):
+    """The shapes of the ALLREDUCE operations in one row of a Horovod timeline, in order: its begin (B) and
+    end (E) events nest, and the end of an operation carries the tensor's shape."""
+    stack, shapes = [], []
+    for e in events:
+        if e.get("pid") != pid or e.get("ph") not in ("B", "E"):
+            continue
+        if e["ph"] == "B":
+            stack.append(e)
+            continue
+        begin = stack.pop()
+        assert e["ts"] >= begin["ts"] > 0, (begin, e)
+        if begin["name"] == "ALLREDUCE":
+            shapes.append(e["args"]["shape"])
+    assert not stack, stack
+    return shapes
+
+
+def test_horovod_matches_single_process_resumes_bit_for_bit_and_times_every_gradient(reference, tmp_path):
+    """Our launcher's Gloo controller at accumulation 2 (micro batch 2 of 4 per worker; MPI's: the user's own mpirun
+    below) equals the single process; its checkpoint of step 3 resumes to the same losses bit for bit (steps 4-5
+    trained again, 1-3 read from it); and its timeline (``backend.timeline``) holds, for every parameter of the
+    exported model, one allreduce of its gradient per optimizer step with the tensor's shape: accumulation
+    allreduces once a step (``backward_passes_per_step``). Accumulation 1 (micro 4) equals the single process too,
+    under this Gloo controller in tests/dist/test_finetune.py (LoRA: loss and grad norm 1e-4), test_post_training.py
+    (weights 1e-4) and test_moe_engines.py (MTP losses 1e-4, router biases 1e-6), on 2 workers at accumulation 1.
+    (One run for what were three: the resume was test_checkpoint's, the timeline test_engines_e2e's.)"""
+    from transformers import AutoModelForCausalLM
+
+    got = run_horovod(tmp_path / "a", "train.micro_batch_size=2", "checkpoint.every_n_steps=3",
+                      "checkpoint.save_final=true", "backend.timeline=true")
     assert max(abs(a - b) / b for a, b in zip(got, reference[0])) <= 1e-4, (got, reference[0])
     # The global pre-clip grad norm too: hvd.broadcast_optimizer_state on a fresh AdamW once ran a zero-gradient
     # step whose weight decay shrank every weight by (1 - lr * wd) before training (1e-4 off here, 1e-3 in LoRA).
-    norms = losses(tmp_path, "grad_norms")
+    norms = losses(tmp_path / "a", "grad_norms")
     assert max(abs(a - b) / b for a, b in zip(norms, reference[1])) <= 1e-5, (norms, reference[1])
+
+    events = json.load(open(tmp_path / "a" / "horovod_timeline.json"))
+    pids = {e["args"]["name"]: e["pid"] for e in events
+            if e.get("ph") == "M" and e.get("name") == "process_name" and "name" in e.get("args", {})}
+    steps = json.load(open(tmp_path / "a" / "summary.json"))["steps"]
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "a" / "hf", local_files_only=True)
+    for name, p in model.named_parameters():
+        assert allreduces(events, pids[f"allreduce.{name}"]) == [str(list(p.shape))] * steps, name
+
+    resumed = run_horovod(tmp_path / "b", "train.micro_batch_size=2",
+                          f"checkpoint.resume={tmp_path}/a/checkpoints/step-00000003")
+    la = json.load(open(tmp_path / "a/summary.json"))["train_losses"]
+    lb = json.load(open(tmp_path / "b/summary.json"))["train_losses"]
+    assert lb == la and [s for s, _ in lb] == [1, 2, 3, 4, 5] and resumed == got  # 1-3 read back, 4-5 bit for bit
+    assert len(json.load(open(tmp_path / "b/summary.json"))["step_wall_s"]) == 2  # really resumed
 
 
 @needs_mpi

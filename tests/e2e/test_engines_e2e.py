@@ -58,42 +58,7 @@ def test_zero_infinity_without_async_io_says_so(tmp_path, monkeypatch):
     assert e.value.key == "backend" and "libaio" in e.value.problem and "apt-get install libaio-dev" in e.value.fix
 
 
-def allreduces(events, pid):
-    """The shapes of the ALLREDUCE operations in one row of a Horovod timeline, in order: its begin (B) and
-    end (E) events nest, and the end of an operation carries the tensor's shape."""
-    stack, shapes = [], []
-    for e in events:
-        if e.get("pid") != pid or e.get("ph") not in ("B", "E"):
-            continue
-        if e["ph"] == "B":
-            stack.append(e)
-            continue
-        begin = stack.pop()
-        assert e["ts"] >= begin["ts"] > 0, (begin, e)
-        if begin["name"] == "ALLREDUCE":
-            shapes.append(e["args"]["shape"])
-    assert not stack, stack
-    return shapes
-
-
-def test_horovod_through_train_py_writes_a_timeline_of_every_gradient(tmp_path):
-    pytest.importorskip("horovod.torch")
-    proc = train_py(*FAST, "backend=horovod", "launch.nproc_per_node=2", "backend.timeline=true", run_dir=tmp_path / "a")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "a" / "hf", local_files_only=True)
-    # The timeline (Chrome trace events, a row per tensor) holds, for every parameter of the model, one
-    # allreduce of its gradient per optimizer step, with the tensor's shape.
-    events = json.load(open(tmp_path / "a" / "horovod_timeline.json"))
-    pids = {e["args"]["name"]: e["pid"] for e in events
-            if e.get("ph") == "M" and e.get("name") == "process_name" and "name" in e.get("args", {})}
-    steps = json.load(open(tmp_path / "a" / "summary.json"))["steps"]
-    for name, p in model.named_parameters():
-        shape = str(list(p.shape))
-        assert allreduces(events, pids[f"allreduce.{name}"]) == [shape] * steps, name
-    # The user's own horovodrun starting the same train.py (world size 2, and the single-host run's losses) is
-    # tests/cluster/test_multinode.py::test_horovodrun_across_hosts_trains_as_one_host, across two hosts.
+# Horovod through train.py with its timeline: tests/dist/test_horovod.py (one run with its accumulation and resume).
 
 
 def test_pretrained_export_moves_weights_between_engines(tmp_path):
