@@ -222,8 +222,9 @@ def test_each_install_compiles_its_ops_in_a_root_of_its_own(tmp_path, monkeypatc
     here = op_builds._installed("torch", "deepspeed")
     assert all(os.path.isfile(os.path.join(d, "__init__.py")) for d in here), here
     roots = []
-    for installs in (here, ["/check/work/main/.venv/lib/python3.11/site-packages/" + p for p in ("torch", "deepspeed")],
-                     here):
+    other = [str(tmp_path / "another-checkout" / ".venv" / "site-packages" / p) for p in ("torch", "deepspeed")]
+    assert other != here  # (a fixed path here once named CI's own checkout: the two installs were one)
+    for installs in (here, other, here):
         monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
         monkeypatch.setattr(op_builds, "_installed", lambda *packages, installs=installs: installs)
         op_builds.check_deepspeed_ops([])  # what the DeepSpeed engine calls before deepspeed.initialize
