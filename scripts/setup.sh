@@ -50,18 +50,24 @@ fi
 VPY="$VENV/bin/python"
 stamp="$VENV/.shardyard-setup"
 # The stamp: line 1 a hash of what the install depends on, line 2 the extras the venv holds. A changed hash
-# (requirements or these scripts edited, MPI appeared for a venv with Horovod) redoes everything it holds.
+# (requirements or these scripts edited, MPI appeared for a venv with Horovod, the torch the venv sees replaced:
+# Horovod and DeepSpeed's ops are built against one torch) redoes everything it holds.
 key() {  # the hash for a venv holding the extras "$@"
   (cat pyproject.toml scripts/setup.sh scripts/build_horovod.sh
-   if [[ " $* " == *" horovod "* ]]; then command -v mpicc || true; fi) | sha256sum | cut -c1-16
+   if [[ " $* " == *" horovod "* ]]; then command -v mpicc || true; fi
+   # torch's version and where it is installed, read without importing it
+   [ ! -x "$VPY" ] || $VPY -c 'import importlib.metadata as m; d = m.distribution("torch"); print(d.version, d.locate_file(""))' 2>/dev/null || true
+  ) | sha256sum | cut -c1-16
 }
 held=()
+stale=0
 if [ -f "$stamp" ] && [ -x "$VPY" ]; then
   read -r -a held < <(sed -n 2p "$stamp") || true
-  [ "$(sed -n 1p "$stamp")" = "$(key "${held[@]}")" ] || held=()  # out of date: everything is redone
+  [ "$(sed -n 1p "$stamp")" = "$(key "${held[@]}")" ] || stale=1  # out of date: everything held is redone
 fi
 missing=()
 for e in "${asked[@]}"; do [[ " ${held[*]} " == *" $e "* ]] || missing+=("$e"); done
+if [ $stale = 1 ]; then missing+=("${held[@]}"); fi
 # ops compile DeepSpeed's: they need its package
 want=($(printf '%s\n' "${held[@]}" "${asked[@]}" | sed 's/^ops$/ops\ndeepspeed/' | grep -v '^$' | sort -u || true))
 has() { $VPY -c "import importlib.util as u, sys; sys.exit(0 if u.find_spec('$1') else 1)" 2>/dev/null; }

@@ -61,7 +61,7 @@ def test_without_lm_eval_tasks_exit_2_naming_the_extra(monkeypatch, capsys):
         cli.main(["eval", "nowhere", "tasks=[stdlib_qa]"])
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert "error in `tasks`" in err and "shardyard[eval]" in err, err
+    assert "error in `tasks`" in err and "`make setup EXTRAS=eval`" in " ".join(err.split()), err  # the checkout's command
 
 
 def test_an_unknown_task_exits_2_naming_tasks_and_close_names(capsys):

@@ -158,13 +158,13 @@ def test_the_table_names_real_extras_that_hold_each_module():
 # ---------------------------------------------------------------------------------------------- scripts/setup.sh
 STUB = """#!/usr/bin/env bash
 echo "{name} $*" >> {calls}
-case "$1" in -c) echo stub ;; esac
+case "$1" in -c) echo "stub ${{STUB_TORCH:-}}" ;; esac
 """
 
 
 def test_setup_installs_what_is_asked_once_and_a_venv_only_grows(tmp_path):
     """The stamp knows which extras a venv holds: `make train` installs the core + deepspeed; `make test`
-    (EXTRAS=all) after it adds the rest; `make train` after that does nothing. Stubs stand in for the venv's
+    (EXTRAS=all) after it adds the rest; `make train` after that does nothing; another torch redoes it all. Stubs stand in for the venv's
     python and for uv, and record what setup.sh asks of them."""
     venv, tools, calls = tmp_path / "venv", tmp_path / "tools", tmp_path / "calls"
     for path, name in ((venv / "bin" / "python", "python"), (tools / "uv", "uv")):
@@ -189,3 +189,7 @@ def test_setup_installs_what_is_asked_once_and_a_venv_only_grows(tmp_path):
                                    "python -m shardyard.core.op_builds"]
     assert setup() == [] and setup(EXTRAS="all") == []  # make train, make test after it: nothing
     assert setup(EXTRAS="all", SHARDYARD_INSTALLER="pip") == []  # the installer does not change what is held
+    # another torch in the venv (what its python reports of torch's distribution): Horovod and the ops were built
+    # against the old one, so everything held is redone
+    redone = [core + ".[deepspeed,dev,eval,finetune,fp8,monitors,slurm,sweep]", "python -m shardyard.core.op_builds"]
+    assert setup(STUB_TORCH="2.14.0") == redone and setup(STUB_TORCH="2.14.0") == []

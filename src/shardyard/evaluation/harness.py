@@ -12,6 +12,7 @@ import os
 import random
 from typing import Any, Callable, Iterator
 
+from shardyard.config.preflight import install_command
 from shardyard.core.errors import UserError
 
 TASKS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tasks")
@@ -26,7 +27,7 @@ def require_harness(key: str = "tasks", instead: str = "leave tasks unset for pe
     except ImportError:
         raise UserError(key, "(lm-eval not installed)", "The lm-evaluation-harness (the `lm-eval` package) is "
                         "not installed, and scoring tasks needs it.",
-                        "Install shardyard's eval extra: pip install 'shardyard[eval]' (or pip install lm-eval), "
+                        f"Install it once with `{install_command(['eval'])}` (shardyard's eval extra), "
                         f"or {instead}.") from None
 
 
