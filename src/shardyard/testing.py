@@ -540,8 +540,9 @@ def _close_zygote() -> None:
 def _planned(cfg, plan) -> dict:
     """The plan's per-rank figures for this run on this machine (what ``plan.only=true`` prints)."""
     from shardyard.planning import plan as memory_plan
+    from shardyard.planning import hardware as plan_hardware
 
-    e = memory_plan.estimate(cfg, plan, memory_plan.hardware(cfg, plan))
+    e = memory_plan.estimate(cfg, plan, plan_hardware.hardware(cfg, plan))
     return {"device": e.device, "peak": e.device_peak}
 
 

@@ -219,6 +219,7 @@ def test_background_saves_reuse_one_planned_host_buffer_on_a_group_with_the_runs
     shards and AdamW moments (and the step counters), the plan's ``checkpoint_staging`` within 0.1%; the
     background saves' gloo group has ``launch.timeout_s``, not torch's default 30 minutes."""
     from shardyard.planning import plan as memory_plan
+    from shardyard.planning import hardware as plan_hardware
     from shardyard.testing import compose
     from shardyard.planning.validate import validate
 
@@ -227,7 +228,7 @@ def test_background_saves_reuse_one_planned_host_buffer_on_a_group_with_the_runs
     on_ranks(2, _background_saves, over, str(tmp_path))
     cfg = compose([*over, "launch.nproc_per_node=2"])
     batch = validate(cfg, None)
-    planned = memory_plan.estimate(cfg, batch, memory_plan.hardware(cfg, batch)).device["checkpoint_staging"]
+    planned = memory_plan.estimate(cfg, batch, plan_hardware.hardware(cfg, batch)).device["checkpoint_staging"]
     for rank in range(2):
         got = json.load(open(tmp_path / f"saves-rank{rank}.json"))
         saves, held = got["saves"], got["held"]

@@ -4,8 +4,9 @@ at world 4 too: the MoE model's experts on (edp 2 x ep 2) leave each rank P / N,
 
 import pytest
 
-from shardyard.planning import dryrun
+from shardyard.planning import simulation
 from shardyard.planning import plan as memory_plan
+from shardyard.planning import hardware as plan_hardware
 from shardyard.planning.validate import validate
 from shardyard.testing import run_measurements
 from shardyard.testing import compose
@@ -18,7 +19,7 @@ MODEL = ["model.hidden_size=128", "model.intermediate_size=344", "model.num_laye
 def planned(overrides, world):
     cfg = compose([*overrides, f"launch.nproc_per_node={world}"])  # the layout validated at its world
     batch = validate(cfg, None)
-    hw = memory_plan.named(f"{world}xH100-80GB", 1)
+    hw = plan_hardware.named(f"{world}xH100-80GB", 1)
     return memory_plan.estimate(cfg, batch, hw).model_states
 
 
@@ -57,6 +58,6 @@ def test_dry_run_equals_a_real_run_at_world_4(measured, layout):
     cfg = compose([*got["overrides"], "launch.nproc_per_node=4"])
     batch = validate(cfg, None)
     assert batch.world_size == 4 and batch.dims.ep == (2 if ep else 1)
-    simulated = dryrun.simulate(cfg, batch, dryrun.Role(0, "first shard"))
+    simulated = simulation.simulate(cfg, batch, simulation.Role(0, "first shard"))
     for k in ("params", "grads", "optimizer"):
         assert abs(simulated[k] - got[k]) <= 0.05 * got[k], (layout, k, simulated[k], got[k])

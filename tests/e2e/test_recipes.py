@@ -123,13 +123,13 @@ def dry_run_inputs(recipe) -> dict:
     simulates (at most 2 micro-batches), the hardware and node count, and the plan it is held against."""
     from omegaconf import OmegaConf
 
-    from shardyard.planning import dryrun
+    from shardyard.planning import simulation
     from shardyard.planning.validate import validate
 
     cfg = recipes.compose(recipe, ["plan.dry_run=true", f"plan.hardware={recipe.hardware}",
                                    f"plan.nodes={recipe.nodes}"])
     batch = validate(cfg, None)
-    sim = OmegaConf.to_container(dryrun._simulated_config(cfg, replica=False), resolve=True)
+    sim = OmegaConf.to_container(simulation._simulated_config(cfg, replica=False), resolve=True)
     return {**{k: sim[k] for k in ("model", "backend", "precision", "peft", "objective", "launch", "plan") if k in sim},
             "seq_len": sim["data"]["seq_len"], "micro_batch_size": sim["train"]["micro_batch_size"],
             "activation_checkpointing": sim["model"].get("activation_checkpointing"),

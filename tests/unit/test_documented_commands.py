@@ -196,6 +196,7 @@ def _scale(cfg) -> None:
 def check(overrides: list[str], plan_only: bool) -> None:
     """What ``python train.py <overrides>`` does before any process starts; raises ``UserError`` as it would."""
     from shardyard.planning import plan as memory_plan
+    from shardyard.planning import hardware as plan_hardware
     from shardyard.launching import recipes
     from shardyard.core.dist_env import DistEnv
 
@@ -209,7 +210,7 @@ def check(overrides: list[str], plan_only: bool) -> None:
             nodes = int(_value(overrides, "launch.nnodes") or r.nodes)
             overrides += [f"plan.hardware={r.hardware}", f"plan.nodes={nodes}"]
             on_paper = True
-            per_node = memory_plan.named(r.hardware, nodes).ranks_per_node
+            per_node = plan_hardware.named(r.hardware, nodes).ranks_per_node
             if nodes > 1 and _value(overrides, "launch.nnodes") is None:  # started by its header's launcher
                 env = DistEnv("elastic", 0, 0, per_node * nodes, per_node)
     if _value(overrides, "backend.device") is None:
@@ -218,7 +219,7 @@ def check(overrides: list[str], plan_only: bool) -> None:
     _scale(cfg)
     apply_fast_dev_run(cfg)
     batch = validate(cfg, env)
-    e = memory_plan.estimate(cfg, batch, memory_plan.hardware(cfg, batch))
+    e = memory_plan.estimate(cfg, batch, plan_hardware.hardware(cfg, batch))
     if cfg.plan.only:
         return  # every engine's plan is printed, exit 0
     if not e.fits and cfg.plan.check:

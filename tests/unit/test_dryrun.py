@@ -6,7 +6,9 @@ import pytest
 from omegaconf import open_dict
 
 from shardyard.planning import dryrun
+from shardyard.planning import simulation
 from shardyard.planning import plan as memory_plan
+from shardyard.planning import hardware as plan_hardware
 from shardyard.core.errors import UserError
 from shardyard.testing import compose
 from shardyard.planning.validate import validate
@@ -78,9 +80,9 @@ def test_a_dry_run_that_does_not_fit_exits_1_and_names_the_nodes_that_do(monkeyp
     for nodes, code in ((16, 1), (32, 0)):
         cfg = compose([*V3_EP, f"plan.nodes={nodes}"])
         batch = validate(cfg, None)
-        hw = memory_plan.hardware(cfg, batch)
+        hw = plan_hardware.hardware(cfg, batch)
         kinds = memory_plan.estimate_kinds(cfg, batch, hw)
-        monkeypatch.setattr(dryrun, "simulate", lambda c, b, role, **kw: dryrun.planned(kinds[role.kind], hw))
+        monkeypatch.setattr(simulation, "simulate", lambda c, b, role, **kw: dryrun.planned(kinds[role.kind], hw))
         assert dryrun.main(cfg, batch) == code
         out = " ".join(capsys.readouterr().out.split())
         assert "agrees with the plan: yes, every figure within 10% of the plan" in out, out
@@ -99,14 +101,14 @@ def test_a_zero_dry_run_measures_the_activations(monkeypatch, capsys):
     activations named; as the plan is, 0."""
     cfg = compose(["recipe=deepseek_tiny_zero3", "plan.dry_run=true", "plan.hardware=2xcpu"])
     batch = validate(cfg, None)
-    real, seen = dryrun.simulate, {}
+    real, seen = simulation.simulate, {}
 
     def once(*args, **kwargs):  # the simulation does not depend on the plan: run it once for both verdicts
         if "got" not in seen:
             seen["got"] = real(*args, **kwargs)
         return seen["got"]
 
-    monkeypatch.setattr(dryrun, "simulate", once)
+    monkeypatch.setattr(simulation, "simulate", once)
     assert dryrun.main(cfg, batch) == 0
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if "one replica, as ZeRO runs it" in line)
@@ -137,7 +139,7 @@ def test_the_docs_dry_run_table_holds_the_plan_as_it_is():
     block = dryrun.doc_table((Path(__file__).resolve().parents[2] / "docs" / "plan.md").read_text())
     cfg = compose(list(dryrun.DOC_RUN))
     batch = validate(cfg, None)
-    hw = memory_plan.hardware(cfg, batch)
+    hw = plan_hardware.hardware(cfg, batch)
     kinds = memory_plan.estimate_kinds(cfg, batch, hw)
     roles = {rank: kind for rank, _, kind in engine(cfg.backend).dry_run_roles(cfg, batch.dims)}
     rows = [line for line in block.splitlines()
@@ -164,10 +166,10 @@ def test_a_user_error_in_a_simulated_role_reaches_the_parent_whole(monkeypatch):
     def refuse(cfg, batch, role, replica=False):
         raise UserError("backend.ep", role.rank, "Not this role.", "Another.").on_every_rank()
 
-    monkeypatch.setattr(dryrun, "simulate", refuse)
-    monkeypatch.setattr(dryrun, "_side_by_side", lambda roles: 2)  # a pool, whatever this machine's cores
+    monkeypatch.setattr(simulation, "simulate", refuse)
+    monkeypatch.setattr(simulation, "side_by_side", lambda roles: 2)  # a pool, whatever this machine's cores
     with pytest.raises(UserError) as e:
-        dryrun.simulate_all(None, None, [dryrun.Role(0, "first"), dryrun.Role(1, "last")])
+        simulation.simulate_all(None, None, [simulation.Role(0, "first"), simulation.Role(1, "last")])
     assert (e.value.key, e.value.value, e.value.problem, e.value.fix, e.value.all_ranks) == \
         ("backend.ep", 0, "Not this role.", "Another.", True)
 
@@ -182,7 +184,7 @@ def test_an_fsdp_dry_run_simulates_one_rank_where_every_shard_is_alike():
     cfg = compose(TINY)
     batch = validate(cfg, None)
     assert [rank for rank, _, _ in engine(cfg.backend).dry_run_roles(cfg, batch.dims)] == [0]
-    assert dryrun.simulate(cfg, batch, dryrun.Role(0, "")) == dryrun.simulate(cfg, batch, dryrun.Role(1, ""))
+    assert simulation.simulate(cfg, batch, simulation.Role(0, "")) == simulation.simulate(cfg, batch, simulation.Role(1, ""))
     assert [rank for rank, _, _ in uneven_shard_ends(cfg, 3)] == [0, 2]
     assert [rank for rank, _, _ in uneven_shard_ends(cfg, 16)] == [0]
     lora = compose([*TINY, "peft=lora", "peft.r=8"])
@@ -192,7 +194,7 @@ def test_an_fsdp_dry_run_simulates_one_rank_where_every_shard_is_alike():
                    "launch.nproc_per_node=2", "plan.dry_run=true", "plan.hardware=2xcpu"])
     batch = validate(moe, None)
     assert [rank for rank, _, _ in engine(moe.backend).dry_run_roles(moe, batch.dims)] == [0]
-    assert dryrun.simulate(moe, batch, dryrun.Role(0, "")) == dryrun.simulate(moe, batch, dryrun.Role(1, ""))
+    assert simulation.simulate(moe, batch, simulation.Role(0, "")) == simulation.simulate(moe, batch, simulation.Role(1, ""))
 
 
 def test_an_hsdp_dry_run_holds_a_copys_shard_and_agrees_with_the_plan(capsys):
@@ -203,7 +205,7 @@ def test_an_hsdp_dry_run_holds_a_copys_shard_and_agrees_with_the_plan(capsys):
                        ("fsdp2", ["plan.hardware=2xcpu"])):
         cfg = compose([*TINY[:2], *over, "train.global_batch_size=32"])
         batch = validate(cfg, None)
-        held[name] = dryrun.simulate(cfg, batch, dryrun.Role(0, "first shard"))["params"]
+        held[name] = simulation.simulate(cfg, batch, simulation.Role(0, "first shard"))["params"]
         if name == "hsdp":
             assert batch.dims.describe() == "world 4 = dp_replicate 2 x dp_shard 2"
             assert dryrun.main(cfg, batch) == 0

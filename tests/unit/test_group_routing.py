@@ -9,6 +9,7 @@ import torch
 
 from shardyard.models import moe
 from shardyard.planning import plan as memory_plan
+from shardyard.planning import hardware as plan_hardware
 from shardyard.core.errors import UserError
 from shardyard.models.build import build_model
 from shardyard.testing import compose
@@ -165,7 +166,7 @@ def test_the_plans_all_to_all_is_what_the_dispatch_sends_under_the_group_limit()
             "plan.nodes=4", "data.seq_len=128", "train.micro_batch_size=4", "train.global_batch_size=32"]
     cfg = compose(over)
     batch = validate(cfg, None)
-    hw = memory_plan.hardware(cfg, batch)
+    hw = plan_hardware.hardware(cfg, batch)
     assert (hw.world, hw.ranks_per_node, batch.dims.dp_shard) == (8, 2, 8)
     e = memory_plan.estimate(cfg, batch, hw)
     lines = [n for n in e.notes if n.startswith(memory_plan.ROUTING)]

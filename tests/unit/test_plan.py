@@ -5,6 +5,8 @@ import pytest
 import torch
 
 from shardyard.planning import plan as memory_plan
+from shardyard.planning import hardware as plan_hardware
+from shardyard.planning import search as plan_search
 from shardyard.models.shape import model_shape
 from shardyard.planning.validate import validate
 from shardyard.core.errors import UserError
@@ -134,7 +136,7 @@ def test_deepspeed_estimators_agree(offload):
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
-    hw = memory_plan.named("8xH100-80GB", 2)
+    hw = plan_hardware.named("8xH100-80GB", 2)
     for stage, backend in [(2, "zero2_offload" if offload else "zero2"), (3, "zero3_offload" if offload else "zero3")]:
         cfg, batch = deepseek7b(f"backend={backend}")
         e = memory_plan.estimate(cfg, batch, hw)
@@ -151,10 +153,10 @@ def test_deepspeed_estimators_agree(offload):
 
 
 def test_hardware_names():
-    hw = memory_plan.named("8xh100", 2)
+    hw = plan_hardware.named("8xh100", 2)
     assert (hw.name, hw.world, hw.device) == ("8xH100-80GB", 16, "cuda")
     with pytest.raises(UserError) as e:
-        memory_plan.named("8xH900", 1)
+        plan_hardware.named("8xH900", 1)
     assert e.value.key == "plan.hardware" and "H100-80GB" in e.value.paragraph()
 
 
@@ -170,7 +172,7 @@ def test_named_hardware_fixes_the_ranks_of_an_auto_launch():
     assert (p.world_size, p.nproc_per_node, p.nnodes) == (8, 8, 1)
     assert (p.dims.tp, p.dims.dp_shard, p.dims.dp_replicate, p.dims.pp, p.dp_size, p.model_parallel) == (8, 1, 1, 1, 1, 8)
     assert p.global_batch_size == p.micro_batch_size * p.grad_accum_steps  # one data-parallel replica
-    assert memory_plan.estimate(cfg, p, memory_plan.hardware(cfg, p)).fits
+    assert memory_plan.estimate(cfg, p, plan_hardware.hardware(cfg, p)).fits
     assert from_json(to_json(p)) == p  # plan.json rebuilds the layout
     two = validate(compose([*over, "plan.nodes=2"]), None)
     assert (two.world_size, two.nnodes, two.dims.tp, two.dims.dp_shard) == (16, 2, 8, 2)
@@ -185,8 +187,8 @@ def test_every_engine_shards_as_its_paper_says():
     for backend, sharded in [("ddp", ()), ("zero1", ("optimizer",)), ("zero2", ("grads", "optimizer")),
                              ("zero3", ("params", "grads", "optimizer")), ("fsdp", ("params", "grads", "optimizer"))]:
         cfg, batch = deepseek7b(f"backend={backend}")
-        a = memory_plan.estimate(cfg, batch, memory_plan.named("8xH100-80GB", 1)).model_states
-        b = memory_plan.estimate(cfg, batch, memory_plan.named("8xH100-80GB", 2)).model_states
+        a = memory_plan.estimate(cfg, batch, plan_hardware.named("8xH100-80GB", 1)).model_states
+        b = memory_plan.estimate(cfg, batch, plan_hardware.named("8xH100-80GB", 2)).model_states
         for k in ("params", "grads", "optimizer"):
             if k in sharded:
                 assert b[k] < a[k], (backend, k)
@@ -200,9 +202,9 @@ def test_hsdp_shards_over_its_group_and_sends_a_shards_gradients_across_the_copi
     (ring: 2 x 4 x P / 8 bytes sent, every micro-batch by default)."""
     cfg, batch = deepseek7b("backend=fsdp")
     hsdp_cfg, hsdp_batch = deepseek7b("backend=fsdp", "backend.replicate=2", "launch.nproc_per_node=2")
-    one_node = memory_plan.estimate(cfg, batch, memory_plan.named("8xH100-80GB", 1))
-    two_nodes = memory_plan.estimate(cfg, batch, memory_plan.named("8xH100-80GB", 2))
-    hsdp = memory_plan.estimate(hsdp_cfg, hsdp_batch, memory_plan.named("8xH100-80GB", 2))
+    one_node = memory_plan.estimate(cfg, batch, plan_hardware.named("8xH100-80GB", 1))
+    two_nodes = memory_plan.estimate(cfg, batch, plan_hardware.named("8xH100-80GB", 2))
+    hsdp = memory_plan.estimate(hsdp_cfg, hsdp_batch, plan_hardware.named("8xH100-80GB", 2))
     for k in ("params", "grads", "optimizer"):
         assert hsdp.model_states[k] == one_node.model_states[k] > two_nodes.model_states[k], k
     from shardyard.backends.fsdp import FSDPBackend
@@ -219,7 +221,7 @@ def test_fsdp_gradients_overlap_activations_or_accumulate_unsharded():
     reduced last) never meet the activations either, with or without accumulation; reducing once per step keeps
     the whole model's unsharded fp32 gradients while accumulating, and reducing every micro-batch sends more
     instead."""
-    hw = memory_plan.named("8xH100-80GB", 1)
+    hw = plan_hardware.named("8xH100-80GB", 1)
 
     def plan(*extra):
         cfg, batch = deepseek7b("backend=fsdp", "train.micro_batch_size=1", *extra)
@@ -245,7 +247,7 @@ def test_tensor_and_pipeline_parallel_divide_what_they_split():
     the activations of its micro-batches in flight (every one under GPipe, stages - s under 1F1B), one block
     recomputed for one pipeline micro-batch, the loss's logits on the last stage only (all micro-batches' under
     GPipe, one under 1F1B), the logits and the recomputed block never together."""
-    hw = memory_plan.named("8xH100-80GB", 1)
+    hw = plan_hardware.named("8xH100-80GB", 1)
     mbs = ["train.micro_batch_size=4", "train.global_batch_size=32", "launch.nproc_per_node=8"]
     fsdp_cfg, batch = deepseek7b("backend=fsdp", *mbs)
     fsdp = memory_plan.estimate(fsdp_cfg, batch, hw)
@@ -284,7 +286,7 @@ def test_background_saves_stage_params_and_optimizer_in_the_host_column_and_are_
     on 8 ranks, in the host column (on CPU in the one pool). A run that fits without it and not with it is
     refused naming checkpoint.async_save, the copy per rank and per node, and the node's host RAM."""
     GiB = 2 ** 30
-    hw = memory_plan.named("8xH100-80GB", 1)
+    hw = plan_hardware.named("8xH100-80GB", 1)
     for backend, share in [("ddp", 1), ("fsdp", 8)]:
         cfg, batch = deepseek7b(f"backend={backend}", "checkpoint.async_save=true")
         P = batch.facts.params
@@ -294,15 +296,15 @@ def test_background_saves_stage_params_and_optimizer_in_the_host_column_and_are_
             memory_plan.describe(e, hw)
         off = memory_plan.estimate(*deepseek7b(f"backend={backend}"), hw)
         assert off.host == {} and off.device == e.device
-    cpu = memory_plan.named("2xcpu", 1)  # one pool: the device is host RAM
+    cpu = plan_hardware.named("2xcpu", 1)  # one pool: the device is host RAM
     cfg, batch = deepseek7b("backend=ddp", "checkpoint.async_save=true")
     assert memory_plan.estimate(cfg, batch, cpu).device["checkpoint_staging"] == 12 * batch.facts.params
     # 2 GPUs of 48 GB with 192 GiB of host RAM: FSDP's offloaded shards (16 bytes a parameter) fit there, the
     # shards and the staged copy (12 more) do not.
     over = ["backend=fsdp_offload", "plan.hardware=2xL40S-48GB"]
-    assert memory_plan.before_launch(*deepseek7b(*over)) is not None
+    assert plan_search.before_launch(*deepseek7b(*over)) is not None
     with pytest.raises(UserError) as err:
-        memory_plan.before_launch(*deepseek7b(*over, "checkpoint.async_save=true"))
+        plan_search.before_launch(*deepseek7b(*over, "checkpoint.async_save=true"))
     P, text = batch.facts.params, " ".join(err.value.paragraph().split())
     assert err.value.key == "checkpoint.async_save", text
     assert f"{6 * P / GiB:.1f} GiB per rank, {12 * P / GiB:.1f} GiB for the 2 rank(s) of a node" in text, text
@@ -321,7 +323,7 @@ def test_plan_only_plans_the_nodes_named_whatever_the_launch_says():
     assert (p.world_size, p.nnodes, p.nproc_per_node, p.dims.dp_shard) == (128, 16, 8, 128)
     assert (p.world_size, p.grad_accum_steps, p.global_batch_size) == \
         (auto.world_size, auto.grad_accum_steps, auto.global_batch_size)
-    assert memory_plan.estimate(cfg, p, memory_plan.hardware(cfg, p)).world == 128
+    assert memory_plan.estimate(cfg, p, plan_hardware.hardware(cfg, p)).world == 128
 
 
 V3_EP = ["recipe=deepseek_v3_pipeline_ep", "plan.hardware=8xH200-141GB"]
@@ -366,13 +368,13 @@ def test_the_plan_names_the_nodes_that_fit_among_those_allowed():
     the search starts at the count given."""
     cfg = compose([*V3_EP, "plan.only=true", "plan.nodes=16"])
     batch = validate(cfg, None)
-    hw = memory_plan.hardware(cfg, batch)
+    hw = plan_hardware.hardware(cfg, batch)
     assert not memory_plan.estimate(cfg, batch, hw).fits
     assert memory_plan.nodes_needed(cfg, batch, hw) == 32
     assert memory_plan.nodes_needed(cfg, batch, hw, whole_batch=True) == 32
-    assert memory_plan.estimate(cfg, batch, memory_plan.named("8xH200-141GB", 32)).fits
-    assert memory_plan.nodes_needed(cfg, batch, memory_plan.named("8xH200-141GB", 48)) == 48
-    assert memory_plan.nodes_needed(cfg, batch, memory_plan.named("8xH200-141GB", 40)) == 48  # 40: not allowed
+    assert memory_plan.estimate(cfg, batch, plan_hardware.named("8xH200-141GB", 32)).fits
+    assert memory_plan.nodes_needed(cfg, batch, plan_hardware.named("8xH200-141GB", 48)) == 48
+    assert memory_plan.nodes_needed(cfg, batch, plan_hardware.named("8xH200-141GB", 40)) == 48  # 40: not allowed
 
 
 def test_a_smoke_dry_run_is_refused_for_what_it_is():

@@ -8,6 +8,7 @@ import torch
 from omegaconf import OmegaConf
 
 from shardyard.planning import plan as memory_plan
+from shardyard.planning import hardware as plan_hardware
 from shardyard.models.build import call_builder
 from shardyard.models.loss import causal_lm_loss_sum
 from shardyard.models.shape import flops_per_token, model_shape, param_count
@@ -59,7 +60,7 @@ def test_each_depth_parameters_are_planned_and_held_by_the_engines():
             cfg = compose(["model=deepseek_moe_tiny", f"backend={backend}", "precision=bf16", f"model.mtp.depth={d}",
                            "plan.hardware=8xH100-80GB"])
             batch = validate(cfg, None)
-            got.append(memory_plan.estimate(cfg, batch, memory_plan.hardware(cfg, batch)).device)
+            got.append(memory_plan.estimate(cfg, batch, plan_hardware.hardware(cfg, batch)).device)
         for key, per_param in (("params", 4), ("grads", 4), ("optimizer", 8)):
             assert got[1][key] - got[0][key] == pytest.approx(n_tiny * per_param * share, rel=1e-9), (backend, key)
 
@@ -124,6 +125,7 @@ def test_the_plans_increase_agrees_with_the_dry_run():
     own step on fake tensors, PyTorch's memory tracker) at deepseek_moe_tiny's size on FSDP over 8 ranks: within
     15%, and the plan's increase is more than the depth's block alone (its head pass and inputs count)."""
     from shardyard.planning import dryrun
+    from shardyard.planning import simulation
 
     planned, measured, block_only = {}, {}, 0.0
     for d in (0, 1):
@@ -131,9 +133,9 @@ def test_the_plans_increase_agrees_with_the_dry_run():
                        "plan.hardware=8xH100-80GB", f"model.mtp.depth={d}", "train.micro_batch_size=2",
                        "data.seq_len=1024"])
         batch = validate(cfg, None)
-        hw = memory_plan.hardware(cfg, batch)
+        hw = plan_hardware.hardware(cfg, batch)
         planned[d] = dryrun.planned(memory_plan.estimate_kinds(cfg, batch, hw)[0], hw)
-        measured[d] = dryrun.simulate(cfg, batch, dryrun.Role(0, "first shard"))
+        measured[d] = simulation.simulate(cfg, batch, simulation.Role(0, "first shard"))
         a = batch.facts.shape["activation_bytes_per_token"]["half"]
         block_only += (1 if d else -1) * a["blocks"] * 2 * 1024
     for key in ("activations", "peak"):

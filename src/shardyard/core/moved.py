@@ -96,14 +96,20 @@ NAMES_MOVED: dict[str, str] = {
         "logits", "causal_lm_loss", "causal_lm_loss_sum", "packed_kwargs")},
     **{f"shardyard.training.checkpoint.{name}": "shardyard.training.integrity" for name in (
         "HASHED", "piece_bytes", "writer", "share", "piece_share", "verify", "verify_share")},
+    **{f"shardyard.planning.plan.{name}": "shardyard.planning.hardware" for name in (
+        "hardware", "named", "this_machine")},  # Hardware and the runtime constants: plan imports them
+    **{f"shardyard.planning.plan.{name}": "shardyard.planning.search" for name in (
+        "before_launch", "plan_report", "engine_variants", "compose_variant", "alternatives", "staging_refusal",
+        "refusal", "deepspeed_estimates")},
     "shardyard.planning.validate.check_safetensors_dir": "shardyard.planning.rules",
     "shardyard.planning.validate.SWEEP_METRICS": "shardyard.planning.rules",
 }
 """Old ``module.name`` -> its new module, for the public names that left a module that stayed (``models/build.py``
 split in four: ``build``, ``shape``, ``prepare``, ``loss``), exact names: read by :func:`moved_name` (that module's
 ``__getattr__``), so ``from shardyard.models.build import causal_lm_loss_sum`` and ``shardyard.model.SpeedProbe``
-keep working; ``training/checkpoint.py``'s hashing and verification went to ``integrity``, and
-``planning/validate.py``'s group rules to ``rules``."""
+keep working; ``training/checkpoint.py``'s hashing and verification went to ``integrity``,
+``planning/validate.py``'s group rules to ``rules``, and ``planning/plan.py``'s hardware and search to ``hardware``
+and ``search``."""
 
 NOW_PACKAGES = frozenset({"shardyard.data", "shardyard.inference"})
 """Old modules whose name a package took: resolved by :func:`attribute`, not by the import hook."""

@@ -132,6 +132,7 @@ def compose(r: Recipe, extra: list[str] | None = None) -> Any:
 def planned(r: Recipe) -> tuple[str, bool]:
     """The plan of ``r`` on the hardware its header names, as the header writes it, and whether it fits."""
     from shardyard.planning import plan
+    from shardyard.planning import hardware as plan_hardware
     from shardyard.planning.validate import validate
 
     # Planned, not launched: the header's hardware fixes the ranks per node and its nodes the world, so the
@@ -139,7 +140,7 @@ def planned(r: Recipe) -> tuple[str, bool]:
     cfg = compose(r, [f"plan.hardware={r.hardware}", f"plan.nodes={r.nodes}", "plan.only=true",
                       "launch.nproc_per_node=auto"])
     batch = validate(cfg, None)
-    hw = plan.hardware(cfg, batch)
+    hw = plan_hardware.hardware(cfg, batch)
     assert batch.dims.world_size == hw.world, (batch.dims, hw)
     e = plan.estimate(cfg, batch, hw)
     text = f"{_gib(e.device_peak)} GiB per {'GPU' if hw.device == 'cuda' else 'rank'}"

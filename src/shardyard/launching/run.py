@@ -73,9 +73,9 @@ def _memory_plan(cfg: DictConfig, plan: Plan, env: dist_env.DistEnv | None) -> P
     """Print the plan's line and refuse, before anything is written or started, a run that does not fit."""
     import dataclasses
 
-    from shardyard.planning import plan as memory_plan
+    from shardyard.planning import search as plan_search
 
-    planned = memory_plan.before_launch(cfg, plan, rank0=env is None or env.is_rank0)
+    planned = plan_search.before_launch(cfg, plan, rank0=env is None or env.is_rank0)
     if planned is None:
         return None
     e, line = planned

@@ -374,7 +374,7 @@ def check(config_loader: Any, config: DictConfig, sweep_dir: str, jobs: list[tup
     launcher (submitit on Slurm) are composed only, unless ``plan.hardware`` names the nodes' hardware."""
     from omegaconf import open_dict
 
-    from shardyard.planning import plan as memory_plan
+    from shardyard.planning import search as plan_search
     from shardyard.planning import scale
     from shardyard.planning.validate import apply_fast_dev_run, validate
 
@@ -393,7 +393,7 @@ def check(config_loader: Any, config: DictConfig, sweep_dir: str, jobs: list[tup
             apply_fast_dev_run(cfg)
             batch = validate(cfg, env)
             if not cfg.plan.only:  # this machine's plan, or with plan.hardware the cluster's
-                memory_plan.before_launch(cfg, batch, rank0=False)
+                plan_search.before_launch(cfg, batch, rank0=False)
         except UserError as err:
             raise UserError(err.key, err.value, f"Job {j.name} of the sweep cannot run: "
                             f"{err.problem} No job was started.", err.fix) from None

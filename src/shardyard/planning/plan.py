@@ -9,36 +9,26 @@ step on a 64 x 64 probe tensor.
 
 Each engine states what it holds in its own module (``Backend.model_states``), next to the code that
 allocates it; this module only adds activations, the runtime and the hardware. Where the figures come from
-(measured, not guessed) is in docs/architecture.md, "The plan".
+(measured, not guessed) is in docs/architecture.md, "The plan". The hardware itself is
+:mod:`shardyard.planning.hardware`; every other engine and layout that could run the recipe (``plan.only``, a
+refusal's alternatives, the check before launch) is :mod:`shardyard.planning.search`, which reads this module.
+
+A module of the ``planning`` package: it imports ``core``, ``config``, ``models``, ``objectives`` and ``backends``
+(each engine's ``model_states``), torch only to probe the optimizer.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import shutil
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from omegaconf import DictConfig
 
 from shardyard.config import checkpointed_fraction, checkpointing_mode
-from shardyard.config.schema import Offload, Precision
-from shardyard.core.errors import UserError
-from shardyard.core.facts import GPUS, MAX_NODES, ParallelDims, Plan, find_gpu, node_counts, split_hardware
-
-GiB = float(2 ** 30)
-
-CPU_RUNTIME_BYTES = 0.45 * GiB
-"""One CPU worker's own footprint before any tensor: Python, torch, transformers, numpy, the tokenizer and
-gloo (VmRSS of a fresh worker measured at 0.38-0.45 GiB with torch 2.13 on x86-64 Linux)."""
-CPU_ALLOCATOR_SLACK = 0.3
-"""On CPU, what glibc's allocator keeps resident of the step's freed temporaries, as a fraction of the tensors' own
-peak: the default run's resident high-water mark was 0.91 GiB for 0.45 of runtime and 0.34 of tensors at their
-peak (the dry run's tracker, which agrees with the plan's 0.35 to 3%)."""
-CUDA_RUNTIME_BYTES = 1.0 * GiB
-"""Per GPU outside ``max_memory_allocated``: the CUDA context, cuBLAS/NCCL workspaces and the caching
-allocator's slack. Counted when checking the fit, not in the allocated peak the gpu tier compares."""
+from shardyard.core import moved
+from shardyard.core.facts import MAX_NODES, ParallelDims, Plan, node_counts
+from shardyard.planning.hardware import CPU_ALLOCATOR_SLACK, CPU_RUNTIME_BYTES, CUDA_RUNTIME_BYTES, GiB, Hardware
 
 
 # ------------------------------------------------------------------------------------------- the model
@@ -68,102 +58,6 @@ def _probe_optimizer(o: DictConfig, p: Any) -> Any:
     from shardyard.backends.optim import optimizer_kwargs
 
     return get_object(o._target_)([{"params": [p], "weight_decay": 0.0}], **optimizer_kwargs(o))
-
-
-# ---------------------------------------------------------------------------------------- the hardware
-@dataclass(frozen=True)
-class Hardware:
-    """What each rank of a job has. On CPU the ranks of a node share its RAM (``device_bytes`` is None)."""
-
-    name: str
-    device: str
-    ranks_per_node: int
-    nodes: int
-    device_bytes: float | None
-    host_bytes: float
-    """Host RAM of one node the job may use (available now on this machine; the table's figure for a named GPU)."""
-    nvme_bytes: float | None
-    peak_flops: float | None
-    """Per rank, in the recipe's compute dtype; None when unknown (CPU)."""
-    intra_bw: float
-    inter_bw: float
-    this_machine: bool
-
-    @property
-    def world(self) -> int:
-        return self.ranks_per_node * self.nodes
-
-
-def hardware(cfg: DictConfig, batch: Plan) -> Hardware:
-    """``plan.hardware`` (``8xH100-80GB``, ``H100-80GB``, ``cpu``) with ``plan.nodes``, or this machine."""
-    spec = cfg.plan.hardware
-    if spec is None:
-        return this_machine(cfg, batch)
-    return named(spec, cfg.plan.nodes, cfg.precision.name, cfg.backend.get("nvme_path"))
-
-
-def named(spec: str, nodes: int, precision: str = "bf16", nvme_path: str | None = None) -> Hardware:
-    count, name = split_hardware(spec)
-    if count < 1:
-        raise UserError("plan.hardware", spec, f"It names {count} devices per node; a node has at least 1.",
-                        "Use e.g. plan.hardware=8xH100-80GB (GPUs per node x GPU), or plan.hardware=2xcpu.")
-    if nodes < 1:
-        raise UserError("plan.nodes", nodes, "It is the number of nodes of plan.hardware, at least 1.",
-                        "Use plan.nodes=1 or more.")
-    if name.lower() == "cpu":
-        import psutil
-
-        mem = psutil.virtual_memory().total
-        return Hardware(f"{count}x cpu", "cpu", count, nodes, None, mem, _nvme_free(nvme_path), None, 10e9, 10e9, False)
-    gpu = find_gpu(name)
-    if gpu is None:
-        known = ", ".join(g.name for g in GPUS)
-        raise UserError("plan.hardware", spec, f"It names no GPU the plan knows ({known}).",
-                        "Use e.g. plan.hardware=8xH100-80GB (GPUs per node x GPU) with plan.nodes=N, or leave it "
-                        "unset to plan for this machine.")
-    flops = (gpu.fp32_tflops if Precision(precision) is Precision.fp32 else gpu.bf16_tflops) * 1e12
-    return Hardware(f"{count}x{gpu.name}", "cuda", count, nodes, gpu.memory_gib * GiB, gpu.host_gib_per_gpu * count * GiB,
-                    _nvme_free(nvme_path), flops, gpu.intra_gbs * 1e9, gpu.inter_gbs * 1e9, False)
-
-
-def this_machine(cfg: DictConfig, batch: Plan) -> Hardware:
-    """The devices this process sees, without creating a CUDA context (a forked worker must not inherit one)."""
-    import psutil
-
-    nodes = max(1, batch.world_size // batch.nproc_per_node)  # under torchrun/srun: the launch's real nodes
-    nvme = _nvme_free(cfg.backend.get("nvme_path"))
-    host = psutil.virtual_memory().available
-    if batch.device_type == "cuda":
-        name, total = _gpu_name_and_memory()
-        gpu = next((g for g in GPUS if name and g.name.split("-")[0] in name), None)
-        fp32 = Precision(cfg.precision.name) is Precision.fp32
-        flops = None if gpu is None else (gpu.fp32_tflops if fp32 else gpu.bf16_tflops) * 1e12
-        intra, inter = (gpu.intra_gbs, gpu.inter_gbs) if gpu else (64.0, 12.5)
-        return Hardware(f"{batch.nproc_per_node}x {name or 'GPU'} (this machine)", "cuda", batch.nproc_per_node, nodes,
-                        total, host, nvme, flops, intra * 1e9, inter * 1e9, True)
-    return Hardware(f"this machine ({os.cpu_count()} cores, {host / GiB:.1f} GiB RAM available)", "cpu",
-                    batch.nproc_per_node, nodes, None, host, nvme, None, 10e9, 10e9, True)
-
-
-def _gpu_name_and_memory() -> tuple[str | None, float | None]:
-    import subprocess
-
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=20).stdout.strip().splitlines()
-        rows = [line.rsplit(",", 1) for line in out if "," in line]
-        return rows[0][0].strip(), min(float(r[1]) for r in rows) * 2 ** 20
-    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
-        import torch  # no nvidia-smi: ask torch (this creates a CUDA context in the parent)
-
-        props = torch.cuda.get_device_properties(0)
-        return props.name, float(props.total_memory)
-
-
-def _nvme_free(path: str | None) -> float | None:
-    if not path or not os.path.isdir(path):
-        return None
-    return float(shutil.disk_usage(path).free)
 
 
 # -------------------------------------------------------------------------------------------- the plan
@@ -569,231 +463,5 @@ def describe(e: Estimate, hw: Hardware) -> str:
         line += f"\nshardyard | plan per rank in host RAM: {e.host_peak / GiB:.2f} GiB ({held})"
     return line + "".join(f"\nshardyard | plan: {n}" for n in e.notes if n.startswith(ROUTING))
 
-# ------------------------------------------------------------------------------- before launch (run.py)
-def before_launch(cfg: DictConfig, batch: Plan, rank0: bool = True) -> tuple[Estimate, str] | None:
-    """This run's plan and the line that describes it; a run that does not fit is refused (``UserError``).
-    With ``plan.only`` every engine's plan is printed and None returned (the caller exits 0)."""
-    hw = hardware(cfg, batch)
-    if cfg.plan.only:
-        if rank0:
-            print(plan_report(cfg, batch, hw), flush=True)
-        return None
-    e = estimate(cfg, batch, hw)
-    if not e.fits and cfg.plan.check:
-        staging_refusal(cfg, batch, hw, e)
-        raise refusal(cfg, batch, hw, e, rank0)
-    return e, describe(e, hw)
 
-
-def plan_report(cfg: DictConfig, batch: Plan, hw: Hardware) -> str:
-    """``plan.only``: every engine for this recipe on ``hw``, the rules of thumb, and how to read it."""
-    rows = []
-    for name, variant in engine_variants(cfg, hw, batch.facts.routed_experts):
-        e = estimate(variant, batch, hw)
-        rows.append((e, None if e.fits else nodes_needed(variant, batch, hw)))
-    P = batch.facts.params
-    mfu = f"at MFU {cfg.plan.mfu:.0%} of {hw.peak_flops / 1e12:.0f} TFLOP/s" if hw.peak_flops else "(no FLOP/s figure for this hardware)"
-    notes = [
-        f"model {cfg.model.name}: {f'{P / 1e9:.2f}B' if P >= 1e9 else f'{P / 1e6:.1f}M'} parameters | precision {cfg.precision.name} | micro batch "
-        f"{batch.micro_batch_size} x seq {batch.seq_len} | activation checkpointing {checkpointing_mode(cfg.model)} "
-        f"| loss chunk {cfg.model.get('loss_chunk', 0) or 'off'} "
-        f"| optimizer {cfg.optim._target_} ({optimizer_bytes_per_param(cfg.optim):.0f} bytes/param)",
-        "rules of thumb (ZeRO paper, mixed-precision Adam: 16 bytes/param): DDP 16P = "
-        f"{16 * P / GiB:.1f} GiB; ZeRO-1 4P+12P/N = {(4 * P + 12 * P / hw.world) / GiB:.1f}; ZeRO-2 2P+14P/N = "
-        f"{(2 * P + 14 * P / hw.world) / GiB:.1f}; ZeRO-3/FSDP 16P/N = {16 * P / hw.world / GiB:.1f} GiB per rank (N={hw.world})",
-        f"sent/step: bytes each rank sends per optimizer step (DDP, ZeRO-1/2 ~2P, ZeRO-3/FSDP ~3P, in the "
-        f"communication dtype); comm s at {(hw.intra_bw if hw.nodes == 1 else hw.inter_bw) / 1e9:.0f} GB/s per rank; "
-        f"compute s {mfu}",
-    ]
-    notes += [f"{e.engine}: {n}" for e, _ in rows for n in e.notes if n.startswith(ROUTING)]
-    ds = deepspeed_estimates(cfg, batch, hw)
-    if ds:
-        notes.append(ds)
-    return table(rows, hw) + "\n" + "\n".join(notes)
-
-
-def engine_variants(cfg: DictConfig, hw: Hardware, experts: int = 0) -> list[tuple[str, DictConfig]]:
-    """The recipe under every ``backend`` option whose engine takes ``hw.world`` ranks (its class's ``max_ranks``;
-    ``single``: one), composed with the run's own overrides; the run's engine first. For a mixture-of-experts
-    model (``experts`` routed experts) the engines that shard experts come again with expert-parallel layouts
-    (``_ep_options``), labelled ``fsdp ep=8``."""
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.errors import ConfigCompositionException
-    # With the primary config's name its hydra.searchpath counts: a project's options and shardyard's packaged ones.
-    options = GlobalHydra.instance().config_loader().get_group_options("backend", config_name=HydraConfig.get().job.config_name)
-    from omegaconf import open_dict
-
-    from shardyard.backends import engine, parallel_dims
-
-    own = f"{cfg.backend.name} ep={cfg.backend.ep}" if cfg.backend.get("ep", 1) > 1 else cfg.backend.name
-    out = [(own, cfg)]
-    for name in [cfg.backend.name] + [o for o in options if o != cfg.backend.name]:
-        try:
-            variant = cfg if name == cfg.backend.name else compose_variant([f"backend={name}"], drop=("backend",))
-        except ConfigCompositionException:  # a recipe that sets its engine's own keys (backend.stages) in its body
-            continue
-        most = getattr(engine(variant.backend), "max_ranks", None)
-        if most is not None and hw.world > most:
-            continue
-        dims = parallel_dims(variant, hw.world)
-        if dims.product != hw.world:  # tensor/pipeline parallel need a multiple of their degree
-            continue
-        if name != cfg.backend.name:
-            out.append((name, variant))
-        if "ep" in getattr(engine(variant.backend), "degree_keys", {}):
-            for ep in _ep_options(experts, dims.dp_shard, hw.ranks_per_node):
-                if ep == variant.backend.ep:
-                    continue
-                v = variant.copy()
-                with open_dict(v):
-                    v.backend.ep = ep
-                out.append((f"{name} ep={ep}", v))
-    return out
-
-
-def _ep_options(experts: int, dp_shard: int, ranks_per_node: int) -> list[int]:
-    """The expert-parallel degrees the plan compares: the largest that keeps the all-to-all inside a node (its
-    fast links), and the largest overall up to 64 (the least expert memory per rank; DeepSeek-V3 trained at
-    64), each dividing both the experts and the data-parallel shards."""
-    divides = [d for d in range(2, min(experts, dp_shard, 64) + 1) if experts % d == 0 and dp_shard % d == 0]
-    if not divides:
-        return []
-    in_node = [d for d in divides if d <= ranks_per_node]
-    return sorted({*in_node[-1:], divides[-1]})
-
-
-def _changes_of_engine(cfg: DictConfig, variant: DictConfig) -> list[str]:
-    """The overrides that turn ``cfg``'s engine into ``variant``'s."""
-    out = [f"backend={variant.backend.name}"] if variant.backend.name != cfg.backend.name else []
-    if variant.backend.get("ep", 1) != cfg.backend.get("ep", 1):
-        out.append(f"backend.ep={variant.backend.ep}")
-    return out
-
-
-def compose_variant(extra: list[str], drop: tuple[str, ...] = ()) -> DictConfig:
-    """The run's config again with ``extra`` overrides (overrides of the ``drop`` keys removed first;
-    ``backend.nvme_path`` is kept)."""
-    from hydra import compose
-    from hydra.core.hydra_config import HydraConfig
-
-    from hydra.errors import ConfigCompositionException
-
-    task = [o for o in HydraConfig.get().overrides.task
-            if not any(o.lstrip("+~").split("=")[0].split(".")[0] == d for d in drop) or "nvme_path" in o]
-    name = HydraConfig.get().job.config_name  # train.py's, or a project's
-    try:
-        return compose(config_name=name, overrides=task + extra)
-    except ConfigCompositionException:  # an engine without backend.nvme_path (ddp, fsdp, ...): without it
-        return compose(config_name=name, overrides=[o for o in task if "nvme_path" not in o] + extra)
-
-
-def _swaps_to_nvme(b: DictConfig) -> bool:
-    return Offload.nvme in (b.get("offload_param"), b.get("offload_optimizer"))
-
-
-def alternatives(cfg: DictConfig, batch: Plan, hw: Hardware, limit: int = 6) -> list[tuple[str, Estimate, int]]:
-    """Changes that would fit, ranked: fewest nodes, then fewest changed settings, then step time (or bytes
-    sent). Each is an override string, its estimate and the nodes it needs."""
-    from omegaconf import open_dict
-
-    found = []
-    gbs = batch.global_batch_size
-    for name, variant in engine_variants(cfg, hw, batch.facts.routed_experts):
-        if _swaps_to_nvme(variant.backend) and not variant.backend.get("nvme_path"):
-            continue  # ZeRO-Infinity needs the user's NVMe directory
-        mode = checkpointing_mode(cfg.model)
-        for ckpt in dict.fromkeys([mode, "full"]):  # as written first, then full checkpointing
-            mbs = batch.micro_batch_size
-            while mbs >= 1:
-                v = variant.copy()
-                with open_dict(v):
-                    v.model.activation_checkpointing = ckpt
-                    v.train.micro_batch_size = mbs
-                    v.train.global_batch_size = gbs
-                    v.train.grad_accum_steps = None
-                b = dataclasses.replace(batch, micro_batch_size=mbs)
-                changes = _changes_of_engine(cfg, variant)
-                if ckpt != mode:
-                    changes.append("model.activation_checkpointing=full")
-                if mbs != batch.micro_batch_size:
-                    changes.append(f"train.micro_batch_size={mbs} train.global_batch_size={gbs}")
-                nodes = nodes_needed(v, b, hw)
-                if nodes is not None:
-                    e = estimate(v, b, dataclasses.replace(hw, nodes=nodes))
-                    if nodes > hw.nodes:
-                        like = "like this one" if hw.this_machine else f"of {hw.name}"
-                        changes.append(f"{nodes} nodes {like} ({'launch.nnodes' if hw.this_machine else 'plan.nodes'}={nodes})")
-                    speed = e.step_s if e.step_s is not None else e.comm_bytes / 1e12
-                    found.append(((nodes, len(changes), speed, e.device_peak), " ".join(changes) or "as it is", e, nodes))
-                    break  # a smaller micro batch fits too, but only costs throughput
-                mbs //= 2
-    found.sort(key=lambda f: f[0])
-    seen, out = set(), []
-    for _, text, e, nodes in found:
-        if text not in seen:
-            seen.add(text)
-            out.append((text, e, nodes))
-    return out[:limit]
-
-
-def staging_refusal(cfg: DictConfig, batch: Plan, hw: Hardware, e: Estimate) -> None:
-    """A run that fits but for its background saves' host copy (``checkpoint.async_save``) is refused naming
-    that key, the copy's size and the host RAM (``UserError``); otherwise nothing."""
-    staged = e.host.get(STAGING, 0.0) or e.device.get(STAGING, 0.0)
-    if not staged:
-        return
-    without = dataclasses.replace(e, host={k: v for k, v in e.host.items() if k != STAGING},
-                                  device={k: v for k, v in e.device.items() if k != STAGING})
-    _check_fit(without, hw, cfg.plan.headroom)
-    if not without.fits:
-        return
-    need = (e.host_peak if hw.device == "cuda" else e.device_peak) * hw.ranks_per_node
-    raise UserError("checkpoint.async_save", True,
-                    f"A background save stages a host copy of each rank's parameters and optimizer state: "
-                    f"{staged / GiB:.1f} GiB per rank, {staged * hw.ranks_per_node / GiB:.1f} GiB for the "
-                    f"{hw.ranks_per_node} rank(s) of a node. With what the run holds there that is {need / GiB:.1f} "
-                    f"GiB of host RAM per node, and {hw.name} has {hw.host_bytes / GiB:.1f} GiB "
-                    f"({cfg.plan.headroom:.0%} of it usable: {hw.host_bytes * cfg.plan.headroom / GiB:.1f} GiB). "
-                    "Without background saves the run fits.",
-                    "Drop checkpoint.async_save (each save then holds the step while it writes), or spread the state "
-                    "over more nodes or a sharded engine (each rank stages its own part only), or plan.check=false "
-                    "to launch anyway.").on_every_rank()
-
-
-def refusal(cfg: DictConfig, batch: Plan, hw: Hardware, e: Estimate, rank0: bool = True) -> UserError:
-    alts = alternatives(cfg, batch, hw)
-    if rank0:
-        print(table([(e, None)], hw), flush=True)
-    if alts:
-        listed = "; ".join(f"({i}) {text}: {a.device_peak / GiB:.1f} GiB per rank" for i, (text, a, _) in enumerate(alts, 1))
-        fix = f"Alternatives that fit, best first: {listed}. Or plan.check=false to launch anyway."
-    else:
-        fix = (f"Nothing within {MAX_NODES} nodes of this hardware fits; use a smaller model, or plan.check=false to "
-               "launch anyway.")
-    where = "GPU" if hw.device == "cuda" else "rank"
-    return UserError("backend", cfg.backend.name,
-                     f"The plan for {cfg.model.name} on {e.world} rank(s) of {hw.name} needs {e.device_peak / GiB:.1f} GiB "
-                     f"per {where} and does not fit: {e.shortfall}.", fix).on_every_rank()
-
-
-def deepspeed_estimates(cfg: DictConfig, batch: Plan, hw: Hardware) -> str:
-    """DeepSpeed's own model-state estimators (ZeRO-2, ZeRO-3) beside ours, when DeepSpeed is installed."""
-    import logging
-
-    logging.disable(logging.WARNING)  # its import warns that it found no GPU: this plan may be for GPUs elsewhere
-    try:
-        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
-        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
-    except ImportError:
-        return ""
-    finally:
-        logging.disable(logging.NOTSET)
-    P, shape = batch.facts.params, batch.facts.shape
-    _, z2 = estimate_zero2_model_states_mem_needs(P, hw.ranks_per_node, hw.nodes, cpu_offload=False)
-    _, z3, _ = estimate_zero3_model_states_mem_needs(P, shape["max_module_params"], hw.ranks_per_node, hw.nodes,
-                                                      cpu_offload=False, cpu_offload_params=False)
-    return (f"DeepSpeed's estimators (model states per GPU, mixed precision): ZeRO-2 {z2 / GiB:.2f} GiB "
-            f"(2P + 18P/N: it adds a 16-bit gradient partition that bf16 with fp32 accumulation does not keep), "
-            f"ZeRO-3 {z3 / GiB:.2f} GiB (4 bytes x the largest module + 18P/N; ours counts two gathered modules in the "
-            f"compute dtype and the reduce bucket under buffers)")
+__getattr__ = moved.names_moved_from(__name__)
