@@ -43,7 +43,7 @@ BIG = [*TINY, "model.hidden_size=384", "model.intermediate_size=1024", "model.nu
        "train.micro_batch_size=2", "checkpoint.save_final=true"]
 LAYOUTS = {"pp2": ["backend=pipeline", "backend.stages=2", "backend.microbatches=2"],
            "pp4": ["backend=pipeline", "backend.stages=4", "backend.microbatches=4", "train.micro_batch_size=8"],
-           "fsdp": ["backend=fsdp"]}
+           "fsdp": ["backend=fsdp"], "zero3": ["backend=zero3"]}
 
 
 def _status(field: str) -> int:
@@ -113,8 +113,8 @@ def exports(tmp_path_factory):
 def test_sharded_export_is_shards_and_an_index_as_save_pretrained_writes_them(layout, exports):
     """Each writing rank's safetensors shard, named model-0000k-of-0000N, and model.safetensors.index.json
     ({"metadata": {"total_size", "total_parameters"}, "weight_map"}); every tensor equal to the engine's gathered
-    one, and the directory loads into transformers. The pipeline's stages and FSDP's ranks share the writing:
-    four files from four ranks (a stage's two ranks each write part of it)."""
+    one, and the directory loads into transformers. The pipeline's stages, FSDP's and ZeRO-3's ranks share the
+    writing: four files from four ranks (a stage's two ranks each write part of it)."""
     import json
     import re
 
@@ -141,9 +141,10 @@ def test_sharded_export_is_shards_and_an_index_as_save_pretrained_writes_them(la
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_no_rank_holds_the_model_during_the_export(layout, exports):
     """Rank 0's memory during the export stays under its quarter of the model plus the largest tensor, whatever
-    the stage count (pp 2 x dp 2, pp 4) or with FSDP over 4 ranks. Rank 0 gathered the whole model before
-    (pipeline: every stage's part by gather_object, padded to the largest part x 4 ranks; FSDP: the full state
-    dict), 160 to 200 MB here against a bound of 24 MB."""
+    the stage count (pp 2 x dp 2, pp 4) or with FSDP or ZeRO-3 over 4 ranks. Rank 0 gathered the whole model
+    before (pipeline: every stage's part by gather_object, padded to the largest part x 4 ranks; FSDP: the full
+    state dict; ZeRO-3: DeepSpeed's consolidated 16-bit state dict, then save_pretrained), 160 to 200 MB here
+    against a bound of 24 MB."""
     full = exports[layout]["full"]
     model = sum(t.numel() * t.element_size() for t in full.values())
     largest = max(t.numel() * t.element_size() for t in full.values())

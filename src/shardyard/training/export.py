@@ -13,8 +13,12 @@ Who writes what (docs/architecture.md, "The HF export"):
    writes its own shards. Rank 0 writes the index, the config and the tokenizer once every shard is written.
 2. Engines whose every rank holds the whole model (ddp, zero1, zero2): the same plan and writing with every rank
    a holder, nothing gathered (each rank writes its share of the tensors it already holds).
-3. The others (single, horovod, ZeRO-3, a 4-bit QLoRA base): rank 0 holds the whole model (ZeRO-3 gathers it
-   there a parameter at a time) and writes it with ``save_pretrained``, sharded above ``MAX_SHARD_BYTES``.
+3. ZeRO-3 (its offload and Infinity engines too): the same plan and writing with every rank a holder; each
+   module's partitions are gathered on every rank (``deepspeed.zero.GatheredParameters``, one collective per
+   module, as DeepSpeed's own consolidation gathers them) and kept only by the module's owner.
+4. The others (single, horovod, a 4-bit QLoRA base): rank 0 holds the whole model and writes it with
+   ``save_pretrained``, sharded above ``MAX_SHARD_BYTES`` (single has no other rank; Horovod has no
+   torch.distributed group for the plan's two collectives; QLoRA's merge dequantizes the base whole).
 
 Every way, ``config.json`` and ``generation_config.json`` say the exported tokenizer's special tokens
 (``model.use_special_tokens``).
@@ -64,8 +68,9 @@ def save_hf(backend: Backend, tokenizer_dir: str, out_dir: str, written: list[st
     state = model.state_dict(keep_vars=True)  # FSDP2's pre-save hook reshards first: every parameter a DTensor
     if any(isinstance(t, DTensor) for t in state.values()):
         return _save_by_holders(backend, model, state, tokenizer_dir, out_dir, written=written)
-    if backend.world_size > 1 and dist.is_initialized() and _replica(model):
-        # every rank holds the whole model (DDP, ZeRO-1/2): each writes its share of it, nothing is gathered
+    if backend.world_size > 1 and dist.is_initialized() and (_replica(model) or _partitioned_only(model)):
+        # every rank holds the whole model (DDP, ZeRO-1/2): each writes its share of it, nothing is gathered;
+        # or a partition of every parameter (ZeRO-3): each module is gathered on every rank, its owner writes it
         return _save_by_holders(backend, model, state, tokenizer_dir, out_dir, holders=list(range(backend.world_size)),
                                 written=written)
     del state
@@ -81,6 +86,35 @@ def _replica(model: Any) -> bool:
     full = signature(model)
     return all(list(p.shape) == full.get(name, list(p.shape)) and getattr(p, "quant_state", None) is None
                for name, p in model.named_parameters())
+
+
+def _partitioned(t: Any) -> bool:
+    """A ZeRO-3 parameter: this rank holds a partition of it (``ds_shape`` is its whole shape)."""
+    return hasattr(t, "ds_id") and hasattr(t, "ds_shape")
+
+
+def _partitioned_only(model: Any) -> bool:
+    """ZeRO-3's model: every parameter partitioned or whole, none packed in 4 bits."""
+    params = list(model.parameters())
+    return any(_partitioned(p) for p in params) and all(getattr(p, "quant_state", None) is None for p in params)
+
+
+def _shape(t: Any) -> list[int]:
+    return list(t.ds_shape) if _partitioned(t) else list(t.shape)
+
+
+@contextlib.contextmanager
+def _gathered(tensors: list[Any]) -> Iterator[None]:
+    """ZeRO-3: the partitions of ``tensors`` gathered whole on every rank (a collective every rank joins in the
+    same order), partitioned again on leaving; nothing for other tensors."""
+    partitioned = [t for t in tensors if _partitioned(t)]
+    if not partitioned:
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None):
+        yield
 
 
 def _files_in(path: str) -> list[str]:
@@ -172,8 +206,9 @@ def _save_by_holders(backend: Backend, model: Any, state: dict, tokenizer_dir: s
        ``MAX_SHARD_BYTES``). A replica's tensors are written as they are (nothing to gather).
     2. One all-reduce of every rank's file count numbers the files (``model-00003-of-00008.safetensors``); rank 0
        has created the temporary directory before it.
-    3. Piece by piece, every holder gathers each tensor whole; the owner keeps it, converts the piece and streams
-       it to its file; the others free it at once. Peak memory on any rank: one piece beside one gathered tensor.
+    3. Piece by piece, every holder gathers each tensor whole (ZeRO-3: the piece's partitions at once); the owner
+       keeps a copy, converts the piece and streams it to its file; the others free it at once. Peak memory on any
+       rank: one piece beside one gathered tensor (ZeRO-3: one module gathered, as DeepSpeed's consolidation).
        A rank that fails to write keeps joining the gathers, so the others never wait on it forever.
     4. Rank 0 gathers what each rank wrote (names -> files, sizes) and writes the index, the config and the
        tokenizer (and the adapter's own export with ``peft``); then renames the directory into place.
@@ -209,13 +244,16 @@ def _save_by_holders(backend: Backend, model: Any, state: dict, tokenizer_dir: s
     with torch.no_grad():
         for piece in pieces:  # 3
             kept = {}
-            for name in piece.names:
-                full = _whole(state[name])
-                if piece.owner == rank:
-                    kept[name] = full.detach().cpu()
-                if rank == 0 and ".lora_" in name:
-                    adapter[name] = full.detach().cpu()
-                del full
+            with _gathered([state[name] for name in piece.names]):
+                for name in piece.names:
+                    full = _whole(state[name])
+                    if _partitioned(state[name]) and (piece.owner == rank or rank == 0 and ".lora_" in name):
+                        full = full.detach().clone()  # the gathered storage is DeepSpeed's, freed on leaving
+                    if piece.owner == rank:
+                        kept[name] = full.detach().cpu()
+                    if rank == 0 and ".lora_" in name:
+                        adapter[name] = full.detach().cpu()
+                    del full
             if piece.owner == rank:
                 try:  # a failure here is kept like a failed write: this rank goes on joining the gathers
                     out = _to_hf(model, base, kept)
@@ -272,7 +310,7 @@ def _plan(model: Any, base: Any, state: dict, holders: list[int] | None = None) 
     2. A tensor shared by two names (tied embeddings) is written once, under its first name (the embedding:
        ``save_pretrained`` drops the tied head).
     3. The holders are the ranks of the tensors' device meshes (every rank for fsdp and fsdp_tp; a pipeline
-       stage's data-parallel ranks), or ``holders`` (every rank of a replica engine): they hold the same names in
+       stage's data-parallel ranks), or ``holders`` (every rank of a replica engine, or of ZeRO-3): they hold the same names in
        the same order, so each computes the same owners: in turn, the holder with the fewest bytes so far.
     """
     from torch.distributed.tensor import DTensor
@@ -293,7 +331,7 @@ def _plan(model: Any, base: Any, state: dict, holders: list[int] | None = None) 
     load = dict.fromkeys(holders, 0)
     pieces, whole = [], {}
     for names in groups.values():
-        meta = {n: torch.empty(state[n].shape, dtype=state[n].dtype, device="meta") for n in names}
+        meta = {n: torch.empty(_shape(state[n]), dtype=state[n].dtype, device="meta") for n in names}
         whole.update(meta)
         out = {k: (list(v.shape), v.dtype) for k, v in _to_hf(model, base, meta).items()}
         owner = min(holders, key=lambda r: (load[r], r))
