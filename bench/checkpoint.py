@@ -11,7 +11,9 @@ saves (``checkpoint.every_n_steps=1``); from each save's line (``shardyard | sav
    parallel), in MB per rank beside the plan's even share (the checkpoint's bytes / world), and rank 0's hashing
    time. ``--export-hf`` puts an HF export in each checkpoint (its shards hashed by the ranks that wrote them);
    ``--backend zero2`` shows the whole 16-bit model file hashed in pieces (``checkpoint.async_save`` is refused
-   there: the async columns are then left out).
+   there: the async columns are then left out),
+4. for async, the host copy each rank staged (``meta.json``'s ``staged_bytes``: one buffer per rank, reused by every
+   save) beside the plan's ``checkpoint_staging`` for a rank (the run dir's plan.json).
 
 The first save of a run is left out (it builds DCP's plan and the gloo group of background saves). Prints;
 asserts nothing (timings belong here, not in tests).
@@ -47,7 +49,8 @@ def run(extra: list[str], background: bool, steps: int, world: int, run_dir: str
     saves = [m.groups() for m in LINE.finditer(proc.stdout)][1:]
     metas = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(run_dir, "checkpoints/step-*/meta.json")))]
     hashed = metas[-1]["hashed_bytes"]
-    return {"size": saves[-1][1], "waited": statistics.median(float(s[2]) for s in saves),
+    planned = json.load(open(os.path.join(run_dir, "plan.json")))["memory"]["device"].get("checkpoint_staging", 0.0)
+    return {"staged": metas[-1].get("staged_bytes"), "staged_plan": planned,"size": saves[-1][1], "waited": statistics.median(float(s[2]) for s in saves),
             "background": statistics.median(float(s[3]) for s in saves) if background else None,
             "hash0": statistics.median(float(s[4]) for s in saves),
             "share": [h / sum(hashed) for h in hashed], "hashed": hashed}
@@ -66,7 +69,7 @@ def main() -> None:
           f"{a.steps} (medians over saves 2-{a.steps})")
     print(f"{'model':28} {'checkpoint':>10} | {'sync: step waits':>16} | {'async: step waits':>17} "
           f"{'background':>10} {'ratio':>6} | {'MB hashed per rank':>22} {'plan: even share':>16} "
-          f"{'rank 0 hash s':>13}")
+          f"{'rank 0 hash s':>13} | {'async: MB staged per rank':>25} {'plan':>6}")
     for name, extra in SIZES.items():
         with tempfile.TemporaryDirectory() as d:
             sync = run([*extra, *export], False, a.steps, a.world, os.path.join(d, "sync"), a.backend)
@@ -75,8 +78,10 @@ def main() -> None:
         even = sum(sync["hashed"]) / a.world / 1e6
         background = (f"{bg['waited']:>15.2f} s {bg['background']:>8.2f} s {bg['waited'] / sync['waited']:>6.2f}"
                       if bg else f"{'-':>17} {'-':>10} {'-':>6}")
+        staged = (" ".join(f"{b / 1e6:.1f}" for b in bg["staged"]), f"{bg['staged_plan'] / 1e6:.1f}") \
+            if bg and bg["staged"] else ("-", "-")
         print(f"{name:28} {sync['size']:>10} | {sync['waited']:>14.2f} s | {background} | {per_rank:>22} "
-              f"{even:>16.1f} {sync['hash0']:>11.2f} s")
+              f"{even:>16.1f} {sync['hash0']:>11.2f} s | {staged[0]:>25} {staged[1]:>6}")
 
 
 if __name__ == "__main__":

@@ -217,7 +217,8 @@ def test_background_saves_reuse_one_planned_host_buffer_on_a_group_with_the_runs
     """``checkpoint.async_save`` on FSDP x2, a save at every step: each rank stages into one host buffer, the same
     storages at every save (host memory does not grow with the saves); its bytes are this rank's parameter
     shards and AdamW moments (and the step counters), the plan's ``checkpoint_staging`` within 0.1%; the
-    background saves' gloo group has ``launch.timeout_s``, not torch's default 30 minutes."""
+    background saves' gloo group has ``launch.timeout_s``, not torch's default 30 minutes; meta.json's
+    ``staged_bytes`` says what each rank staged."""
     from shardyard.planning import plan as memory_plan
     from shardyard.planning import hardware as plan_hardware
     from shardyard.testing import compose
@@ -239,6 +240,9 @@ def test_background_saves_reuse_one_planned_host_buffer_on_a_group_with_the_runs
         assert held["moments"] == 2 * held["params"]
         assert 3 * held["params"] <= staged <= 3 * held["params"] + 8 * held["tensors"], (staged, held)  # + steps
         assert abs(staged / planned - 1) < 1e-3, (staged, planned)
+        # what each rank staged, in the checkpoint's meta.json (bench/checkpoint.py prints it beside the plan)
+        meta = json.load(open(tmp_path / "checkpoints" / "step-00000003" / "meta.json"))
+        assert meta["staged_bytes"][rank] == staged, (meta["staged_bytes"], staged)
 
 
 def _two_to_four_to_one(tmp_path, resumed, runs: dict[str, tuple[str, str, str]]) -> dict[str, tuple[list, list]]:

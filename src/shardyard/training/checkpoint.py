@@ -285,6 +285,7 @@ class Checkpointer:
             t = time.perf_counter()
             part = self._hash_share(tmp, rank, world)
             hashing = time.perf_counter() - t
+            part["staged"] = self._staging.bytes if self._staging is not None else 0  # a background save's host copy
             _write_atomic(os.path.join(tmp, f"part-rank{rank}.json"), json.dumps(part))
         except (KeyboardInterrupt, SystemExit):
             raise
@@ -364,6 +365,7 @@ class Checkpointer:
         world = self.backend.world_size
         manifest: dict[str, dict] = {}
         hashed: list[int] = []
+        staged: list[int] = []
         pieces: dict[str, dict] = {}
         for r in range(world):
             f = os.path.join(tmp, f"part-rank{r}.json")
@@ -376,6 +378,7 @@ class Checkpointer:
             for rel, got in part["pieces"].items():
                 pieces.setdefault(rel, {**got, "digests": {}})["digests"].update(got["digests"])
             hashed.append(part["hashed"])
+            staged.append(part.get("staged", 0))
         for rel, got in pieces.items():
             n = len(integrity._pieces_of(got["bytes"], got["piece_bytes"]))
             if sorted(got["digests"], key=int) != [str(i) for i in range(n)]:
@@ -398,6 +401,8 @@ class Checkpointer:
             "manifest": dict(sorted(manifest.items())),
             "hashed_bytes": hashed,  # by each rank, when it was saved (each the files it wrote, and its pieces)
         }
+        if any(staged):  # a background save: the host copy each rank staged (bench/checkpoint.py sets it by the plan's)
+            meta["staged_bytes"] = staged
         meta["meta_sha256"] = integrity._meta_digest(meta)
         drills.save_point("before_meta", step, 0)
         _write_atomic(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
