@@ -299,6 +299,19 @@ def run_ranks(world: int, overrides: list[str], run_dir: str) -> list[dict]:
     return run_many(world, [(overrides, run_dir)])[0]
 
 
+def hf_tensors(hf_dir: str | os.PathLike) -> dict:
+    """Every tensor of an HF export, whatever its sharding (one ``model.safetensors``, or the shards that several
+    ranks wrote), by name."""
+    import glob
+
+    from safetensors.torch import load_file
+
+    out: dict = {}
+    for f in sorted(glob.glob(os.path.join(str(hf_dir), "*.safetensors"))):
+        out.update(load_file(f))
+    return out
+
+
 def hf_eval_loss(hf_dir: str, cfg: DictConfig, world: int) -> float:
     """Eval loss of an HF export on exactly the sequences a ``world``-rank run evaluates, as ``loop.evaluate``
     weighs them (the mean over their label tokens)."""

@@ -80,11 +80,12 @@ def test_horovod_matches_single_process_resumes_bit_for_bit_and_times_every_grad
     allreduces once a step (``backward_passes_per_step``). Accumulation 1 (micro 4) equals the single process too,
     under this Gloo controller in tests/dist/test_finetune.py (LoRA: loss and grad norm 1e-4), test_post_training.py
     (weights 1e-4) and test_moe_engines.py (MTP losses 1e-4, router biases 1e-6), on 2 workers at accumulation 1.
+    Its HF exports (in the checkpoints and the final one) are written by both workers, a shard each.
     (One run for what were three: the resume was test_checkpoint's, the timeline test_engines_e2e's.)"""
     from transformers import AutoModelForCausalLM
 
     got = run_horovod(tmp_path / "a", "train.micro_batch_size=2", "checkpoint.every_n_steps=3",
-                      "checkpoint.save_final=true", "backend.timeline=true")
+                      "checkpoint.save_final=true", "checkpoint.export_hf=true", "backend.timeline=true")
     assert max(abs(a - b) / b for a, b in zip(got, reference[0])) <= 1e-4, (got, reference[0])
     # The global pre-clip grad norm too: hvd.broadcast_optimizer_state on a fresh AdamW once ran a zero-gradient
     # step whose weight decay shrank every weight by (1 - lr * wd) before training (1e-4 off here, 1e-3 in LoRA).
@@ -95,6 +96,14 @@ def test_horovod_matches_single_process_resumes_bit_for_bit_and_times_every_grad
     pids = {e["args"]["name"]: e["pid"] for e in events
             if e.get("ph") == "M" and e.get("name") == "process_name" and "name" in e.get("args", {})}
     steps = json.load(open(tmp_path / "a" / "summary.json"))["steps"]
+    # The export is written by both workers, a shard each, as DDP's ranks write theirs (rank 0 wrote it alone while
+    # the other waited): in the checkpoint of step 3 each shard hashed by its writer, and the run's final hf/.
+    meta = json.load(open(tmp_path / "a" / "checkpoints" / "step-00000003" / "meta.json"))
+    shards = sorted((rel, e.get("rank", 0)) for rel, e in meta["manifest"].items()
+                    if rel.startswith("hf/") and rel.endswith(".safetensors"))
+    assert [r for _, r in shards] == [0, 1], shards
+    assert sorted(p.name for p in (tmp_path / "a" / "hf").glob("*.safetensors")) == \
+        [f"model-0000{k}-of-00002.safetensors" for k in (1, 2)]
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "a" / "hf", local_files_only=True)
     for name, p in model.named_parameters():
         assert allreduces(events, pids[f"allreduce.{name}"]) == [str(list(p.shape))] * steps, name

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from conftest import train_py
 from shardyard.models import moe
-from shardyard.testing import TINY, on_ranks, run_many
+from shardyard.testing import TINY, hf_tensors, on_ranks, run_many
 
 BIAS = "model.layers.1.mlp.gate.e_score_correction_bias"
 MOE = [*TINY, "model=deepseek_moe_tiny", "train.steps=10", "train.eval_every_n_steps=0", "train.global_batch_size=8",
@@ -129,7 +129,7 @@ def test_horovod_moves_the_bias_as_one_process_does(runs, tmp_path):
     proc = train_py(*MOE, "backend=horovod", "launch.nproc_per_node=2", "checkpoint.save_final=true", run_dir=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert close(mtp_losses(tmp_path), mtp_losses(runs["dir"] / "single"))
-    exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    exported = hf_tensors(tmp_path / "hf")  # both workers' shards
     assert torch.allclose(exported[BIAS], biases(runs["single"]), atol=1e-6, rtol=0)
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import train_py
-from shardyard.testing import TINY, run_many
+from shardyard.testing import TINY, hf_tensors, run_many
 
 STEP = [*(o for o in TINY if not o.startswith(("data.seq_len", "train.micro_batch_size"))), "train.steps=2",
         "train.eval_every_n_steps=0", "train.global_batch_size=8", "optim=sgd", "optim.momentum=0",
@@ -60,9 +60,7 @@ def trained(request, tmp_path_factory):
     hv = train_py(*base, "backend=horovod", "launch.nproc_per_node=2", "train.micro_batch_size=4",
                   "checkpoint.save_final=true", run_dir=d / "horovod")
     assert hv.returncode == 0, hv.stderr[-3000:]
-    from safetensors.torch import load_file
-
-    out["horovod"] = {"full": load_file(str(d / "horovod/hf/model.safetensors")),
+    out["horovod"] = {"full": hf_tensors(d / "horovod/hf"),  # both workers' shards
                       "summary": json.load(open(d / "horovod/summary.json"))}
     return request.param, out
 

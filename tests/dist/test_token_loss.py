@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import train_py
-from shardyard.testing import TINY, compose, on_ranks, run_many
+from shardyard.testing import TINY, compose, hf_tensors, on_ranks, run_many
 
 LR = 1.0  # an update of gradient size: the weights' fp32 rounding is far below the 1e-5 compared
 STEP = [*(o for o in TINY if not o.startswith("data.seq_len")), "train.steps=1", "train.eval_every_n_steps=0",
@@ -135,11 +135,9 @@ def test_a_step_without_labels_trains_nothing_and_logs_zero(runs):
 
 def test_horovod_step_equals_the_full_batch(runs, tmp_path):
     pytest.importorskip("horovod.torch", reason="Horovod is built by `make setup`")
-    from safetensors.torch import load_file
-
     proc = train_py(*SFT, "backend=horovod", "launch.nproc_per_node=2", f"train.micro_batch_size={MICRO[2] // 2}",
                     EXPORT, run_dir=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.load(open(tmp_path / "summary.json"))
-    got = {"full": load_file(str(tmp_path / "hf" / "model.safetensors")), "summary": summary}
+    got = {"full": hf_tensors(tmp_path / "hf"), "summary": summary}  # both workers' shards
     assert_same_step([got], runs["ref"][0], "horovod, accumulation 2")

@@ -11,14 +11,15 @@ Who writes what (docs/architecture.md, "The HF export"):
    owner, the holder with the fewest bytes so far, which converts it to the HF form and streams it into its own
    shard file at once (``_ShardFile``). A pipeline stage's ranks hold only that stage's tensors, so each stage
    writes its own shards. Rank 0 writes the index, the config and the tokenizer once every shard is written.
-2. Engines whose every rank holds the whole model (ddp, zero1, zero2): the same plan and writing with every rank
+2. Engines whose every rank holds the whole model (ddp, zero1, zero2, horovod): the same plan and writing with every rank
    a holder, nothing gathered (each rank writes its share of the tensors it already holds).
 3. ZeRO-3 (its offload and Infinity engines too): the same plan and writing with every rank a holder; each
    module's partitions are gathered on every rank (``deepspeed.zero.GatheredParameters``, one collective per
    module, as DeepSpeed's own consolidation gathers them) and kept only by the module's owner.
-4. The others (single, horovod, a 4-bit QLoRA base): rank 0 holds the whole model and writes it with
-   ``save_pretrained``, sharded above ``MAX_SHARD_BYTES`` (single has no other rank; Horovod has no
-   torch.distributed group for the plan's two collectives; QLoRA's merge dequantizes the base whole).
+   Horovod's ranks each hold the whole model too: the same, through Horovod's all-reduce (the writing needs no
+   torch.distributed group).
+4. The others (single, a 4-bit QLoRA base): rank 0 holds the whole model and writes it with ``save_pretrained``,
+   sharded above ``MAX_SHARD_BYTES`` (single has no other rank; QLoRA's merge dequantizes the base whole).
 
 Every way, ``config.json`` and ``generation_config.json`` say the exported tokenizer's special tokens
 (``model.use_special_tokens``).
@@ -61,15 +62,14 @@ def save_hf(backend: Backend, tokenizer_dir: str, out_dir: str, written: list[st
     directory beside it, then renamed by rank 0). Returns ``out_dir`` on rank 0, None elsewhere. ``written``:
     filled with the files (relative to ``out_dir``) this rank wrote, rank 0 every file no other rank wrote: what
     each hashes when the export is part of a checkpoint."""
-    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     model = backend.hf_model()
     state = model.state_dict(keep_vars=True)  # FSDP2's pre-save hook reshards first: every parameter a DTensor
     if any(isinstance(t, DTensor) for t in state.values()):
         return _save_by_holders(backend, model, state, tokenizer_dir, out_dir, written=written)
-    if backend.world_size > 1 and dist.is_initialized() and (_replica(model) or _partitioned_only(model)):
-        # every rank holds the whole model (DDP, ZeRO-1/2): each writes its share of it, nothing is gathered;
+    if backend.world_size > 1 and (_replica(model) or _partitioned_only(model)):
+        # every rank holds the whole model (DDP, ZeRO-1/2, Horovod): each writes its share of it, nothing gathered;
         # or a partition of every parameter (ZeRO-3): each module is gathered on every rank, its owner writes it
         return _save_by_holders(backend, model, state, tokenizer_dir, out_dir, holders=list(range(backend.world_size)),
                                 written=written)
@@ -205,17 +205,19 @@ def _save_by_holders(backend: Backend, model: Any, state: dict, tokenizer_dir: s
        pieces, their HF names and shapes, their owners, and this rank's shard files (split above
        ``MAX_SHARD_BYTES``). A replica's tensors are written as they are (nothing to gather).
     2. One all-reduce of every rank's file count numbers the files (``model-00003-of-00008.safetensors``); rank 0
-       has created the temporary directory before it.
+       has created the temporary directory before it. Both of this function's all-reduces are the engine's own
+       (``Backend.all_reduce_mean``, ``_sum_over_ranks``), so Horovod's ranks, which have no torch.distributed
+       group, take part as every other engine's do.
     3. Piece by piece, every holder gathers each tensor whole (ZeRO-3: the piece's partitions at once); the owner
        keeps a copy, converts the piece and streams it to its file; the others free it at once. Peak memory on any
        rank: one piece beside one gathered tensor (ZeRO-3: one module gathered, as DeepSpeed's consolidation).
        A rank that fails to write keeps joining the gathers, so the others never wait on it forever.
-    4. Rank 0 gathers what each rank wrote (names -> files, sizes) and writes the index, the config and the
-       tokenizer (and the adapter's own export with ``peft``); then renames the directory into place.
+    4. Each rank leaves what it wrote (names -> files, sizes, its error) in ``.written-rank<r>.json`` in the
+       directory (every writer sees it: a shared file system, as the shards need); one all-reduce says which
+       ranks failed; rank 0 reads the files, removes them and writes the index, the config and the tokenizer
+       (and the adapter's own export with ``peft``); then renames the directory into place.
     5. A rank that failed raises; rank 0 raises if any did (its directory is left unpublished).
     """
-    import torch.distributed as dist
-
     from shardyard.models import adapters
 
     rank, world = backend.rank, backend.world_size
@@ -232,10 +234,8 @@ def _save_by_holders(backend: Backend, model: Any, state: dict, tokenizer_dir: s
     pieces = _plan(model, base, state, holders)  # 1
     mine = [(n, shape, dtype) for p in pieces if p.owner == rank for n, (shape, dtype) in p.out.items()]
     files = _split(mine)
-    counts = torch.zeros(world, dtype=torch.int64, device=backend.device)  # 2
-    counts[rank] = len(files)
-    dist.all_reduce(counts)
-    first, total = int(counts[:rank].sum()), int(counts.sum())
+    counts = _sum_over_ranks(backend, rank, len(files))  # 2
+    first, total = sum(counts[:rank]), sum(counts)
     file_of = {name: "model.safetensors" if total == 1 else f"model-{first + i + 1:05d}-of-{total:05d}.safetensors"
                for i, entries in enumerate(files) for name, _, _ in entries}
     writer = _ShardWriter(tmp, [(file_of[n], n, shape, dtype) for n, shape, dtype in mine])
@@ -266,17 +266,25 @@ def _save_by_holders(backend: Backend, model: Any, state: dict, tokenizer_dir: s
     info = {"weight_map": writer.written, "size": writer.size, "error": writer.error,
             "params": sum(_numel(s) for p in pieces if p.owner == rank for s, _ in p.out.values())
             - sum(p.buffer_elements for p in pieces if p.owner == rank)}
-    infos: list = [None] * world if rank == 0 else []
-    dist.gather_object(info, infos if rank == 0 else None, dst=0)  # 4
+    try:  # 4
+        with open(os.path.join(tmp, f".written-rank{rank}.json"), "w", encoding="utf-8") as f:
+            json.dump(info, f)
+    except OSError as e:
+        writer.error = writer.error or f"{type(e).__name__}: {e}"
+    failed = [r for r, n in enumerate(_sum_over_ranks(backend, rank, int(writer.error is not None))) if n]
     if rank != 0:
         if writer.error:  # 5
             raise RuntimeError(f"rank {rank} could not write its shards of the HF export in {tmp}: {writer.error}")
         if written is not None:
             written += sorted(set(writer.written.values()))
         return None
-    failed = {r: i["error"] for r, i in enumerate(infos) if i["error"]}
     if failed:
-        raise RuntimeError(f"the HF export in {tmp} is incomplete: {failed}")
+        raise RuntimeError(f"the HF export in {tmp} is incomplete: {_errors(tmp, failed)}")
+    infos = []
+    for r in range(world):
+        with open(os.path.join(tmp, f".written-rank{r}.json"), encoding="utf-8") as f:
+            infos.append(json.load(f))
+        os.remove(os.path.join(tmp, f".written-rank{r}.json"))
     _quiet_transformers()
     if total > 1:
         index = {"metadata": {"total_parameters": sum(i["params"] for i in infos),
@@ -298,6 +306,26 @@ def _save_by_holders(backend: Backend, model: Any, state: dict, tokenizer_dir: s
         _publish(tmp_adapter, os.path.join(parent, "adapter"))
     _publish(tmp, out_dir)
     return out_dir
+
+
+def _sum_over_ranks(backend: Backend, rank: int, value: int) -> list[int]:
+    """Every rank's ``value`` (a small count), known to every rank, in rank order: one all-reduce of a
+    world-long vector through the engine's own ``all_reduce_mean`` (times the world: exact in float64)."""
+    t = torch.zeros(backend.world_size, dtype=torch.float64, device=backend.device)
+    t[rank] = value
+    return [round(float(v) * backend.world_size) for v in backend.all_reduce_mean(t).cpu()]
+
+
+def _errors(tmp: str, ranks: list[int]) -> dict[int, str]:
+    """What each failed rank said of its write (its ``.written-rank<r>.json``), or that it left nothing."""
+    out = {}
+    for r in ranks:
+        try:
+            with open(os.path.join(tmp, f".written-rank{r}.json"), encoding="utf-8") as f:
+                out[r] = json.load(f)["error"]
+        except (OSError, ValueError, KeyError):
+            out[r] = "it left no record of its write (its own error is in its output)"
+    return out
 
 
 def _plan(model: Any, base: Any, state: dict, holders: list[int] | None = None) -> list[_Piece]:
