@@ -358,7 +358,40 @@ def from_run_dir(run_dir: str) -> None:
 
         traceback.print_exc()
         sys.stderr.flush()
+        _let_the_first_failure_be_seen(sys.exc_info()[1])
         raise
+
+
+LOST_PEER_MARKS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+"""What gloo's (and the TCP store's) error says when the process at the other end of a connection has gone."""
+
+PEER_LOST_GRACE_S = 5.0
+"""How long a worker that failed only because a peer went away waits before it exits (its launcher ends it sooner)."""
+
+
+def _let_the_first_failure_be_seen(e: BaseException | None) -> None:
+    """A rank that dies (a bug, an out-of-memory kill, a drill's exit 13) closes its connections, and every peer
+    blocked on it fails within milliseconds with "Connection reset by peer". torch's agent polls its workers
+    every 0.2 s and reports the first dead one it finds, in rank order, not the first to die: without this wait
+    a job whose rank 1 crashed was reported as "rank 0 failed with exit code 1" (3 runs in 3 on 2 cores, and a
+    sweep's summary in CI). So a worker whose error is a lost peer waits ``PEER_LOST_GRACE_S`` (under the
+    elastic agent only, which ends it as soon as it has seen the rank that failed first)."""
+    import torch.distributed as dist
+
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, dist.DistNetworkError) or any(mark in str(e) for mark in LOST_PEER_MARKS):
+            print(f"shardyard | rank {os.environ.get('RANK', '?')} lost a peer (the error above); it waits "
+                  f"{PEER_LOST_GRACE_S:.0f} s so that the launcher names the rank that failed first",
+                  file=sys.stderr, flush=True)
+            import time
+
+            time.sleep(PEER_LOST_GRACE_S)
+            return
+        e = e.__cause__ or e.__context__
 
 
 if __name__ == "__main__":
