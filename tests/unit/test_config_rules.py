@@ -168,6 +168,16 @@ def test_keys_no_schema_or_plugin_reads_are_refused(overrides, key):
     (["backend=pipeline", "launch.nproc_per_node=4", "backend.replicate=2"], "backend.replicate"),
     (["model=deepseek_moe_tiny", "backend=fsdp", "backend.ep=2", "backend.replicate=2", "launch.nproc_per_node=4"],
      "backend.replicate"),
+    # Ulysses sequence parallelism (issue 56): an engine that does not split sequences, heads or a sequence length
+    # it does not divide, a world it does not divide, and what it does not combine with yet
+    (["backend=pipeline", "launch.nproc_per_node=2", "backend.sp=2"], "backend.sp"),
+    (["backend=ddp", "launch.nproc_per_node=3", "backend.sp=3", "data.seq_len=63"], "backend.sp"),  # 4 heads
+    (["backend=ddp", "launch.nproc_per_node=2", "backend.sp=2", "data.seq_len=63"], "backend.sp"),
+    (["backend=ddp", "launch.nproc_per_node=3", "backend.sp=2"], "backend.sp"),
+    (["backend=ddp", "launch.nproc_per_node=2", "backend.sp=0"], "backend.sp"),
+    (["backend=ddp", "launch.nproc_per_node=2", "backend.sp=2", "objective=dpo", "data=preference"], "backend.sp"),
+    (["backend=ddp", "launch.nproc_per_node=2", "backend.sp=2", "model=deepseek_moe_tiny", "model.mtp={depth: 1}"],
+     "backend.sp"),  # multi-token prediction
 ])
 def test_bad_values_name_the_key(overrides, key):
     cfg = compose(overrides)

@@ -95,12 +95,15 @@ class FSDPBackend:
     launcher: ClassVar[str] = "elastic"
     dry_run: ClassVar[str] = "engine"
     """``plan.dry_run``: this engine itself runs on a fake process group and fake tensors (``shardyard.planning.dryrun``)."""
-    degree_keys: ClassVar[dict[str, str]] = {"dp_replicate": "backend.replicate", "ep": "backend.ep"}
+    degree_keys: ClassVar[dict[str, str]] = {"dp_replicate": "backend.replicate", "ep": "backend.ep",
+                                             "sp": "backend.sp"}
 
     @staticmethod
     def degrees(b: DictConfig) -> dict[str, int | None]:
-        # the shards take the ranks the copies leave (HSDP: backend.replicate copies); EP borrows from the shards
-        return {"dp_replicate": int(b.get("replicate", 1)), "dp_shard": None, "ep": int(b.ep)}
+        # the shards take the ranks the copies leave (HSDP: backend.replicate copies); EP borrows from the shards.
+        # A sequence's sp ranks shard the parameters with the others (the shard group is world / replicate ranks)
+        return {"dp_replicate": int(b.get("replicate", 1)), "sp": int(b.get("sp", 1)), "dp_shard": None,
+                "ep": int(b.ep)}
 
     @staticmethod
     def dry_run_roles(cfg: DictConfig, dims) -> list[tuple[int, str, int]]:

@@ -150,9 +150,19 @@ class BackendConfig:
     experts) in a MoE layer, or the run stops with an error naming it (a router collapsed onto few experts).
     ``null``: no bound (dropless, as DeepSeek-V3 trains). Greater than 1; ``ep`` or more never binds. Needs
     ``ep > 1``."""
+    sp: int = 1
+    """Sequence-parallel degree, Ulysses style (DeepSpeed-Ulysses, arXiv 2309.14509): this many consecutive ranks
+    read the same sequences and each holds 1/sp of their positions (its activations, its share of the loss); around
+    each attention an all-to-all trades the sequence shards for shards of the heads, so a rank attends over the
+    whole sequence with 1/sp of the heads, and a second one trades them back. Exact: the same loss and gradients
+    as one rank holding the whole sequence. It must divide the attention heads, ``data.seq_len`` and the world;
+    the data-parallel size (the ranks reading different batches) is the world / sp. Engines: ``ddp``, ``fsdp``
+    (with HSDP's ``replicate``), ``fsdp_offload`` and ``zero1/2/3``; objective ``lm``
+    (``shardyard.backends.sequence_parallel``; docs/long_context.md)."""
 
 
-BACKEND_RANGES = {"ep": Range(1, becomes="the expert-parallel degree (ranks per expert group)")}
+BACKEND_RANGES = {"ep": Range(1, becomes="the expert-parallel degree (ranks per expert group)"),
+                  "sp": Range(1, becomes="the sequence-parallel degree (ranks per sequence)")}
 
 
 @dataclass

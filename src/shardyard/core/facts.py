@@ -123,7 +123,7 @@ def nearest(counts: list[int], n: int, k: int = 12) -> list[int]:
 @dataclass(frozen=True)
 class ParallelDims:
     """How the world's ranks are laid out, one degree per kind of parallelism (torchtitan's ``ParallelDims``):
-    ``world_size = dp_replicate x dp_shard x cp x tp x pp``. Derived once, at validation, from the launch, the
+    ``world_size = dp_replicate x dp_shard x sp x cp x tp x pp``. Derived once, at validation, from the launch, the
     engine's ``degrees`` and ``plan.hardware`` (``shardyard.backends.parallel_dims``); everything else reads it."""
 
     world_size: int
@@ -136,6 +136,10 @@ class ParallelDims:
     """Tensor parallel: ranks that split every layer's matrices (``backend.tp``), consecutive ranks on one node."""
     pp: int = 1
     """Pipeline parallel: ranks that each hold a stage of the layers (``backend.stages``)."""
+    sp: int = 1
+    """Sequence parallel, Ulysses style (``backend.sp``): consecutive ranks that read the same batch and each hold
+    a contiguous shard of its positions, trading them for shards of the heads around attention
+    (``shardyard.backends.sequence_parallel``). Their gradients are averaged as data-parallel ranks' are."""
     cp: int = 1
     """Context parallel: ranks that split one sequence and read the same batch (no engine sets it yet)."""
     ep: int = 1
@@ -156,7 +160,7 @@ class ParallelDims:
     @property
     def product(self) -> int:
         """The degrees' product, which a valid layout has equal to ``world_size``."""
-        return self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
+        return self.dp_replicate * self.dp_shard * self.sp * self.cp * self.tp * self.pp
 
     @classmethod
     def of(cls, world_size: int, degrees: dict[str, int | None]) -> ParallelDims:
@@ -172,7 +176,7 @@ class ParallelDims:
 
     def describe(self) -> str:
         """``world 8 = dp_shard 2 x tp 4``: the degrees above 1."""
-        parts = [f"{k} {getattr(self, k)}" for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
+        parts = [f"{k} {getattr(self, k)}" for k in ("dp_replicate", "dp_shard", "sp", "cp", "tp", "pp", "ep")
                  if getattr(self, k) > 1]
         return f"world {self.world_size} = {' x '.join(parts) or 'one rank'}"
 
@@ -234,7 +238,9 @@ class Plan:
     def describe(self) -> str:
         nodes = f" x {self.nnodes} nodes" if self.nnodes > 1 else ""
         replicas = (f"data-parallel {self.dp_size} (world {self.world_size} / model-parallel {self.model_parallel})"
-                    if self.model_parallel > 1 else f"world {self.world_size}")
+                    if self.model_parallel > 1 else
+                    f"data-parallel {self.dp_size} (world {self.world_size} / sequence-parallel {self.dims.sp}, each "
+                    f"rank 1/{self.dims.sp} of every sequence)" if self.dims.sp > 1 else f"world {self.world_size}")
         return (f"world size {self.world_size} ({self.nproc_per_node}/node{nodes} on {self.device_type}) | "
                 f"global batch {self.global_batch_size} = micro {self.micro_batch_size} x accumulation "
                 f"{self.grad_accum_steps} x {replicas} | seq_len {self.seq_len} | "

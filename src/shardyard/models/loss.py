@@ -14,6 +14,11 @@ from shardyard.models.prepare import has_chunked_loss
 from shardyard.models.shape import _bare, attn_implementation
 
 
+SEQUENCE_SHARDS = "shardyard_sequence_shards"
+"""The model keyword argument under which a sequence-parallel micro-batch carries its split to every attention
+(``shardyard.backends.sequence_parallel``); such inputs bring their own whole-sequence masks."""
+
+
 def logits(output: Any) -> torch.Tensor:
     return output.logits if hasattr(output, "logits") else output
 
@@ -78,7 +83,7 @@ def packed_kwargs(model: Any, inputs: dict) -> dict:
     ``position_ids`` for sdpa/eager (measured: logits of a packed row then differ from each conversation run
     alone by 0.28), so it is built here: boolean for sdpa, additive for eager."""
     impl = attn_implementation(model)
-    if impl == "flash_attention_2" or "attention_mask" in inputs:
+    if impl == "flash_attention_2" or "attention_mask" in inputs or SEQUENCE_SHARDS in inputs:
         return inputs
     pos = inputs["position_ids"]
     segment = (pos == 0).cumsum(-1)

@@ -176,7 +176,10 @@ def _one_rank(cfg: DictConfig, batch: Plan, hw: Hardware, states: Any, accum: in
     ckpt = mode != "none"
     fraction = checkpointed_fraction(cfg.model, shape["blocks"])
     kept_share = 1 - (fraction if ckpt else 0.0)  # of the blocks, those whose activations stay until backward
-    kept, transient, loss, copies = _activation_parts(shape, states.regime, mbs * batch.tokens_per_sample, mode, fraction,
+    # Sequence parallelism (backend.sp): a rank holds 1/sp of every sequence's positions, and each block's
+    # activations are per position (attention's too: after the exchange a rank holds all positions of 1/sp heads)
+    per_rank = mbs * batch.tokens_per_sample / dims.sp
+    kept, transient, loss, copies = _activation_parts(shape, states.regime, per_rank, mode, fraction,
                                                       int(cfg.model.get("loss_chunk", 0)))
     if batch.facts.trainable is not None:  # autocast caches the casts of weights that train only (not a frozen base)
         copies *= batch.facts.trainable / max(P, 1)
@@ -188,14 +191,14 @@ def _one_rank(cfg: DictConfig, batch: Plan, hw: Hardware, states: Any, accum: in
     if batch.facts.adapter_activations is not None:  # what the adapters keep, less what the frozen base does not
         adapters_keep = batch.facts.adapter_activations[states.regime]["cpu" if hw.device == "cpu" else "cuda"]
         frozen_skips = shape["activation_bytes_per_token"][states.regime]["frozen_blocks"]
-        kept += kept_share * (adapters_keep - frozen_skips) * mbs * batch.tokens_per_sample
+        kept += kept_share * (adapters_keep - frozen_skips) * per_rank
     f = states.activation_factor
     fk, ft, fl = states.activation_parts or (f, f, f)
     # The loss's logits are freed by its backward before the first block is recomputed (or backpropagated): the
     # two never coexist (the dry run: a DeepSeek-V3 last stage 9.2 GiB, not 14 as their sum; deepseek7b 11.5).
     acts = (kept * fk + max(transient * ft, loss * fl)
-            + (copies + states.dispatch_bytes_per_token * mbs * batch.tokens_per_sample) * f
-            + states.stage_bytes_per_token * mbs * batch.tokens_per_sample + states.stage_bytes)
+            + (copies + states.dispatch_bytes_per_token * per_rank) * f
+            + states.stage_bytes_per_token * per_rank + states.stage_bytes)
     device = dict(states.device)
     if accum > 1 and states.accumulation_bytes:
         device["grads"] = device.get("grads", 0.0) + states.accumulation_bytes
@@ -227,7 +230,7 @@ def _one_rank(cfg: DictConfig, batch: Plan, hw: Hardware, states: Any, accum: in
         host = dict(states.host)
         if staged:
             host[STAGING] = staged
-    tokens = mbs * batch.tokens_per_sample * accum / mp  # a tensor-parallel or pipeline rank computes its part of each token
+    tokens = per_rank * accum / mp  # a tensor-parallel or pipeline rank computes its part of each token
     recompute = {"none": 0.0, "full": 1 / 3, "selective": 1 / 30}[mode] * fraction  # a block's forward is 1/3 of its
     # training FLOPs; selective recomputes only the ops between matmuls (a few % of them)
     compute = None if hw.peak_flops is None else batch.facts.flops_per_token * tokens * (1 + recompute) / (
@@ -239,13 +242,17 @@ def _one_rank(cfg: DictConfig, batch: Plan, hw: Hardware, states: Any, accum: in
     # the ranks, at most topk_group x the ranks of a group (``moe.RoutingGroups.max_ranks``; measured against routed
     # tokens in tests/unit/test_group_routing.py). The routing line below says which bound holds.
     comm_bytes += states.all_to_all_per_micro * accum  # point to point: what leaves the rank, counted already
+    if dims.sp > 1:  # Ulysses: per block, queries, keys, values and the output exchanged, forward and backward
+        width = 2 if states.regime == "autocast" else 4
+        comm_bytes += 8 * shape["blocks"] * per_rank * shape["hidden"] * width * (dims.sp - 1) / dims.sp * accum
     bw = hw.intra_bw if hw.nodes == 1 else hw.inter_bw
     ep = int(cfg.backend.get("ep", 1))
     notes = list(states.notes)
     if states.all_to_all_per_micro:
         notes += routing_notes(cfg, batch, ep, dims.dp_shard, hw.ranks_per_node)
     replicate = int(cfg.backend.get("replicate", 1))  # HSDP's copies (fsdp, fsdp_offload)
-    name = cfg.backend.name + (f" ep={ep}" if ep > 1 else "") + (f" replicate={replicate}" if replicate > 1 else "")
+    name = (cfg.backend.name + (f" ep={ep}" if ep > 1 else "") + (f" replicate={replicate}" if replicate > 1 else "")
+            + (f" sp={dims.sp}" if dims.sp > 1 else ""))
     e = Estimate(name, N, mbs, accum, ckpt, device, host, states.nvme, comm_bytes, compute,
                  comm_bytes / bw if N > 1 else 0.0, notes, overlap)
     _check_fit(e, hw, cfg.plan.headroom)

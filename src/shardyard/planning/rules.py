@@ -253,6 +253,46 @@ def validate_ep(b: DictConfig, dims: ParallelDims, facts: ModelFacts) -> None:
                         f"{ep} divides.")
 
 
+def validate_sp(cfg: DictConfig, dims: ParallelDims) -> None:
+    """``backend.sp`` (Ulysses sequence parallelism): an engine that splits sequences, heads and a sequence length
+    it divides, the plain causal-LM objective, and what it does not combine with yet (expert parallelism, MTP,
+    whose next-token inputs cross the shards' edges)."""
+    from shardyard.backends import engine
+
+    b, m = cfg.backend, cfg.model
+    sp = int(b.get("sp", 1))
+    if sp == 1:
+        return
+    if "sp" not in getattr(engine(b), "degree_keys", {}):
+        raise UserError("backend.sp", sp, f"backend={b.name} does not split sequences.",
+                        "Use backend=ddp, fsdp, fsdp_offload, zero1, zero2 or zero3 for sequence parallelism, or "
+                        "backend.sp=1.")
+    ok = [d for d in range(2, dims.world_size + 1) if dims.world_size % d == 0]
+    heads = m.get("num_heads")
+    if heads and heads % sp:
+        ok = [d for d in ok if heads % d == 0]
+        raise UserError("backend.sp", sp, f"Each rank of a sequence group attends with whole heads, so it must divide "
+                        f"the model's {heads} attention heads (model.num_heads).",
+                        f"Use backend.sp in {ok or [1]} (dividing both the heads and the world of {dims.world_size}).")
+    seq = int(cfg.data.seq_len)
+    if seq % sp:
+        raise UserError("backend.sp", sp, f"Each rank of a sequence group holds an equal share of the positions, so it "
+                        f"must divide data.seq_len={seq}.",
+                        f"Use data.seq_len={seq - seq % sp} (a multiple of {sp}), or a backend.sp that divides {seq}.")
+    objective = str(cfg.objective.get("name", "lm"))
+    if objective != "lm":
+        raise UserError("backend.sp", sp, f"Sequence parallelism splits pre-training and SFT sequences; objective="
+                        f"{objective}'s rows (pairs, rollouts) are not split yet.",
+                        "Use backend.sp=1 with this objective, or objective=lm.")
+    if m.get("mtp") is not None and int(m.mtp.get("depth", 0)) > 0:
+        raise UserError("backend.sp", sp, "Multi-token prediction feeds each position the next token's embedding, "
+                        "which crosses the sequence shards' edges: not combined with sequence parallelism yet.",
+                        "Use backend.sp=1 with model.mtp, or model.mtp=null.")
+    if int(b.get("ep", 1)) > 1:
+        raise UserError("backend.sp", sp, "Expert parallelism and sequence parallelism both borrow the data-parallel "
+                        "ranks: not combined yet.", "Use backend.sp=1 with backend.ep > 1, or backend.ep=1.")
+
+
 def _common_divisors(a: int, b: int) -> str:
     return ", ".join(f"backend.ep={d}" for d in range(1, min(a, b) + 1) if a % d == 0 and b % d == 0)
 

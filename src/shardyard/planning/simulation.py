@@ -74,6 +74,7 @@ def simulate(cfg: DictConfig, batch: Plan, role: Role, replica: bool = False,
     from shardyard.models import adapters
     from shardyard.planning import hardware as plan_hardware
     from shardyard.backends import engine
+    from shardyard.backends import sequence_parallel
     from shardyard.backends.expert_parallel import assume_uniform_routing
     from shardyard.backends.torch_step import COMPUTE_DTYPES
     from shardyard.models.build import build_model, materialized_in
@@ -95,6 +96,8 @@ def simulate(cfg: DictConfig, batch: Plan, role: Role, replica: bool = False,
         def build(allow_meta: bool, model_cfg: Any = None) -> torch.nn.Module:  # on the meta device: the engine
             m = cfg.model if model_cfg is None else model_cfg  # materialises it (model_cfg: a reference's section)
             model = build_model(m, cfg.seed, on_meta=True)
+            if batch.dims.sp > 1:
+                sequence_parallel.install(model)
             model = adapters.apply(model, cfg.peft, cfg.seed, COMPUTE_DTYPES[cfg.precision.name])
             return model.to(COMPUTE_DTYPES[cfg.precision.name]) if in_compute_dtype else model
 
@@ -118,13 +121,16 @@ def simulate(cfg: DictConfig, batch: Plan, role: Role, replica: bool = False,
             # A micro-batch as the objective runs it (DPO: a chosen and a rejected row per pair; GRPO: G prompt +
             # completion rows per prompt), through the plain loss: the activations of one forward and backward.
             rows = batch.micro_batch_size * batch.sequences_per_sample
-            ids = torch.randint(0, int(batch.facts.embedding_rows or 2), (rows, batch.sequence_len or batch.seq_len))
+            ids: Any = torch.randint(0, int(batch.facts.embedding_rows or 2), (rows, batch.sequence_len or batch.seq_len))
+            targets = ids
+            if batch.dims.sp > 1:  # one rank's shard of the positions, its exchanges simulated (no group: buffers only)
+                ids, targets = sequence_parallel.shard(ids, ids, sequence_parallel.Shards(batch.dims.sp, 0, None))
             weight = torch.ones(())
             accum = min(batch.grad_accum_steps, 2)  # what accumulation holds shows from the second micro-batch on
             # The measured step is a second one, as every step after the first runs: the engine set up (FSDP2 on
             # its first forward), the optimizer state made (by the first step, untracked), the gradients freed by
             # that step unless the engine keeps them in buffers of its own (DDP's: ``dry_run_keeps_gradients``).
-            run_micro(ids, ids, True, weight)
+            run_micro(ids, targets, True, weight)
             backend.step()
             if getattr(engine(batch_cfg.backend), "dry_run_keeps_gradients", lambda c: False)(batch_cfg):
                 for p in backend.stepper.params:
@@ -133,7 +139,7 @@ def simulate(cfg: DictConfig, batch: Plan, role: Role, replica: bool = False,
             with tracker:
                 for micro in range(accum):
                     tracker.inner.reset_mod_stats()  # its per-module figures (not read) hold one forward
-                    run_micro(ids, ids, micro == accum - 1, weight)
+                    run_micro(ids, targets, micro == accum - 1, weight)
                     tracker.release()
                 tracker.settle("grads")  # what the step reads (not the transient of adding one into another)
                 backend.step()

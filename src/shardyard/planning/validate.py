@@ -20,8 +20,8 @@ from shardyard.core.facts import ParallelDims, Plan, split_hardware
 from shardyard.planning.keys import check_keys
 from shardyard.planning.rules import (at_least, validate_balance, validate_data, validate_ep, validate_eval_tasks,
                                       validate_finetune, validate_groups, validate_objective, validate_plan,
-                                      validate_precision, validate_profile_debug, validate_speed_options,
-                                      validate_sweep, validate_weights_and_peft)
+                                      validate_precision, validate_profile_debug, validate_sp,
+                                      validate_speed_options, validate_sweep, validate_weights_and_peft)
 
 
 def _cuda_count() -> int:
@@ -199,7 +199,8 @@ def _parallel_dims(cfg: DictConfig, world: int) -> ParallelDims:
         field = next((f for f, k in keys.items() if k == key), "")
         raise UserError(key, getattr(dims, field, cfg.backend.name),
                         f"The world size {world} must be a multiple of the ranks holding one model replica "
-                        f"(tensor parallel x pipeline stages = {mp}); the quotient is the data-parallel size.",
+                        f"(tensor parallel x pipeline stages x sequence parallel = {mp}); the quotient is the "
+                        "data-parallel size.",
                         f"Use a world size (launch.nproc_per_node x launch.nnodes) that is a multiple of {mp}, "
                         f"or a {key} that divides {world}.")
     return dims
@@ -293,6 +294,7 @@ def validate(cfg: DictConfig, env: DistEnv | None) -> Plan:
     validate_balance(m.balance, facts)
     validate_groups(m, facts)
     validate_ep(cfg.backend, p.dims, facts)
+    validate_sp(cfg, p.dims)
     validate_precision(cfg.precision, p.device_type)
     validate_speed_options(cfg)
     if cfg.optim.lr <= 0:

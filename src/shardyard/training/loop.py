@@ -14,6 +14,7 @@ import torch
 from omegaconf import DictConfig
 
 from shardyard.backends import Backend
+from shardyard.backends.sequence_parallel import Shards, sharded_micro_batches
 from shardyard.core.facts import Plan
 from shardyard.data.pipeline import TrainStream, eval_batches
 from shardyard.training.debug import NonFiniteGuard, anomaly_detection
@@ -166,19 +167,22 @@ class Health:
         return False
 
 
-def evaluate(backend: Backend, val: dict, batches: int, plan: Plan, weights: dict | None = None) -> dict:
+def evaluate(backend: Backend, val: dict, batches: int, plan: Plan, weights: dict | None = None,
+             shards: Shards | None = None) -> dict:
     """The held-out loss of each source (``val``: name -> rows) over ``batches`` (``train.eval_batches``)
     micro-batches, on every rank: ``{"eval/loss": overall}``, plus ``eval/loss/<name>`` per source when there
     are several, whose weighted mean (``weights``: the mixture's) is the overall loss. Like the training loss,
     a source's loss is the mean over its label tokens (a micro-batch's mean weighted by its label count), so
-    SFT rows with few labels do not weigh as much as full ones."""
+    SFT rows with few labels do not weigh as much as full ones. ``shards``: a sequence group reads one share of the
+    batches, each of its ranks its shard of their positions (``backend.sp``)."""
     model = backend.hf_model()
+    readers = shards.data_rank(backend.dp_rank, backend.dp_size) if shards else (backend.dp_rank, backend.dp_size)
     was_training = model.training
     model.eval()
     sums = []
     for name, rows in val.items():
         total, count = torch.zeros((), device=backend.device), torch.zeros((), device=backend.device)
-        for x, y in eval_batches(rows, batches, plan.micro_batch_size, backend.dp_rank, backend.dp_size):
+        for x, y in sharded_micro_batches(eval_batches(rows, batches, plan.micro_batch_size, *readers), shards):
             n = (y != -100).sum().to(backend.device).float()
             mean = backend.eval_loss(to_device(x, backend.device), y.to(backend.device)).float()
             total += torch.where(n > 0, mean * n, 0.0)  # a batch without labels: NaN mean, no weight
@@ -237,7 +241,8 @@ def _train(cfg: DictConfig, plan: Plan, backend: Backend, stream: TrainStream, v
     def run_eval(step: int) -> bool:
         metrics = objective.evaluate(backend, val, tr.eval_batches, plan.micro_batch_size)
         if metrics is None:  # the held-out cross-entropy (objective=lm) and its perplexity
-            metrics = evaluate(backend, val, tr.eval_batches, plan, weights=stream.weights())
+            metrics = evaluate(backend, val, tr.eval_batches, plan, weights=stream.weights(),
+                               shards=getattr(stream, "shards", None))
             metrics["eval/ppl"] = math.exp(min(metrics["eval/loss"], 50.0))
         if eval_tasks is not None:  # logged in the evaluation's row, to every monitor
             metrics.update(eval_tasks(step))

@@ -24,6 +24,7 @@ from shardyard.training import loop
 from shardyard.models import moe
 from shardyard import monitors, objectives
 from shardyard.backends import Backend
+from shardyard.backends import sequence_parallel
 from shardyard.backends.process_group import elastic_start
 from shardyard.training.checkpoint import Checkpointer
 from shardyard.core.facts import Plan
@@ -147,8 +148,13 @@ def train(cfg: DictConfig, plan: Plan, backend: Backend) -> dict:
     if cfg.data.log_sample_ids:
         os.makedirs(os.path.join(cfg.run_dir, "samples"), exist_ok=True)
         log = os.path.join(cfg.run_dir, "samples", f"rank{backend.rank}.jsonl")
-    stream = data.TrainStream(seqs, cfg.seed, plan.global_batch_size, plan.micro_batch_size, backend.dp_rank,
-                              backend.dp_size, log=log)
+    # Sequence parallelism (backend.sp): a sequence group reads one share of the batch, and each of its ranks
+    # trains its shard of those sequences' positions (shardyard.backends.sequence_parallel).
+    shards = sequence_parallel.groups(plan.world_size, plan.dims.sp, backend.rank)
+    readers = shards.data_rank(backend.dp_rank, backend.dp_size) if shards else (backend.dp_rank, backend.dp_size)
+    stream = data.TrainStream(seqs, cfg.seed, plan.global_batch_size, plan.micro_batch_size, *readers, log=log)
+    if shards is not None:
+        stream = sequence_parallel.ShardedStream(stream, shards)
     if rank0 and len(prepared.parts) > 1:
         shares = ", ".join(f"{p.name} {w:.1%} ({len(r):,} sequences)"
                            for p, w, r in zip(prepared.parts, stream.weights().values(), seqs.parts))
@@ -167,6 +173,8 @@ def train(cfg: DictConfig, plan: Plan, backend: Backend) -> dict:
         # QLoRA quantises the loaded weights as it builds: never on the meta device.
         meta = allow_meta and wants_meta(m, plan.facts) and not adapters.method(cfg.peft).quantized_base
         model = build_model(m, cfg.seed, on_meta=meta, tokens=tokens)
+        if shards is not None:
+            sequence_parallel.install(model)  # attention over the whole sequence, from shards of its positions
         weights = weights_dir(m)
         if weights is not None and not any(p.is_meta for p in model.parameters()):
             load_weights(model, weights)  # a model on the meta device loads them as it is materialised

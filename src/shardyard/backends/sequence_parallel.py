@@ -1,0 +1,220 @@
+"""Sequence parallelism, Ulysses style (``backend.sp``; DeepSpeed-Ulysses, arXiv 2309.14509).
+
+The ``sp`` consecutive ranks of a sequence group read the same sequences, and each keeps a contiguous 1/sp of
+their positions: its token ids, position ids and targets (``shard``). Everything a block computes position by
+position (embeddings, norms, MLPs, MoE routing and expert dispatch, the head and the loss) runs on the shard, so
+a rank's activations are 1/sp of the sequence's. Attention mixes positions: around it one all-to-all trades the
+sequence shards of the queries, keys and values for shards of their heads (a rank then holds every position of
+H / sp heads), attention runs over the whole sequence, and a second all-to-all trades the output back
+(``attention``). RoPE was applied before, with each shard's own positions; packed documents' masks are built for
+the whole sequence from the positions the batch carried (``Batch.mask``).
+
+The engines need nothing else: the sp ranks are data-parallel ranks to them (each holds different tokens), so
+their averaged gradients, with the loop's token-weighted loss (every rank's summed cross-entropy times
+accum x ranks / the step's label tokens), are exactly one rank's over the whole sequence. The data-parallel size,
+the ranks reading different sequences, is world / sp (``ParallelDims.sp``).
+
+How it reaches attention: ``install`` registers ``attention`` in transformers' attention registry and makes it
+the model's implementation; it is plain SDPA unless the model's keyword arguments carry a ``Batch`` (under
+``SEQUENCE_SHARDS``), which transformers passes through every decoder layer to the attention function. So only
+the sharded training and evaluation forwards exchange anything; generation and exports run as before.
+
+A module of ``backends``: it imports torch, transformers' attention registry and ``shardyard.models``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from shardyard.models.loss import SEQUENCE_SHARDS
+
+NAME = "shardyard_ulysses"
+"""The attention implementation ``install`` registers (transformers' ``config._attn_implementation``)."""
+
+
+@dataclass(frozen=True)
+class Shards:
+    """This rank's place in its sequence group: ``sp`` ranks, this one's shard ``index``, their process ``group``."""
+
+    sp: int
+    index: int
+    group: Any
+
+    def data_rank(self, dp_rank: int, dp_size: int) -> tuple[int, int]:
+        """The (rank, world) that choose sequences: the sequence groups, each reading one share of the batch."""
+        return dp_rank // self.sp, dp_size // self.sp
+
+
+def groups(world: int, sp: int, rank: int) -> Shards | None:
+    """Every rank makes every sequence group (``new_group`` is collective), ``sp`` consecutive ranks each (on one
+    node when sp divides it: the all-to-alls are the chatty collectives); None for ``sp == 1``."""
+    if sp <= 1:
+        return None
+    mine = None
+    for start in range(0, world, sp):
+        g = dist.new_group(list(range(start, start + sp)))
+        if start <= rank < start + sp:
+            mine = g
+    return Shards(sp, rank % sp, mine)
+
+
+@dataclass
+class Batch:
+    """One micro-batch's sequence split, carried in the model's keyword arguments to every attention."""
+
+    shards: Shards
+    segments: torch.Tensor | None
+    """``[B, T]`` document number of every position of the whole sequence (packed documents, positions restarting
+    at 0); None: one causal sequence."""
+    _mask: torch.Tensor | None = field(default=None, repr=False)
+
+    def to(self, *args: Any, **kwargs: Any) -> Batch:
+        return self  # rides along through ``objectives.to_device`` as the batch's tensors move
+
+    def mask(self, device: torch.device) -> torch.Tensor | None:
+        """The whole sequence's attention mask (``[B, 1, T, T]`` bool: a position sees the earlier ones of its own
+        document), built once per micro-batch for all layers; None: causal."""
+        if self.segments is None:
+            return None
+        if self._mask is None:
+            seg = self.segments.to(device)
+            causal = torch.ones(seg.size(-1), seg.size(-1), dtype=torch.bool, device=device).tril()
+            self._mask = ((seg[:, :, None] == seg[:, None, :]) & causal)[:, None]
+        return self._mask
+
+
+def shard(inputs: Any, targets: torch.Tensor, shards: Shards) -> tuple[dict, torch.Tensor]:
+    """A micro-batch of whole sequences (token ids, or ``input_ids`` and ``position_ids`` of packed documents) as
+    this rank's shard: its 1/sp of the positions, their position ids (so RoPE rotates by the true position), its
+    targets (already shifted by the data: the last position of a shard predicts the next shard's first token),
+    and the ``Batch`` that attention reads."""
+    ids = inputs["input_ids"] if isinstance(inputs, dict) else inputs
+    extra = set(inputs) - {"input_ids", "position_ids"} if isinstance(inputs, dict) else set()
+    assert not extra, f"sequence parallelism splits token ids and positions, not {sorted(extra)}"
+    rows, length = ids.shape
+    size = length // shards.sp
+    cut = slice(shards.index * size, (shards.index + 1) * size)
+    if isinstance(inputs, dict) and "position_ids" in inputs:
+        positions = inputs["position_ids"]
+        segments = (positions == 0).cumsum(-1)
+        whole = bool((positions == torch.arange(length, device=positions.device)).all())
+    else:
+        positions = torch.arange(length, device=ids.device).expand(rows, length)
+        segments, whole = None, True
+    batch = Batch(shards, None if whole else segments)
+    return {"input_ids": ids[:, cut], "position_ids": positions[:, cut], SEQUENCE_SHARDS: batch}, targets[:, cut]
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` of equal parts along dim 0 (one per rank of the group); its backward is the same
+    exchange of the gradients. Without a group (``group`` None: the dry run's simulated rank) it allocates what the
+    exchange does and sends nothing."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return _exchange(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _exchange(grad, ctx.group), None
+
+
+def _exchange(x: torch.Tensor, group: Any) -> torch.Tensor:
+    x = x.contiguous()
+    out = torch.empty_like(x)  # (of a contiguous tensor: empty_like keeps a view's strides)
+    if group is not None:
+        dist.all_to_all_single(out, x, group=group)
+    return out
+
+
+def _to_heads(x: torch.Tensor, shards: Shards) -> torch.Tensor:
+    """``[B, H, T/sp, D]`` (this rank's positions, every head) -> ``[B, H/sp, T, D]`` (every position, this rank's
+    heads): part j of the exchange holds the heads of rank j, and what comes back from rank j is its positions."""
+    b, h, t, d = x.shape
+    sp = shards.sp
+    parts = x.reshape(b, sp, h // sp, t, d).transpose(0, 1)  # [sp: whose heads, B, H/sp, T/sp, D]
+    got = _AllToAll.apply(parts, shards.group)  # [sp: whose positions, B, H/sp, T/sp, D]
+    return got.permute(1, 2, 0, 3, 4).reshape(b, h // sp, sp * t, d)
+
+
+def _to_positions(x: torch.Tensor, shards: Shards) -> torch.Tensor:
+    """``_to_heads`` reversed: ``[B, H/sp, T, D]`` -> ``[B, H, T/sp, D]``."""
+    b, h, t, d = x.shape
+    sp = shards.sp
+    parts = x.reshape(b, h, sp, t // sp, d).permute(2, 0, 1, 3, 4)  # [sp: whose positions, B, H/sp, T/sp, D]
+    got = _AllToAll.apply(parts, shards.group)  # [sp: whose heads, B, H/sp, T/sp, D]
+    return got.transpose(0, 1).reshape(b, sp * h, t // sp, d)
+
+
+def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+              **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature (``[B, heads, T, D]`` in, ``[B, T, heads, D]`` out). Without a
+    ``Batch`` in ``kwargs``: SDPA, as ``attn_implementation=sdpa``. With one:
+
+    1. Grouped-query attention whose key/value heads do not divide by sp repeats them to the query heads first
+       (each rank needs the key/value heads of its query heads); otherwise each rank takes its share of them.
+    2. The exchange to head shards, for queries, keys and values (MLA's value head size may differ: its own).
+    3. Attention over the whole sequence: causal, or the documents' block-diagonal mask (``Batch.mask``); the mask
+       transformers built for the shard is not the sequence's and is not read. The scale is the module's (YaRN's
+       mscale included).
+    4. The exchange back to this rank's positions."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    batch: Batch | None = kwargs.pop(SEQUENCE_SHARDS, None)
+    if batch is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    shards = batch.shards
+    heads, kv_heads = query.shape[1], key.shape[1]
+    if kv_heads % shards.sp:  # 1
+        key = key.repeat_interleave(heads // kv_heads, dim=1)
+        value = value.repeat_interleave(heads // kv_heads, dim=1)
+    q, k, v = (_to_heads(t, shards) for t in (query, key, value))  # 2
+    mask = batch.mask(q.device)  # 3
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                         dropout_p=dropout if module.training else 0.0, scale=scaling,
+                                         enable_gqa=k.shape[1] != q.shape[1])
+    return _to_positions(out, shards).transpose(1, 2).contiguous(), None  # 4
+
+
+def install(model: torch.nn.Module) -> None:
+    """Make ``attention`` the model's attention (and SDPA's mask builder its mask builder), for every config the
+    model holds (a composite model's sub-configs too)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    AttentionInterface.register(NAME, attention)
+    AttentionMaskInterface.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            config._attn_implementation = NAME
+
+
+def sharded_micro_batches(batches: Any, shards: Shards | None) -> Any:
+    """Each ``(inputs, targets)`` of ``batches`` as this rank's shard (``shard``); unchanged without sequence
+    parallelism."""
+    for x, y in batches:
+        yield shard(x, y, shards) if shards is not None else (x, y)
+
+
+class ShardedStream:
+    """A ``data.TrainStream`` of a sequence group (made with ``Shards.data_rank``) whose micro-batches are this
+    rank's shard of them; everything else (positions, weights, checkpointed state) is the stream's."""
+
+    def __init__(self, stream: Any, shards: Shards):
+        self.stream, self.shards = stream, shards
+
+    def micro_batch(self, step: int, micro: int) -> tuple[dict, torch.Tensor]:
+        x, y = self.stream.micro_batch(step, micro)
+        return shard(x, y, self.shards)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
