@@ -227,22 +227,22 @@ def exposed_comm_s(collectives: list, dims: ParallelDims, hw: Hardware, micro: f
     total = 0.0
     for per, occurrences in (("micro", accum), ("step", 1)):
         mine = [(k, *collective_s(k, dims, hw)) for k in collectives if k.per == per]
+        mine = [m for m in mine if m[1] > 0]
         prefetch = sum(t for k, t, _ in mine if k.hidden_by == "prefetch")
         backward = sum(t for k, t, _ in mine if k.hidden_by == "backward")
         # 1. Hidden behind one micro-batch's compute (a per-step reduction: the last micro-batch's backward only),
-        # but for the first gather and the last reduction, which nothing runs beside.
+        # but for the first gather and the last reduction (a call of each), which nothing runs beside.
         window = micro if per == "micro" else BACKWARD_SHARE * micro
-        over = max(0.0, prefetch + backward - window, backward - BACKWARD_SHARE * micro)
-        tails = sum(t / max(k.calls, 1) for k, t, _ in mine if k.hidden_by != "none")
-        hidden_total = prefetch + backward
+        tail = {id(k): t / max(k.calls, 1) for k, t, _ in mine if k.hidden_by != "none"}
+        rest = prefetch + backward - sum(tail.values())
+        rest_backward = backward - sum(tail[id(k)] for k, _, _ in mine if k.hidden_by == "backward")
+        over = max(0.0, rest - window, rest_backward - BACKWARD_SHARE * micro)
         for k, t, link in mine:
             name = f"{k.op} over {k.group} ({link})"
-            if k.hidden_by == "none":
-                exposed = t
-            else:  # 2. the overflow shared in proportion to each one's time, plus its own tail
-                exposed = over * t / hidden_total + t / max(k.calls, 1) if hidden_total else 0.0
+            # 2. What each leaves exposed: all of it on the critical path; else its tail and its share of the overflow
+            exposed = t if k.hidden_by == "none" else tail[id(k)] + (over * (t - tail[id(k)]) / rest if rest else 0.0)
             parts[name] = parts.get(name, 0.0) + occurrences * exposed
-        total += occurrences * (over + tails + sum(t for k, t, _ in mine if k.hidden_by == "none"))
+            total += occurrences * exposed
     return total, {k: v for k, v in parts.items() if v > 0}
 
 
