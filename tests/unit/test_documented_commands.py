@@ -220,8 +220,8 @@ def check(overrides: list[str], plan_only: bool) -> None:
     apply_fast_dev_run(cfg)
     batch = validate(cfg, env)
     e = memory_plan.estimate(cfg, batch, plan_hardware.hardware(cfg, batch))
-    if cfg.plan.only:
-        return  # every engine's plan is printed, exit 0
+    if cfg.plan.only or cfg.plan.search:
+        return  # every engine's plan (or every layout, ranked) is printed, exit 0
     if not e.fits and cfg.plan.check:
         where = f"on {cfg.plan.hardware}" if on_paper else "on this machine"
         raise UserError("plan", where, f"The plan does not fit: {e.device_peak / 2**30:.1f} GiB per rank.",

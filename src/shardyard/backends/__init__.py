@@ -33,6 +33,29 @@ class StepStats:
     whose gradient on *this* rank is non-finite, if the engine can tell; else None."""
 
 
+@dataclass(frozen=True)
+class Collective:
+    """One collective, point-to-point transfer or host copy an engine runs, as the step-time model reads it
+    (``shardyard.planning.steptime``). Each engine states its own in ``model_states``, beside the bytes it holds."""
+
+    op: str
+    """``all-gather``, ``reduce-scatter``, ``all-reduce`` (rings: a rank sends (n-1)/n of ``bytes``, twice for an
+    all-reduce), ``all-to-all`` and ``send`` (``bytes`` leave the rank: no ring factor), ``host`` (a copy between the
+    device and host RAM over the host link: offload)."""
+    bytes: float
+    """Per occurrence: the whole buffer for a ring collective; what leaves the rank for the others."""
+    group: str
+    """The ``ParallelDims`` degree whose ranks it runs over: ``dp_shard``, ``dp_replicate``, ``dp``, ``tp``, ``pp``,
+    ``ep``; ``host`` for a host copy."""
+    per: str = "micro"
+    """``micro``: on every micro-batch; ``step``: once per optimizer step."""
+    calls: int = 1
+    """The separate calls one occurrence is issued as (one per block, per bucket): each pays the library's latency."""
+    hidden_by: str = "none"
+    """What it overlaps with: ``prefetch`` (parameters gathered for the next block while this one computes, in
+    forward and backward), ``backward`` (gradients reduced as backward produces them), ``none`` (the critical path)."""
+
+
 @dataclass
 class ModelStates:
     """What an engine holds per rank, for the plan (``shardyard.planning.plan``): bytes by category and place, and the
@@ -82,6 +105,12 @@ class ModelStates:
     """Bytes of ``buffers`` alive only after the activations are gone (FSDP's root, reduced last, after the whole
     backward: ``fsdp_buffers`` 2): the plan's peak does not add them to the activations."""
     notes: list[str] = field(default_factory=list)
+    collectives: list[Collective] = field(default_factory=list)
+    """What this rank's engine sends, when and over which ranks, for the step-time model; empty on one rank."""
+    bubble: float = 0.0
+    """A pipeline's idle time, as a fraction of its rank's compute: (stages - 1) / (micro-batches x chunks)."""
+    cpu_optimizer_params: float = 0.0
+    """Parameters whose optimizer step runs on the host's cores (ZeRO-Offload's CPU Adam): this rank's share."""
 
     def comm_bytes(self, accum: int) -> float:
         return self.comm_per_step + accum * self.comm_per_micro
@@ -149,8 +178,14 @@ def expert_parallel_states(states: ModelStates, cfg: DictConfig, shape: dict, wo
     experts = int(cfg.model.get("n_routed_experts", 0) or 0) or ep
     rows = routing_groups(cfg.model, experts, int(shape["experts_per_token"]), ep, 1).max_ranks  # 4
     a2a = shape["moe_layers"] * tokens * rows * shape["hidden"] * c * passes * (ep - 1) / ep
+    # 3 and 4 for the step-time model: the experts' share of the gathers and reductions shrinks by 1/ep; the
+    # all-to-all runs inside each MoE layer (dispatch and combine, forward and backward), on the critical path
+    kept = 1 - E_all * (1 - 1 / ep) / max(shape["block_params"] + shape["root_params"], 1.0)
+    collectives = [dataclasses.replace(k, bytes=k.bytes * kept) if k.group.startswith("dp") else k
+                   for k in states.collectives]
+    collectives.append(Collective("all-to-all", a2a, "ep", "micro", int(shape["moe_layers"]) * passes))
     return dataclasses.replace(
-        states, device=device, buffers_apart=apart,
+        states, device=device, buffers_apart=apart, collectives=collectives,
         comm_per_micro=max(states.comm_per_micro - (2 * c + 4) * E_all * (1 - 1 / ep), 0.0),  # 3
         all_to_all_per_micro=a2a,
         dispatch_bytes_per_token=(2 * rows * c + 4 * shape["experts_per_token"]) * shape["hidden"],  # 5

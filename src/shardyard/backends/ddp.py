@@ -12,7 +12,7 @@ from omegaconf import DictConfig
 from torch.nn.parallel import DistributedDataParallel
 
 from shardyard.core.facts import Plan
-from shardyard.backends import process_group, reference
+from shardyard.backends import Collective, process_group, reference
 from shardyard.backends.forward import forward_to
 from shardyard.backends.process_group import init_process_group, teardown
 from shardyard.backends.torch_step import TorchStepper, pick_device, read_dcp_model_state, replica_states
@@ -65,11 +65,17 @@ class DDPBackend:
     def model_states(cfg: DictConfig, n_params: int, world: int, shape: dict, optim_bytes: float):
         # A full replica per rank (torch_step.replica_states). Gradients are views into DDP's buckets with
         # gradient_as_bucket_view; without it the buckets are a second fp32 copy of every gradient. One
-        # all-reduce of the fp32 gradients per optimizer step (no_sync while accumulating): 2 x 4 bytes x P.
+        # all-reduce of the fp32 gradients per optimizer step (no_sync while accumulating): 2 x 4 bytes x P,
+        # bucket by bucket (bucket_cap_mb) as the last micro-batch's backward fills them.
+        import dataclasses
+        import math
+
         P = float(n_params)
-        return replica_states(cfg, n_params, optim_bytes, buffers=0.0 if cfg.backend.gradient_as_bucket_view else 4 * P,
-                              grads_freed=not cfg.backend.gradient_as_bucket_view,
-                              comm_per_step=2 * 4 * P)
+        states = replica_states(cfg, n_params, optim_bytes, buffers=0.0 if cfg.backend.gradient_as_bucket_view else 4 * P,
+                                grads_freed=not cfg.backend.gradient_as_bucket_view,
+                                comm_per_step=2 * 4 * P)
+        buckets = max(1, math.ceil(4 * P / (float(cfg.backend.bucket_cap_mb) * 2 ** 20)))
+        return dataclasses.replace(states, collectives=[Collective("all-reduce", 4 * P, "dp", "step", buckets, "backward")])
 
     def init(self) -> None:
         self.device = pick_device(self.plan, int(os.environ.get("LOCAL_RANK", 0)))

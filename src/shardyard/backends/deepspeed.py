@@ -24,7 +24,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from shardyard.core.facts import Plan
-from shardyard.backends import (FP32, HALF, ModelStates, StepStats, deepspeed_patches, process_group, reference,
+from shardyard.backends import (FP32, HALF, Collective, ModelStates, StepStats, deepspeed_patches, process_group, reference,
                                 refuse_speed_options)
 from shardyard.backends.process_group import init_process_group, teardown
 from shardyard.backends.torch_step import pick_device
@@ -259,6 +259,12 @@ class DeepSpeedBackend:
         Communication, the ZeRO paper's volumes in the communication dtype (DeepSpeed's default: the
         parameters'): ZeRO-1 2P per step; ZeRO-2 a reduce-scatter per micro-batch and one all-gather per
         step; ZeRO-3 gather (forward, backward) and reduce-scatter on every micro-batch, 3P.
+        6. For the step-time model (``collectives``): the reductions run bucket by bucket (reduce_bucket_size) while
+           backward fills them (overlap_comm), the all-gather of ZeRO-1/2's updated parameters after the step
+           on the critical path, ZeRO-3's gathers module by module ahead of use (its prefetch: two per block, forward
+           and backward). offload_optimizer: each step the fp32 gradient partition goes to host RAM and the
+           updated parameters come back (the host link), and CPU Adam steps this rank's partition; offload_param:
+           the partition comes over the host link for each forward and backward.
         """
         b, P, N = cfg.backend, float(n_params), max(world, 1)
         c = FP32 if cfg.precision.name == "fp32" else HALF
@@ -292,7 +298,22 @@ class DeepSpeedBackend:
             else:
                 host["params"] = params
         comm = {1: (2 * c * P, 0.0), 2: (c * P, c * P), 3: (0.0, 3 * c * P)}[stage]
-        return ModelStates("fp32" if c == FP32 else "half", device, host, nvme, comm[0], comm[1])
+        reduces, gathers = math.ceil(P / float(b.reduce_bucket_size)), math.ceil(P / float(b.allgather_bucket_size))
+        hide = "backward" if b.overlap_comm else "none"
+        collectives = {  # 6
+            1: [Collective("reduce-scatter", c * P, "dp", "step", reduces, hide),
+                Collective("all-gather", c * P, "dp", "step", gathers)],
+            2: [Collective("reduce-scatter", c * P, "dp", "micro", reduces, hide),
+                Collective("all-gather", c * P, "dp", "step", gathers)],
+            3: [Collective("all-gather", 2 * c * P, "dp", "micro", 2 * max(int(shape["blocks"]), 1), "prefetch"),
+                Collective("reduce-scatter", c * P, "dp", "micro", reduces, hide)]}[stage]
+        if b.offload_optimizer != "none":
+            collectives.append(Collective("host", (FP32 + c) * P / N, "host", "step"))
+        if stage == 3 and b.offload_param != "none":
+            collectives.append(Collective("host", 2 * c * P / N, "host", "micro", 2 * max(int(shape["blocks"]), 1),
+                                          "prefetch"))
+        return ModelStates("fp32" if c == FP32 else "half", device, host, nvme, comm[0], comm[1], collectives=collectives,
+                           cpu_optimizer_params=P / N if b.offload_optimizer != "none" else 0.0)
 
     def init(self) -> None:
         import deepspeed

@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from shardyard.core.facts import Plan
-from shardyard.backends import (FP32, HALF, ModelStates, expert_parallel_states, fsdp_buffers, process_group,
+from shardyard.backends import (FP32, HALF, Collective, ModelStates, expert_parallel_states, fsdp_buffers, process_group,
                                 reference, refuse_speed_options, smoke_degree, uneven_shard_ends)
 from shardyard.backends.expert_parallel import shard_experts, stepper_options
 from shardyard.models.moe import expert_modules
@@ -159,6 +159,10 @@ class FSDPBackend:
         Communication per optimizer step: all-gather in forward and again in backward (the compute dtype)
         on every micro-batch, and an fp32 reduce-scatter on every micro-batch (or only the last):
         (2 x c + 4) x P x accumulation, or 2 x c x P x accumulation + 4 x P.
+        9. For the step-time model (``collectives``): the gathers run block by block, the next block's prefetched
+           while this one computes (forward and backward); the reduce-scatters block by block as backward produces
+           the gradients, over the shard group; HSDP's all-reduce of each block's gradient shard across the copies
+           as well, after its reduce-scatter.
         """
         b, P = cfg.backend, float(n_params)
         R = max(int(b.get("replicate", 1)), 1)
@@ -170,11 +174,20 @@ class FSDPBackend:
         device, host = ({"buffers": buffers}, shards) if b.cpu_offload else ({**shards, "buffers": buffers}, {})
         every_micro = b.reduce_every_micro_batch
         across = 2 * FP32 * P / N if R > 1 else 0.0  # 8
+        units = max(int(shape["blocks"]), 1) + 1  # 9: the blocks and the root
+        reduced = "micro" if every_micro else "step"
+        collectives = [Collective("all-gather", 2 * c * P, "dp_shard", "micro", 2 * units, "prefetch"),
+                       Collective("reduce-scatter", FP32 * P, "dp_shard", reduced, units, "backward")]
+        if R > 1:
+            collectives.append(Collective("all-reduce", FP32 * P / N, "dp_replicate", reduced, units, "backward"))
+        if b.cpu_offload:  # 4: the shards cross the host link each step; the step runs on the host's cores
+            collectives.append(Collective("host", (FP32 + FP32) * P / N, "host", "step"))
         states = ModelStates("fp32" if c == FP32 else "half", device, host,
                              comm_per_step=0.0 if every_micro else FP32 * P + across,
                              comm_per_micro=(2 * c + FP32) * P + across if every_micro else 2 * c * P,
                              grads_freed_each_step=True, buffers_apart=apart,  # 5
-                             accumulation_bytes=0.0 if every_micro else FP32 * P)  # 6
+                             accumulation_bytes=0.0 if every_micro else FP32 * P,  # 6
+                             collectives=collectives, cpu_optimizer_params=P / N if b.cpu_offload else 0.0)
         return expert_parallel_states(states, cfg, shape, N, c)  # 7
 
     def init(self) -> None:

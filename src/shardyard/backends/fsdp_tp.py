@@ -14,8 +14,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from shardyard.config import checkpointing_mode
 from shardyard.core.facts import Plan
-from shardyard.backends import ModelStates, process_group, reference, refuse_speed_options, shard_ends, smoke_degree
+from shardyard.backends import Collective, ModelStates, process_group, reference, refuse_speed_options, shard_ends, smoke_degree
 from shardyard.backends.forward import forward_to
 from shardyard.backends.fsdp import FSDPBackend, gather_full_state_dict, refuse_replicate
 from shardyard.backends.process_group import init_process_group, teardown
@@ -191,7 +192,16 @@ class FSDPTPBackend:
         tp = int(cfg.backend.tp)
         sliced = {**shape, **{k: shape[k] / tp for k in ("block_params", "max_block_params", "root_params")}}
         states = FSDPBackend.model_states(cfg, n_params // tp, max(world // tp, 1), sliced, optim_bytes)
-        return dataclasses.replace(states, activation_factor=1 / tp, notes=states.notes + [
+        # For the step-time model: the tensor-parallel all-reduces of the activations, 2 per block in forward (after
+        # o_proj and down_proj) and 2 in backward (before q/k/v and gate/up), 2 more with full recompute, each of
+        # the micro batch's tokens x hidden in the compute dtype, on the critical path.
+        c = 4 if cfg.precision.name == "fp32" else 2
+        tokens = float(cfg.train.micro_batch_size) * float(cfg.data.seq_len)
+        per_block = 6 if checkpointing_mode(cfg.model) == "full" else 4
+        blocks = max(int(shape["blocks"]), 1)
+        tp_reduce = Collective("all-reduce", per_block * blocks * tokens * shape["hidden"] * c, "tp", "micro",
+                               per_block * blocks)
+        return dataclasses.replace(states, activation_factor=1 / tp, collectives=states.collectives + [tp_reduce], notes=states.notes + [
             f"tensor parallel {tp}: parameters, gradients, optimizer state and activations split {tp} ways, then "
             f"FSDP over {max(world // tp, 1)} data-parallel ranks"])
 

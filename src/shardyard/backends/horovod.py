@@ -10,7 +10,7 @@ import torch
 from omegaconf import DictConfig
 
 from shardyard.core.facts import Plan
-from shardyard.backends import reference, refuse_speed_options
+from shardyard.backends import Collective, reference, refuse_speed_options
 from shardyard.backends.forward import forward_to
 from shardyard.backends.torch_step import TorchStepper, pick_device, replica_states
 from shardyard.core.errors import UserError
@@ -91,7 +91,15 @@ class HorovodBackend:
         P = float(n_params)
         fusion = min(float(os.environ.get("HOROVOD_FUSION_THRESHOLD", 128 * 2 ** 20)), 4 * P)
         reduce_bytes = 2 if cfg.backend.compression == "fp16" else 4
-        return replica_states(cfg, n_params, optim_bytes, buffers=fusion, comm_per_step=2 * reduce_bytes * P)
+        # For the step-time model: the all-reduce runs fused buffer by fused buffer as the last backward of the step
+        # produces gradients (its background thread overlaps them with the rest of backward).
+        import dataclasses
+        import math
+
+        states = replica_states(cfg, n_params, optim_bytes, buffers=fusion, comm_per_step=2 * reduce_bytes * P)
+        calls = max(1, math.ceil(reduce_bytes * P / max(fusion, 1.0)))
+        return dataclasses.replace(states, collectives=[Collective("all-reduce", reduce_bytes * P, "dp", "step", calls,
+                                                                   "backward")])
 
     def init(self) -> None:
         import horovod.torch as hvd

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from shardyard.models import moe, mtp
 from shardyard.core.facts import Plan
-from shardyard.backends import FP32, HALF, ModelStates, process_group, refuse_speed_options, smoke_degree
+from shardyard.backends import FP32, HALF, Collective, ModelStates, process_group, refuse_speed_options, smoke_degree
 from shardyard.backends.expert_parallel import shard_experts, stepper_options
 from shardyard.models.moe import expert_modules
 from shardyard.backends.forward import forward_to
@@ -361,6 +361,12 @@ class PipelineBackend:
            2 x c x its parameters.
            Found by the dry run (deepseek_v3_pipeline_ep: 40-43 GiB per GPU, where per-block FSDP accounting
            said 10).
+        4. For the step-time model (``collectives``, ``bubble``): the stage's parameters gathered once per
+           micro batch (they stay unsharded through the schedule), its gradients reduce-scattered after the
+           schedule's last backward (on the critical path); each pipeline micro-batch's activations sent to the
+           next stage and their gradients back at every chunk's edge (c x tokens x hidden each way, on the
+           critical path); the bubble, (stages - 1) / (micro-batches x chunks per rank) of the compute (GPipe and
+           1F1B alike; interleaved divides it by its chunks, Megatron-LM's (p - 1) / (v m)).
         """
         b = cfg.backend
         pp, m = int(b.stages), int(b.microbatches)
@@ -412,6 +418,17 @@ class PipelineBackend:
                 notes=states.notes + [f"pipeline {pp} stages ({b.schedule}, {m} micro-batches): stage {s} holds "
                                       f"{len(mine)} layers, {in_flight} micro-batches in flight, FSDP over {dp} "
                                       "data-parallel ranks"]))
+        v = int(b.virtual_stages) if b.schedule == "interleaved" else 1  # 4
+        tokens = float(cfg.train.micro_batch_size) * float(cfg.data.seq_len)
+
+        def timed(k: ModelStates) -> ModelStates:
+            gathered = [dataclasses.replace(x, bytes=x.bytes / 2, calls=max(x.calls // 2, 1)) if x.op == "all-gather"
+                        else dataclasses.replace(x, hidden_by="none") if x.op == "reduce-scatter" else x
+                        for x in k.collectives]
+            sends = Collective("send", 2 * v * tokens * shape["hidden"] * c, "pp", "micro", 2 * m * v)
+            return dataclasses.replace(k, collectives=gathered + ([sends] if pp > 1 else []), bubble=(pp - 1) / (m * v))
+
+        kinds = [timed(k) for k in kinds]
         return dataclasses.replace(kinds[0], others=kinds[1:])
 
     def init(self) -> None:

@@ -1218,7 +1218,22 @@ class PlanConfig:
     it fits and every figure compared is within 10% of the plan, 1 otherwise, saying which failed and what to do
     (``shardyard.planning.dryrun``; docs/plan.md, "The dry run")."""
     mfu: float = 0.4
-    """Model FLOPs utilisation assumed when turning FLOPs into the planned compute time of a step."""
+    """Model FLOPs utilisation assumed when turning FLOPs into the planned compute time of a step (``plan.only``'s
+    table; the layout search predicts its own, ``shardyard.planning.steptime``)."""
+    search: bool = False
+    """Search every layout of this recipe on ``plan.hardware`` x ``plan.nodes``: engine, ZeRO stage and offload,
+    HSDP copies, tensor-parallel degree, pipeline stages and schedule, expert-parallel degree, micro batch and
+    activation checkpointing (context and sequence parallelism are not built yet), the global batch and sequence
+    held. Keeps the layouts the plan says fit (with ``plan.headroom``), ranks them by a predicted step time
+    (``shardyard.planning.steptime``), checks the first by a dry run, prints the best ``plan.search_top`` with
+    the overrides to paste, writes the winner's to ``layout.yaml`` in the run dir, and exits 0 without training
+    (docs/plan.md, "Choosing the layout"). Keys set on the command line (``backend=fsdp``, ``backend.tp=4``,
+    ``train.micro_batch_size=2``) stay as given."""
+    search_top: int = 10
+    """``plan.search``: the layouts its table shows."""
+    search_dry_runs: int = 2
+    """``plan.search``: how many of the best layouts the dry run may try, in order, until one fits as measured
+    (each takes seconds for a small model, about 20 s for a 7B on 2 cores); 0: none (the table says so)."""
 
 
 @dataclass

@@ -41,6 +41,9 @@ class ModelFacts:
     """Routed experts each token goes to (top-k)."""
     router_bias: bool = False
     """The routers carry a selection bias (DeepSeek-V3's ``e_score_correction_bias``) that balancing moves."""
+    attention_flops_per_token: float = 0.0
+    """Of those, the attention scores' and values' matmuls (PaLM's 12*L*H*Q*T term), which run in the attention
+    kernel at its own efficiency (``shardyard.planning.steptime``); 0: not counted apart."""
 
     @property
     def big(self) -> bool:
@@ -82,17 +85,48 @@ class GPU:
     """Between nodes, GB/s per GPU (the usual one NIC per GPU: 400 Gb/s InfiniBand NDR = 50 GB/s)."""
     host_gib_per_gpu: float = 256.0
     """Host RAM per GPU of the usual server (a DGX H100: 2 TiB for 8 GPUs)."""
+    hbm_tbs: float = 0.0
+    """Device memory bandwidth, TB/s (data sheet): what bounds the step's memory-bound ops and small matmuls
+    (``shardyard.planning.steptime``); 0: unknown."""
+    pcie_gbs: float = 32.0
+    """The host link, GB/s per direction (PCIe Gen5 x16: 64, Gen4 x16: 32): what offload's copies cross."""
+    source: str = ""
+    """Where each figure of this row comes from (the data sheet, or how it was derived)."""
 
 
 GPUS = [
-    GPU("H100-80GB", 79.1, 989.4, 66.9, 450.0, 50.0),
-    GPU("H100-PCIe-80GB", 79.1, 756.0, 51.2, 64.0, 25.0, 128.0),
-    GPU("H200-141GB", 139.8, 989.4, 66.9, 450.0, 50.0),
-    GPU("B200-192GB", 178.4, 2250.0, 80.0, 900.0, 50.0, 512.0),
-    GPU("A100-80GB", 79.2, 312.0, 19.5, 300.0, 25.0, 256.0),
-    GPU("A100-40GB", 39.4, 312.0, 19.5, 300.0, 25.0, 128.0),
-    GPU("L40S-48GB", 44.4, 362.0, 91.6, 32.0, 12.5, 96.0),
-    GPU("MI300X-192GB", 191.5, 1307.4, 163.4, 448.0, 50.0, 256.0),
+    GPU("H100-80GB", 79.1, 989.4, 66.9, 450.0, 50.0, hbm_tbs=3.35, pcie_gbs=64.0,
+        source="NVIDIA H100 Tensor Core GPU data sheet (SXM5, 700 W): 989.4 TFLOP/s dense BF16, 66.9 FP32, HBM3 "
+               "3.35 TB/s, NVLink 4 900 GB/s both directions (450 each way), PCIe Gen5 x16; DGX H100 user guide: one "
+               "ConnectX-7 400 Gb/s NDR InfiniBand port per GPU (50 GB/s)"),
+    GPU("H100-PCIe-80GB", 79.1, 756.0, 51.2, 64.0, 25.0, 128.0, hbm_tbs=2.0, pcie_gbs=64.0,
+        source="NVIDIA H100 data sheet (PCIe, 350 W): 756 TFLOP/s dense BF16, 51.2 FP32, HBM2e 2.0 TB/s; GPUs of a "
+               "node talk over PCIe Gen5 x16 (64 GB/s each way); a 200 Gb/s NIC per GPU (25 GB/s) assumed"),
+    GPU("H100-96GB-500W", 95.1, 886.5, 60.0, 450.0, 50.0, hbm_tbs=2.4, pcie_gbs=64.0,
+        source="the part of torchtitan's published runs (arXiv 2410.06511; its docs/performance.md: Grand Teton "
+               "hosts, H100 with 96 GB HBM2e at 2.4 TB/s, held to its default 500 W power limit, 400 Gb/s RDMA per "
+               "GPU). No data sheet gives its peak at 500 W: 886.5 TFLOP/s dense BF16 is interpolated by power "
+               "between two NVIDIA data sheets of the same GH100 die, the H100 NVL (835 at 400 W) and the H100 "
+               "SXM5 (989.4 at 700 W); FP32 scaled alike. Not the 700 W, 80 GB part of most clusters: plan those "
+               "with H100-80GB"),
+    GPU("H200-141GB", 139.8, 989.4, 66.9, 450.0, 50.0, hbm_tbs=4.8, pcie_gbs=64.0,
+        source="NVIDIA H200 data sheet (SXM, 700 W): 989.4 TFLOP/s dense BF16, HBM3e 4.8 TB/s, NVLink 4 900 GB/s "
+               "(450 each way), PCIe Gen5; 400 Gb/s NDR per GPU (50 GB/s)"),
+    GPU("B200-192GB", 178.4, 2250.0, 80.0, 900.0, 50.0, 512.0, hbm_tbs=8.0, pcie_gbs=64.0,
+        source="NVIDIA HGX B200 data sheet: 2.25 PFLOP/s dense BF16 per GPU, HBM3e 8 TB/s, NVLink 5 1.8 TB/s (900 "
+               "each way), PCIe Gen5 (the Gen6 link is not assumed); 400 Gb/s per GPU (50 GB/s)"),
+    GPU("A100-80GB", 79.2, 312.0, 19.5, 300.0, 25.0, 256.0, hbm_tbs=2.039, pcie_gbs=32.0,
+        source="NVIDIA A100 data sheet (SXM4 80GB): 312 TFLOP/s dense BF16, 19.5 FP32, HBM2e 2.039 TB/s, NVLink 3 "
+               "600 GB/s (300 each way), PCIe Gen4; DGX A100: 200 Gb/s HDR per GPU (25 GB/s)"),
+    GPU("A100-40GB", 39.4, 312.0, 19.5, 300.0, 25.0, 128.0, hbm_tbs=1.555, pcie_gbs=32.0,
+        source="NVIDIA A100 data sheet (SXM4 40GB): 312 TFLOP/s dense BF16, HBM2 1.555 TB/s, NVLink 3 600 GB/s; "
+               "200 Gb/s HDR per GPU"),
+    GPU("L40S-48GB", 44.4, 362.0, 91.6, 32.0, 12.5, 96.0, hbm_tbs=0.864, pcie_gbs=32.0,
+        source="NVIDIA L40S data sheet: 362 TFLOP/s dense BF16, 91.6 FP32, GDDR6 864 GB/s, PCIe Gen4 x16 (no "
+               "NVLink: 32 GB/s each way between GPUs); 100 Gb/s per GPU (12.5 GB/s) assumed"),
+    GPU("MI300X-192GB", 191.5, 1307.4, 163.4, 448.0, 50.0, 256.0, hbm_tbs=5.3, pcie_gbs=64.0,
+        source="AMD Instinct MI300X data sheet: 1307.4 TFLOP/s dense BF16, 163.4 FP32, HBM3 5.3 TB/s, Infinity "
+               "Fabric 896 GB/s per GPU (448 each way), PCIe Gen5; 400 Gb/s per GPU (50 GB/s)"),
 ]
 
 

@@ -48,6 +48,12 @@ def _run(cfg: DictConfig) -> None:
     if scaled and (env is None or env.is_rank0):
         print(f"shardyard | {scaled}", flush=True)
     apply_fast_dev_run(cfg)  # before the config is written: the workers read the shortened run
+    if cfg.plan.search:  # the degrees the command line fixes must agree among themselves before anything is planned
+        from shardyard.planning import layouts
+        from shardyard.planning.hardware import named
+
+        if cfg.plan.hardware is not None:
+            layouts.check_fixed(layouts.command_line(), named(cfg.plan.hardware, cfg.plan.nodes).world)
     if cfg.plan.dry_run:  # the run at the named hardware's world, simulated here; nothing is written
         from shardyard.planning import dryrun
 

@@ -364,7 +364,9 @@ def inspect_model(m: DictConfig, seq_len: int, peft: DictConfig | None = None) -
             raise UserError("peft", peft.name, f"peft refused these adapter settings: {type(e).__name__}: {e}",
                             "Fix the peft.* values it names (python train.py --cfg job shows them).") from None
     found = moe.routers(model)
-    return ModelFacts(params=param_count(model), flops_per_token=flops_per_token(model, seq_len),
+    flops = flops_per_token(model, seq_len)
+    return ModelFacts(params=param_count(model), flops_per_token=flops,
+                      attention_flops_per_token=flops - flops_per_token(model, 0),  # the 12*L*H*Q*T term
                       embedding_rows=getattr(emb, "num_embeddings", None),
                       max_positions=getattr(config, "max_position_embeddings", None), shape=model_shape(model),
                       attn=attn_implementation(model) if is_hf(model) else None, trainable=trainable,

@@ -30,6 +30,13 @@ CUDA_RUNTIME_BYTES = 1.0 * GiB
 """Per GPU outside ``max_memory_allocated``: the CUDA context, cuBLAS/NCCL workspaces and the caching
 allocator's slack. Counted when checking the fit, not in the allocated peak the gpu tier compares."""
 
+NCCL_BASE_S = 8.4e-6
+"""Fixed cost of one collective call, seconds: NCCL's own cost model (``src/graph/tuning.cc``, ``baseLat`` of the ring
+algorithm with the Simple protocol, which large transfers use)."""
+NCCL_NVLINK_STEP_S = 3.4e-6
+"""Per ring step over NVLink, seconds (``tuning.cc``, ``hwLat[NVLINK][RING][SIMPLE]``)."""
+NCCL_NET_STEP_S = 9.6e-6
+"""Per ring step over the network, seconds (``tuning.cc``, ``hwLat[NET][RING][SIMPLE]``)."""
 
 
 @dataclass(frozen=True)
@@ -47,8 +54,21 @@ class Hardware:
     peak_flops: float | None
     """Per rank, in the recipe's compute dtype; None when unknown (CPU)."""
     intra_bw: float
+    """Bytes/s per rank per direction between the ranks of one node (NVLink; the table's ``intra_gbs``)."""
     inter_bw: float
+    """Bytes/s per rank per direction between nodes (its NIC; the table's ``inter_gbs``)."""
     this_machine: bool
+    memory_bw: float | None = None
+    """Device memory bandwidth, bytes/s (the table's ``hbm_tbs``); None when unknown (CPU)."""
+    host_link_bw: float = 32e9
+    """Bytes/s per direction between a rank's device and host RAM (PCIe), which offload crosses."""
+    source: str = ""
+    """Where the figures come from (the GPU table's ``source``)."""
+
+    intra_latency: float = NCCL_NVLINK_STEP_S
+    """Seconds per step of a ring inside a node (``NCCL_NVLINK_STEP_S``)."""
+    inter_latency: float = NCCL_NET_STEP_S
+    """Seconds per step of a ring that crosses nodes (``NCCL_NET_STEP_S``)."""
 
     @property
     def world(self) -> int:
@@ -84,7 +104,8 @@ def named(spec: str, nodes: int, precision: str = "bf16", nvme_path: str | None 
                         "unset to plan for this machine.")
     flops = (gpu.fp32_tflops if Precision(precision) is Precision.fp32 else gpu.bf16_tflops) * 1e12
     return Hardware(f"{count}x{gpu.name}", "cuda", count, nodes, gpu.memory_gib * GiB, gpu.host_gib_per_gpu * count * GiB,
-                    _nvme_free(nvme_path), flops, gpu.intra_gbs * 1e9, gpu.inter_gbs * 1e9, False)
+                    _nvme_free(nvme_path), flops, gpu.intra_gbs * 1e9, gpu.inter_gbs * 1e9, False,
+                    gpu.hbm_tbs * 1e12 or None, gpu.pcie_gbs * 1e9, gpu.source)
 
 
 def this_machine(cfg: DictConfig, batch: Plan) -> Hardware:
@@ -101,7 +122,8 @@ def this_machine(cfg: DictConfig, batch: Plan) -> Hardware:
         flops = None if gpu is None else (gpu.fp32_tflops if fp32 else gpu.bf16_tflops) * 1e12
         intra, inter = (gpu.intra_gbs, gpu.inter_gbs) if gpu else (64.0, 12.5)
         return Hardware(f"{batch.nproc_per_node}x {name or 'GPU'} (this machine)", "cuda", batch.nproc_per_node, nodes,
-                        total, host, nvme, flops, intra * 1e9, inter * 1e9, True)
+                        total, host, nvme, flops, intra * 1e9, inter * 1e9, True,
+                        gpu.hbm_tbs * 1e12 if gpu else None, gpu.pcie_gbs * 1e9 if gpu else 32e9, gpu.source if gpu else "")
     return Hardware(f"this machine ({os.cpu_count()} cores, {host / GiB:.1f} GiB RAM available)", "cpu",
                     batch.nproc_per_node, nodes, None, host, nvme, None, 10e9, 10e9, True)
 

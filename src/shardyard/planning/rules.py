@@ -26,6 +26,8 @@ def validate_plan(pl: DictConfig) -> None:
             raise UserError(f"plan.{key}", pl[key], "It is a fraction of the hardware, in (0, 1].",
                             f"Use e.g. plan.{key}={0.9 if key == 'headroom' else 0.4}.")
     at_least("plan.nodes", pl.nodes, 1)
+    at_least("plan.search_top", pl.search_top, 1)
+    at_least("plan.search_dry_runs", pl.search_dry_runs, 0)
 
 
 def validate_profile_debug(cfg: DictConfig) -> None:

@@ -26,6 +26,14 @@ def before_launch(cfg: DictConfig, batch: Plan, rank0: bool = True) -> tuple[Est
     """This run's plan and the line that describes it; a run that does not fit is refused (``UserError``).
     With ``plan.only`` every engine's plan is printed and None returned (the caller exits 0)."""
     hw = hardware(cfg, batch)
+    if cfg.plan.search:  # every layout that fits, ranked by predicted step time (shardyard.planning.layouts)
+        from shardyard.planning import layouts
+
+        text = layouts.report(cfg, batch, hw, layouts.command_line(), backend_options(),
+                              lambda extra: compose_variant(extra, drop=("backend",)))
+        if rank0:
+            print(text, flush=True)
+        return None
     if cfg.plan.only:
         if rank0:
             print(plan_report(cfg, batch, hw), flush=True)
@@ -62,6 +70,15 @@ def plan_report(cfg: DictConfig, batch: Plan, hw: Hardware) -> str:
     if ds:
         notes.append(ds)
     return table(rows, hw) + "\n" + "\n".join(notes)
+
+
+def backend_options() -> list[str]:
+    """The ``backend`` group's options in this app: shardyard's and a project's (its primary config's
+    ``hydra.searchpath``)."""
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+
+    return GlobalHydra.instance().config_loader().get_group_options("backend", config_name=HydraConfig.get().job.config_name)
 
 
 def engine_variants(cfg: DictConfig, hw: Hardware, experts: int = 0) -> list[tuple[str, DictConfig]]:

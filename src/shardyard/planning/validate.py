@@ -52,8 +52,9 @@ def plan(cfg: DictConfig, env: DistEnv | None) -> Plan:
     # Named hardware fixes the ranks per node an `auto` launch has; a plan-only run starts nothing here, so
     # it plans the named nodes (plan.nodes) and this machine's GPUs do not bound it.
     # plan.only and a dry run plan the named hardware's nodes (plan.nodes) whatever the launch says.
-    named = cfg.plan.hardware is not None and (nproc == "auto" or cfg.plan.dry_run or cfg.plan.only)
-    planning = named and (cfg.plan.only or cfg.plan.dry_run)  # a dry run is the named hardware's world too
+    searching = cfg.plan.get("search", False)  # the layout search plans the named hardware, as plan.only does
+    named = cfg.plan.hardware is not None and (nproc == "auto" or cfg.plan.dry_run or cfg.plan.only or searching)
+    planning = named and (cfg.plan.only or cfg.plan.dry_run or searching)  # a dry run is the named hardware's world too
     if named:
         _check_named_hardware(cfg.plan)
     if env is not None:
@@ -243,6 +244,11 @@ def validate(cfg: DictConfig, env: DistEnv | None) -> Plan:
                         "size, and plan.hardware names none.",
                         "Add plan.hardware=8xH100-80GB (GPUs per node x a GPU of the plan's table) and plan.nodes=N; "
                         "this machine's own run needs no dry run: run it.")
+    if cfg.plan.search and cfg.plan.hardware is None:
+        raise UserError("plan.search", True, "The layout search ranks layouts by their step time on the hardware you "
+                        "are about to rent, and plan.hardware names none (this machine's own CPU has no FLOP/s or "
+                        "memory-bandwidth figure to predict with).",
+                        "Add plan.hardware=8xH100-80GB (GPUs per node x a GPU of the plan's table) and plan.nodes=N.")
     p = plan(cfg, env)
     tr, m, d, c = cfg.train, cfg.model, cfg.data, cfg.checkpoint
     if tr.steps < 1:
