@@ -288,7 +288,10 @@ def test_the_ranges_cover_every_numeric_engine_key_and_the_deepspeed_json_uses_t
                    "precision=fp16"])
     validate_ranges = __import__("shardyard.planning.validate", fromlist=["check_ranges"]).check_ranges
     validate_ranges(cfg)  # the defaults are in range
-    plan = type("P", (), {"global_batch_size": 8, "micro_batch_size": 8, "grad_accum_steps": 1})
+    from shardyard.core.facts import ParallelDims
+
+    plan = type("P", (), {"global_batch_size": 8, "micro_batch_size": 8, "grad_accum_steps": 1,
+                          "dims": ParallelDims(1)})
     ds = ds_config(cfg, plan)
     for cls, group in ((schema.ZeroBackendConfig, "backend"), (schema.PrecisionConfig, "precision")):
         for key, r in schema.RANGES[cls].items():

@@ -200,8 +200,8 @@ def _parallel_dims(cfg: DictConfig, world: int) -> ParallelDims:
         field = next((f for f, k in keys.items() if k == key), "")
         raise UserError(key, getattr(dims, field, cfg.backend.name),
                         f"The world size {world} must be a multiple of the ranks holding one model replica "
-                        f"(tensor parallel x pipeline stages x sequence parallel = {mp}); the quotient is the "
-                        "data-parallel size.",
+                        f"(tensor parallel x pipeline stages{' x sequence parallel' if dims.sp > 1 else ''} = {mp}); "
+                        "the quotient is the data-parallel size.",
                         f"Use a world size (launch.nproc_per_node x launch.nnodes) that is a multiple of {mp}, "
                         f"or a {key} that divides {world}.")
     return dims

@@ -11,7 +11,7 @@ import json
 import os
 import random
 import sys
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -152,8 +152,8 @@ def train(cfg: DictConfig, plan: Plan, backend: Backend) -> dict:
     # trains its shard of those sequences' positions (shardyard.backends.sequence_parallel).
     shards = sequence_parallel.groups(plan.world_size, plan.dims.sp, backend.rank)
     readers = shards.data_rank(backend.dp_rank, backend.dp_size) if shards else (backend.dp_rank, backend.dp_size)
-    stream = data.TrainStream(seqs, cfg.seed, plan.global_batch_size, plan.micro_batch_size, *readers, log=log)
-    if shards is not None:
+    stream: Any = data.TrainStream(seqs, cfg.seed, plan.global_batch_size, plan.micro_batch_size, *readers, log=log)
+    if shards is not None:  # the stream's interface, each micro-batch this rank's shard of it
         stream = sequence_parallel.ShardedStream(stream, shards)
     if rank0 and len(prepared.parts) > 1:
         shares = ", ".join(f"{p.name} {w:.1%} ({len(r):,} sequences)"
