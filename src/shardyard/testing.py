@@ -661,22 +661,29 @@ def peak_tree_rss(cmd: list[str], env: dict | None = None, timeout: float = 600,
     """Run ``cmd`` and sample the memory of it and all its children every 20 ms: ``(peak bytes, wall s,
     process)``. The memory is the summed PSS (resident pages, a shared page counted once in all): summed RSS
     counts a child between fork and exec as a second copy of its parent. The tree is read process by process,
-    not at one instant, so a process starting or ending mid-read can make one sample count shared pages twice:
-    the peak is the highest value held by two consecutive samples. ``stop_when``: checked at every sample;
-    True kills the whole tree with SIGKILL (kill -9)."""
+    not at one instant, so a process forked mid-read has its parent's shared pages counted whole in the parent and
+    again in half in the child (a tokenizer worker forked from a 214 MB build read ~150 MB over, twice in full
+    suites): a sample counts only if the same processes existed before and after its read, and the peak is the
+    highest value held by two consecutive such samples of the same processes. ``stop_when``: checked at every
+    sample; True kills the whole tree with SIGKILL (kill -9)."""
     import psutil
 
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
-    root, peak, last = psutil.Process(proc.pid), 0, 0
+    root, peak, last, last_pids = psutil.Process(proc.pid), 0, 0, None
     while proc.poll() is None:
         try:
             tree = [root, *root.children(recursive=True)]
+            pids = {p.pid for p in tree}
             now = sum(p.memory_full_info().pss for p in tree)
-            peak, last = max(peak, min(now, last)), now
+            if pids != {root.pid, *(p.pid for p in root.children(recursive=True))}:
+                now, pids = 0, None  # a process started or ended during the read
+            if pids is not None and pids == last_pids:
+                peak = max(peak, min(now, last))
+            last, last_pids = now, pids
         except psutil.Error:
-            pass
+            last_pids = None
         if stop_when is not None and stop_when():
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
