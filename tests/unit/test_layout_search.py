@@ -143,3 +143,28 @@ def test_fixed_keys_are_read_from_the_overrides():
     assert layouts.fixed_keys(["model=deepseek7b", "backend=fsdp_tp", "backend.tp=4", "+train.micro_batch_size=2",
                                "plan.search=true"]) == {"backend": "fsdp_tp", "backend.tp": "4",
                                                         "train.micro_batch_size": "2"}
+
+
+LONG = ["model=deepseek7b", "backend=fsdp", "precision=bf16", "data.seq_len=131072", "model.max_position_embeddings=131072",
+        "model.rope_scaling={type: yarn, factor: 32, original_max_position_embeddings: 4096}",
+        "train.micro_batch_size=1", "train.global_batch_size=8", "plan.hardware=8xH100-80GB"]
+
+
+def test_a_sequence_too_long_for_one_rank_is_searched_with_sequence_groups():
+    """DeepSeek-7B at 128K tokens a sequence on one node of 8 H100s under FSDP (issue 56): no layout holding a whole
+    sequence per rank fits, so every layout the search keeps splits it over a Ulysses sequence group (backend.sp at
+    micro batch 1); its all-to-alls, by hand: per micro-batch 8 per block (q, k, v, out, forward and backward), each
+    of the rank's T/sp tokens x hidden x 2 bytes, (sp - 1)/sp leaving the rank over NVLink, plus each call's latency,
+    on the critical path."""
+    cfg, batch, hw = planned(LONG)
+    found = layouts.search(cfg, batch, hw, {"backend": "fsdp"}, OPTIONS, compose)
+    assert found and all(any(o.startswith("backend.sp=") for o in lay.overrides) for lay in found), \
+        [lay.overrides for lay in found[:5]]
+    assert all("train.micro_batch_size=1" in lay.overrides for lay in found)
+    best = found[0]
+    sp = int(next(o for o in best.overrides if o.startswith("backend.sp=")).split("=")[1])
+    h, blocks, accum = 4096, 30, 8 // (8 // sp)
+    calls = 8 * blocks
+    per_micro = 8 * blocks * (131072 / sp) * h * 2 * (sp - 1) / sp / hw.intra_bw \
+        + calls * (steptime.NCCL_BASE_S + hw.intra_latency)
+    assert best.time.parts["all-to-all over sp (intra-node)"] == pytest.approx(accum * per_micro, rel=1e-6)

@@ -46,7 +46,7 @@ class Collective:
     """Per occurrence: the whole buffer for a ring collective; what leaves the rank for the others."""
     group: str
     """The ``ParallelDims`` degree whose ranks it runs over: ``dp_shard``, ``dp_replicate``, ``dp``, ``tp``, ``pp``,
-    ``ep``; ``host`` for a host copy."""
+    ``ep``, ``sp``; ``host`` for a host copy."""
     per: str = "micro"
     """``micro``: on every micro-batch; ``step``: once per optimizer step."""
     calls: int = 1

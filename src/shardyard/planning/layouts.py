@@ -3,8 +3,9 @@ ranked by the step time :mod:`shardyard.planning.steptime` predicts, the first c
 
 A layout is an engine (each ``backend`` option: DDP, Horovod, ZeRO-1/2/3 and their offloads, FSDP and its offload,
 FSDP + tensor parallel, pipeline) with its degrees (HSDP copies, tensor-parallel degree, pipeline stages, schedule
-and micro-batches, expert-parallel degree), a micro batch and an activation-checkpointing policy; the model, the
-sequence and the global batch are the recipe's. Context and sequence parallelism are not built yet, so not searched.
+and micro-batches, expert-parallel degree, Ulysses sequence groups at micro batch 1), a micro batch and an
+activation-checkpointing policy; the model, the sequence and the global batch are the recipe's. Context parallelism
+is not built yet, so not searched.
 Keys set on the command line stay as given (``fixed``): ``backend=fsdp`` searches FSDP's layouts only.
 
 Each layout is composed as the run would be (``backend=<option>`` through Hydra, once per engine; the degrees set on
@@ -182,6 +183,11 @@ def _degrees(base: DictConfig, batch: Plan, hw: Hardware, fixed: dict[str, str])
             out += [d] + ([{**d, "ep": e} for e in _ep_options(batch.facts.routed_experts, shards, hw.ranks_per_node)]
                           if "replicate" not in d else [])
         options = out
+    if "backend.sp" in keys:  # Ulysses sequence groups within a node, dividing the heads and the sequence
+        seq = int(base.data.seq_len)
+        sps = [s for s in powers if s <= hw.ranks_per_node and hw.ranks_per_node % s == 0 and seq % s == 0
+               and (not heads or heads % s == 0)]
+        options = options + [{**d, "sp": s} for d in options if "ep" not in d for s in sps]
     # The user's own degrees stay as given (``fixed``): only the settings that agree with them.
     given = {k.split(".", 1)[1]: v for k, v in fixed.items() if k.startswith("backend.")}
     return [d for d in options if all(str(d.get(k, base.backend.get(k))) == v for k, v in given.items())] \
@@ -195,12 +201,15 @@ def _number(v: str) -> Any:
 def _batches(base: DictConfig, batch: Plan, degrees: dict[str, Any], hw: Hardware, fixed: dict[str, str]
              ) -> Iterator[tuple[int, str]]:
     """Micro batches (powers of two whose micro batch x data-parallel size divides the global batch, up to the whole
-    of each replica's share) and checkpointing policies, those fixed on the command line only."""
+    of each replica's share) and checkpointing policies, those fixed on the command line only. A sequence group
+    (``sp``) trains one sequence at a time: it is the layout for a sequence too long for one rank, and more of them
+    per micro-batch on the same ranks is the same work as fewer sp ranks (the search stays within a minute)."""
     mp = int(degrees.get("tp", 1)) * int(degrees.get("stages", 1))
-    dp = hw.world // mp
+    sp = int(degrees.get("sp", 1))
+    dp = hw.world // (mp * sp)
     share = batch.global_batch_size // dp if batch.global_batch_size % dp == 0 else 0
     sizes = [int(fixed["train.micro_batch_size"])] if "train.micro_batch_size" in fixed else \
-        [2 ** i for i in range(0, int(math.log2(max(share, 1))) + 1) if share % 2 ** i == 0]
+        [1] if sp > 1 else [2 ** i for i in range(0, int(math.log2(max(share, 1))) + 1) if share % 2 ** i == 0]
     policies = [checkpointing_mode(_policy(fixed["model.activation_checkpointing"]))] \
         if "model.activation_checkpointing" in fixed else list(POLICIES)
     for mbs in sizes:
@@ -300,7 +309,7 @@ def table(shown: list[Layout], hw: Hardware, fitting: int) -> str:
         lines.append(f"{i:>2} {(lay.estimate.device_peak + 0) / GiB:7.1f} {t.tokens_per_s_per_gpu:9,.0f} "
                      f"{t.mfu:5.1%} {t.step_s:7.3f}  {t.bottleneck[:44]:44} {' '.join(lay.overrides)}")
     lines.append(f"hardware: {hw.source or hw.name}")
-    lines.append("not searched: context and sequence parallelism (not built yet); the global batch, sequence, "
+    lines.append("not searched: context parallelism (not built yet); the global batch, sequence, "
                  f"model and precision ({shown[0].cfg.precision.name}: MFU of its peak) are the recipe's")
     return "\n".join(lines)
 

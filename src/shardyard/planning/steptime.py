@@ -118,7 +118,8 @@ def predict(cfg: DictConfig, batch: Plan, hw: Hardware, accum: int) -> StepTime 
                                               optimizer_bytes_per_param(cfg.optim))
     micro = micro_compute_s(cfg, batch, hw, dims, states)
     compute = accum * micro
-    comm, parts = exposed_comm_s(states.collectives, dims, hw, micro, accum)
+    comm, parts = exposed_comm_s([*states.collectives, *sequence_exchanges(batch, dims, states)], dims, hw, micro,
+                                 accum)
     return StepTime(compute, compute * states.bubble, comm, optimizer_s(states, hw), batch.global_batch_size *
                     batch.tokens_per_sample, hw.world, batch.facts.flops_per_token, hw.peak_flops, parts)
 
@@ -128,8 +129,9 @@ def micro_compute_s(cfg: DictConfig, batch: Plan, hw: Hardware, dims: ParallelDi
     """One micro-batch's forward and backward on one rank, recompute included (the module's 1)."""
     assert hw.peak_flops is not None and hw.memory_bw is not None
     f, shape = batch.facts, batch.facts.shape
-    # 1. This rank's tokens: a tensor-parallel rank computes 1/tp of each, a pipeline stage its layers' share.
-    tokens = batch.micro_batch_size * batch.tokens_per_sample / dims.model_parallel
+    # 1. This rank's tokens: a tensor-parallel rank computes 1/tp of each, a pipeline stage its layers' share, a rank
+    # of a sequence group (backend.sp) 1/sp of the positions (and of attention: every position of 1/sp of the heads).
+    tokens = batch.micro_batch_size * batch.tokens_per_sample / dims.model_parallel / dims.sp
     attention = f.attention_flops_per_token
     linear = f.flops_per_token - attention
     # 2. Activation checkpointing's recompute, on the checkpointed share of the blocks: full runs a block's forward
@@ -181,20 +183,39 @@ def matmul_efficiency(cfg: DictConfig, batch: Plan, hw: Hardware, dims: Parallel
 
 
 # --------------------------------------------------------------------------------------------- 2. communication
+def sequence_exchanges(batch: Plan, dims: ParallelDims, states: Any) -> list:
+    """Ulysses sequence parallelism's all-to-alls (``backend.sp``; ``backends.sequence_parallel``): per block and
+    micro-batch, queries, keys, values and the output, forward and backward (8 calls), each of this rank's tokens x
+    the attention's width (the hidden size) in the compute dtype, (sp - 1)/sp of it leaving the rank; on the critical
+    path (attention waits for its inputs)."""
+    from shardyard.backends import Collective
+
+    if dims.sp <= 1:
+        return []
+    shape = batch.facts.shape
+    blocks = max(int(shape["blocks"]), 1)
+    width = 4 if states.regime == "fp32" else 2
+    tokens = batch.micro_batch_size * batch.tokens_per_sample / dims.sp
+    leaving = 8 * blocks * tokens * shape["hidden"] * width * (dims.sp - 1) / dims.sp
+    return [Collective("all-to-all", leaving, "sp", calls=8 * blocks)]
+
+
 LAYOUT_ORDER = ("tp", "dp_shard", "dp_replicate", "pp")
 """How the ranks are laid out, innermost first: the engines' meshes (``(dp, tp)``, ``(replicate, shard)``,
-``(pp, dp)``; expert parallelism the innermost ranks of the shards)."""
+``(pp, dp)``; expert parallelism the innermost ranks of the shards, a sequence group's (``sp``) too)."""
 
 
 def group_span(group: str, dims: ParallelDims, ranks_per_node: int) -> tuple[int, int]:
-    """(ranks, nodes) of one group of the ``ParallelDims`` degree ``group`` (``dp``: the shards and their copies)."""
-    sizes = {"tp": dims.tp, "dp_shard": dims.dp_shard, "dp_replicate": dims.dp_replicate, "pp": dims.pp,
-             "ep": dims.ep, "dp": dims.dp}
+    """(ranks, nodes) of one group of the ``ParallelDims`` degree ``group`` (``dp``: the shards and their copies).
+    A sequence group's ranks (``sp``) are data-parallel ranks to the engines: the shards' and replicas' collectives
+    run over them too."""
+    sizes = {"tp": dims.tp, "dp_shard": dims.dp_shard * dims.sp, "dp_replicate": dims.dp_replicate, "pp": dims.pp,
+             "ep": dims.ep, "dp": dims.dp * dims.sp, "sp": dims.sp}
     stride = 1
     for inner in LAYOUT_ORDER:
-        if inner == group or (group in ("ep", "dp") and inner == "dp_shard"):
+        if inner == group or (group in ("ep", "dp", "sp") and inner == "dp_shard"):
             break
-        stride *= getattr(dims, inner)
+        stride *= sizes[inner]
     n = max(sizes[group], 1)
     nodes = n if stride >= ranks_per_node else max(1, math.ceil(stride * n / ranks_per_node))
     return n, min(nodes, n)
