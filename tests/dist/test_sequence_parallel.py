@@ -1,12 +1,15 @@
-"""Ulysses sequence parallelism (``backend.sp``, issue 56 point 2) is exact: on real gloo ranks, each holding 1/sp of
-every sequence's 2,048 positions, the losses (within 1e-5), the global pre-clip gradient norms (5e-5) of 3 steps
-and the final weights (1e-4) equal one process training whole sequences:
+"""Ulysses sequence parallelism (``backend.sp``, issue 56 point 2) and all-gather context parallelism (``backend.cp``,
+point 3) are exact: on real gloo ranks, each holding 1/sp (1/cp) of every sequence's 2,048 positions, the losses
+(within 1e-5), the global pre-clip gradient norms (5e-5) of 3 steps and the final weights (1e-4) equal one process
+training whole sequences:
 
 * a dense model with grouped-query attention (deepseek_tiny: 4 query heads, 2 key/value heads) and packed
-  documents (``data.document_mask``: positions restart inside the window, so each shard's attention must see the
+  documents (``data.document_mask``: positions restart inside the window, so each share's attention must see the
   whole sequence's block-diagonal mask): DDP at sp 2 and sp 4 (key/value heads repeated: 2 do not divide by 4),
-  and FSDP2 at dp_shard 2 x sp 2;
-* DeepSeek's MLA and MoE (deepseek_moe_tiny, its router's bias balancing on) under ZeRO-2 at sp 2.
+  FSDP2 at dp_shard 2 x sp 2; DDP at cp 2 and cp 4 (each rank two chunks of 2 cp, head and tail), FSDP2 at
+  dp_shard 2 x cp 2;
+* DeepSeek's MLA and MoE (deepseek_moe_tiny, its router's bias balancing on), causal (no documents: context
+  parallelism's lower-right causal chunks, no mask tensor) under ZeRO-2 at sp 2 and at cp 2.
 
 The reference with ``data.document_mask=false`` differs from it (the packed documents are really there), so a
 shard that attended across them, or only within its own positions, could not pass."""
@@ -33,8 +36,10 @@ def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("sp")
     single = {"dense": [*DENSE, "backend=single"], "unmasked": [*DENSE, "backend=single", "data.document_mask=false"],
               "mla": [*MLA, "backend=single"]}
-    two = {"ddp sp2": [*DENSE, "backend=ddp", "backend.sp=2"], "zero2 sp2": [*MLA, "backend=zero2", "backend.sp=2"]}
-    four = {"ddp sp4": [*DENSE, "backend=ddp", "backend.sp=4"], "fsdp sp2": [*DENSE, "backend=fsdp", "backend.sp=2"]}
+    two = {"ddp sp2": [*DENSE, "backend=ddp", "backend.sp=2"], "zero2 sp2": [*MLA, "backend=zero2", "backend.sp=2"],
+           "ddp cp2": [*DENSE, "backend=ddp", "backend.cp=2"], "zero2 cp2": [*MLA, "backend=zero2", "backend.cp=2"]}
+    four = {"ddp sp4": [*DENSE, "backend=ddp", "backend.sp=4"], "fsdp sp2": [*DENSE, "backend=fsdp", "backend.sp=2"],
+            "ddp cp4": [*DENSE, "backend=ddp", "backend.cp=4"], "fsdp cp2": [*DENSE, "backend=fsdp", "backend.cp=2"]}
     out = {}
     for world, jobs in ((1, single), (2, two), (4, four)):
         names = list(jobs)
@@ -49,7 +54,8 @@ def assert_close(got, ref, what, rel=1e-5):
 
 
 @pytest.mark.parametrize("run,ref", [("ddp sp2", "dense"), ("ddp sp4", "dense"), ("fsdp sp2", "dense"),
-                                     ("zero2 sp2", "mla")])
+                                     ("zero2 sp2", "mla"), ("ddp cp2", "dense"), ("ddp cp4", "dense"),
+                                     ("fsdp cp2", "dense"), ("zero2 cp2", "mla")])
 def test_sequence_parallel_equals_one_process(runs, run, ref):
     want = runs[ref][0]
     for r in runs[run]:  # every rank: the same reduced numbers

@@ -176,6 +176,10 @@ def test_keys_no_schema_or_plugin_reads_are_refused(overrides, key):
     (["backend=ddp", "launch.nproc_per_node=3", "backend.sp=2"], "backend.sp"),
     (["backend=ddp", "launch.nproc_per_node=2", "backend.sp=0"], "backend.sp"),
     (["backend=ddp", "launch.nproc_per_node=2", "backend.sp=2", "objective=dpo", "data=preference"], "backend.sp"),
+    # ... and all-gather context parallelism: both at once, an engine without it, 2 x cp not dividing the sequence
+    (["backend=ddp", "launch.nproc_per_node=4", "backend.sp=2", "backend.cp=2"], "backend.cp"),
+    (["backend=fsdp_tp", "launch.nproc_per_node=2", "backend.cp=2"], "backend.cp"),
+    (["backend=ddp", "launch.nproc_per_node=2", "backend.cp=2", "data.seq_len=66"], "backend.cp"),
     (["backend=ddp", "launch.nproc_per_node=2", "backend.sp=2", "model=deepseek_moe_tiny", "model.mtp={depth: 1}"],
      "backend.sp"),  # multi-token prediction
 ])

@@ -33,11 +33,11 @@ class DDPBackend:
     dry_run: ClassVar[str] = "replica"
     """``plan.dry_run``: every rank is one whole replica, which the dry run simulates on the ``single`` engine's
     code (the replica this engine wraps); its gradient buckets are checked by arithmetic."""
-    degree_keys: ClassVar[dict[str, str]] = {"sp": "backend.sp"}
+    degree_keys: ClassVar[dict[str, str]] = {"sp": "backend.sp", "cp": "backend.cp"}
 
     @staticmethod
     def degrees(b: DictConfig) -> dict[str, int | None]:
-        return {"sp": int(b.get("sp", 1)), "dp_replicate": None}  # every rank a whole replica
+        return {"sp": int(b.get("sp", 1)), "cp": int(b.get("cp", 1)), "dp_replicate": None}  # every rank a replica
 
     def __init__(self, cfg: DictConfig, plan: Plan):
         self.cfg, self.plan, self.bcfg = cfg, plan, cfg.backend

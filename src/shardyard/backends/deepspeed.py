@@ -63,9 +63,9 @@ def ds_config(cfg: DictConfig, plan) -> dict:
             if what == "param":
                 zero[f"offload_{what}"]["buffer_size"] = int(b.nvme_buffer_size)
     config = {
-        # DeepSpeed's data-parallel world is every rank, and a sequence group's sp ranks (backend.sp) each train a
-        # shard of the same micro-batch: it counts sp "samples" where the run has one
-        "train_batch_size": plan.global_batch_size * plan.dims.sp,
+        # DeepSpeed's data-parallel world is every rank, and a sequence group's sp (cp) ranks each train a share of
+        # the same micro-batch: it counts sp x cp "samples" where the run has one
+        "train_batch_size": plan.global_batch_size * plan.dims.sp * plan.dims.cp,
         "train_micro_batch_size_per_gpu": plan.micro_batch_size,
         "gradient_accumulation_steps": plan.grad_accum_steps,
         "gradient_clipping": float(cfg.train.max_grad_norm),
@@ -176,13 +176,13 @@ class DeepSpeedBackend:
     dry_run: ClassVar[str] = "estimators"
     """``plan.dry_run``: the plan's model states against DeepSpeed's own estimators; ZeRO allocates its flat
     partitions with real storage, so it does not run on fake tensors."""
-    degree_keys: ClassVar[dict[str, str]] = {"sp": "backend.sp"}
+    degree_keys: ClassVar[dict[str, str]] = {"sp": "backend.sp", "cp": "backend.cp"}
 
     @staticmethod
     def degrees(b: DictConfig) -> dict[str, int | None]:
         # ZeRO-3 shards the parameters; ZeRO-1/2 keep them whole on every rank (their optimizer-state and
         # gradient partitions do not change which batches a rank reads).
-        return {"sp": int(b.get("sp", 1)), "dp_shard" if b.stage == 3 else "dp_replicate": None}
+        return {"sp": int(b.get("sp", 1)), "cp": int(b.get("cp", 1)), "dp_shard" if b.stage == 3 else "dp_replicate": None}
 
     def __init__(self, cfg: DictConfig, plan: Plan):
         self.cfg, self.plan, self.bcfg = cfg, plan, cfg.backend

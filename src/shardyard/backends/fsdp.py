@@ -96,14 +96,14 @@ class FSDPBackend:
     dry_run: ClassVar[str] = "engine"
     """``plan.dry_run``: this engine itself runs on a fake process group and fake tensors (``shardyard.planning.dryrun``)."""
     degree_keys: ClassVar[dict[str, str]] = {"dp_replicate": "backend.replicate", "ep": "backend.ep",
-                                             "sp": "backend.sp"}
+                                             "sp": "backend.sp", "cp": "backend.cp"}
 
     @staticmethod
     def degrees(b: DictConfig) -> dict[str, int | None]:
         # the shards take the ranks the copies leave (HSDP: backend.replicate copies); EP borrows from the shards.
-        # A sequence's sp ranks shard the parameters with the others (the shard group is world / replicate ranks)
-        return {"dp_replicate": int(b.get("replicate", 1)), "sp": int(b.get("sp", 1)), "dp_shard": None,
-                "ep": int(b.ep)}
+        # A sequence's sp (cp) ranks shard the parameters with the others (the shard group is world / replicate ranks)
+        return {"dp_replicate": int(b.get("replicate", 1)), "sp": int(b.get("sp", 1)), "cp": int(b.get("cp", 1)),
+                "dp_shard": None, "ep": int(b.ep)}
 
     @staticmethod
     def dry_run_roles(cfg: DictConfig, dims) -> list[tuple[int, str, int]]:

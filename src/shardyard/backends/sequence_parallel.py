@@ -1,18 +1,26 @@
-"""Sequence parallelism, Ulysses style (``backend.sp``; DeepSpeed-Ulysses, arXiv 2309.14509).
+"""Sequence parallelism, Ulysses style (``backend.sp``; DeepSpeed-Ulysses, arXiv 2309.14509), and context
+parallelism, all-gather style (``backend.cp``; Llama 3's and torch's ``flex_cp_allgather``).
 
-The ``sp`` consecutive ranks of a sequence group read the same sequences, and each keeps a contiguous 1/sp of
-their positions: its token ids, position ids and targets (``shard``). Everything a block computes position by
-position (embeddings, norms, MLPs, MoE routing and expert dispatch, the head and the loss) runs on the shard, so
-a rank's activations are 1/sp of the sequence's. Attention mixes positions: around it one all-to-all trades the
-sequence shards of the queries, keys and values for shards of their heads (a rank then holds every position of
-H / sp heads), attention runs over the whole sequence, and a second all-to-all trades the output back
-(``attention``). RoPE was applied before, with each shard's own positions; packed documents' masks are built for
-the whole sequence from the positions the batch carried (``Batch.mask``).
+The ranks of a sequence group (sp or cp of them) read the same sequences, and each keeps a share of their
+positions: its token ids, position ids and targets (``shard``). Everything a block computes position by position
+(embeddings, norms, MLPs, MoE routing and expert dispatch, the head and the loss) runs on the share, so a rank's
+activations are 1/sp (1/cp) of the sequence's. Attention mixes positions:
 
-The engines need nothing else: the sp ranks are data-parallel ranks to them (each holds different tokens), so
-their averaged gradients, with the loop's token-weighted loss (every rank's summed cross-entropy times
-accum x ranks / the step's label tokens), are exactly one rank's over the whole sequence. The data-parallel size,
-the ranks reading different sequences, is world / sp (``ParallelDims.sp``).
+* Ulysses (sp): each rank holds a contiguous 1/sp of the positions. Around attention one all-to-all trades the
+  sequence shards of the queries, keys and values for shards of their heads (a rank then holds every position of
+  H / sp heads), attention runs over the whole sequence, and a second all-to-all trades the output back. It needs
+  heads that divide by sp.
+* All-gather (cp): each rank holds two of the 2 cp chunks of the sequence, chunk r and chunk 2 cp - 1 - r (the
+  head-tail balance of Megatron's and torch's context parallel: every rank then has the same causal work). Its
+  queries stay; the keys and values of every rank are gathered (their gradients reduce-scattered back) and its
+  two chunks attend to the keys before them (lower-right causal, no mask tensor), or to those of their own document.
+  Any head count; a rank holds the whole sequence's keys and values of a layer while it attends.
+
+RoPE was applied before either, with each share's own positions; packed documents' masks are the whole sequence's
+(``Batch``). The engines need nothing else: the group's ranks are data-parallel ranks to them (each holds
+different tokens), so their averaged gradients, with the loop's token-weighted loss (every rank's summed
+cross-entropy times accum x ranks / the step's label tokens), are exactly one rank's over the whole sequence. The
+data-parallel size, the ranks reading different sequences, is world / (sp x cp) (``ParallelDims.sp``, ``.cp``).
 
 How it reaches attention: ``install`` registers ``attention`` in transformers' attention registry and makes it
 the model's implementation; it is plain SDPA unless the model's keyword arguments carry a ``Batch`` (under
@@ -37,30 +45,51 @@ NAME = "shardyard_ulysses"
 """The attention implementation ``install`` registers (transformers' ``config._attn_implementation``)."""
 
 
+ULYSSES, ALL_GATHER = "ulysses", "all-gather"
+
+
 @dataclass(frozen=True)
 class Shards:
-    """This rank's place in its sequence group: ``sp`` ranks, this one's shard ``index``, their process ``group``."""
+    """This rank's place in its sequence group: ``size`` ranks, this one's ``index``, their process ``group``, and
+    how they split a sequence (``style``: ``ULYSSES`` for backend.sp, ``ALL_GATHER`` for backend.cp)."""
 
-    sp: int
+    size: int
     index: int
     group: Any
+    style: str = ULYSSES
 
     def data_rank(self, dp_rank: int, dp_size: int) -> tuple[int, int]:
         """The (rank, world) that choose sequences: the sequence groups, each reading one share of the batch."""
-        return dp_rank // self.sp, dp_size // self.sp
+        return dp_rank // self.size, dp_size // self.size
+
+    def positions(self, length: int, device: Any = None) -> torch.Tensor:
+        """The indices into the whole sequence of this rank's positions, in its order: a contiguous 1/size (Ulysses),
+        or chunks ``index`` and ``2 size - 1 - index`` of 2 size (all-gather's head-tail balance)."""
+        if self.style == ULYSSES:
+            n = length // self.size
+            return torch.arange(self.index * n, (self.index + 1) * n, device=device)
+        c = length // (2 * self.size)
+        head, tail = self.index, 2 * self.size - 1 - self.index
+        return torch.cat([torch.arange(head * c, (head + 1) * c, device=device),
+                          torch.arange(tail * c, (tail + 1) * c, device=device)])
 
 
-def groups(world: int, sp: int, rank: int) -> Shards | None:
-    """Every rank makes every sequence group (``new_group`` is collective), ``sp`` consecutive ranks each (on one
-    node when sp divides it: the all-to-alls are the chatty collectives); None for ``sp == 1``."""
-    if sp <= 1:
+def groups(world: int, dims: Any, rank: int, simulated: bool = False) -> Shards | None:
+    """Every rank makes every sequence group (``new_group`` is collective): ``dims.sp`` (or ``dims.cp``) consecutive
+    ranks each, on one node when the degree divides it (their exchanges are the chatty collectives); None when
+    neither is above 1 (validation refuses both at once). ``simulated``: the dry run's rank ``rank`` of a group
+    without a process group (its exchanges allocate and send nothing)."""
+    size, style = (dims.sp, ULYSSES) if dims.sp > 1 else (dims.cp, ALL_GATHER)
+    if size <= 1:
         return None
+    if simulated:
+        return Shards(size, rank % size, None, style)
     mine = None
-    for start in range(0, world, sp):
-        g = dist.new_group(list(range(start, start + sp)))
-        if start <= rank < start + sp:
+    for start in range(0, world, size):
+        g = dist.new_group(list(range(start, start + size)))
+        if start <= rank < start + size:
             mine = g
-    return Shards(sp, rank % sp, mine)
+    return Shards(size, rank % size, mine, style)
 
 
 @dataclass
@@ -77,14 +106,20 @@ class Batch:
         return self  # rides along through ``objectives.to_device`` as the batch's tensors move
 
     def mask(self, device: torch.device) -> torch.Tensor | None:
-        """The whole sequence's attention mask (``[B, 1, T, T]`` bool: a position sees the earlier ones of its own
-        document), built once per micro-batch for all layers; None: causal."""
+        """The attention mask of this rank's queries over the whole sequence's keys (bool ``[B, 1, queries, T]``: a
+        position sees the earlier ones of its own document), built once per micro-batch for all layers; None: no
+        documents (Ulysses: causal; all-gather: lower-right causal per chunk, ``_gathered_attention``). Ulysses'
+        queries are every position (of its heads); all-gather's its own positions."""
         if self.segments is None:
             return None
         if self._mask is None:
             seg = self.segments.to(device)
-            causal = torch.ones(seg.size(-1), seg.size(-1), dtype=torch.bool, device=device).tril()
-            self._mask = ((seg[:, :, None] == seg[:, None, :]) & causal)[:, None]
+            length = seg.size(-1)
+            mine = torch.arange(length, device=device) if self.shards.style == ULYSSES \
+                else self.shards.positions(length, device)
+            keys = torch.arange(length, device=device)
+            causal = keys[None, :] <= mine[:, None]
+            self._mask = ((seg[:, mine][:, :, None] == seg[:, None, :]) & causal)[:, None]
         return self._mask
 
 
@@ -97,8 +132,7 @@ def shard(inputs: Any, targets: torch.Tensor, shards: Shards) -> tuple[dict, tor
     extra = set(inputs) - {"input_ids", "position_ids"} if isinstance(inputs, dict) else set()
     assert not extra, f"sequence parallelism splits token ids and positions, not {sorted(extra)}"
     rows, length = ids.shape
-    size = length // shards.sp
-    cut = slice(shards.index * size, (shards.index + 1) * size)
+    cut = shards.positions(length, ids.device)
     if isinstance(inputs, dict) and "position_ids" in inputs:
         positions = inputs["position_ids"]
         segments = (positions == 0).cumsum(-1)
@@ -108,6 +142,67 @@ def shard(inputs: Any, targets: torch.Tensor, shards: Shards) -> tuple[dict, tor
         segments, whole = None, True
     batch = Batch(shards, None if whole else segments)
     return {"input_ids": ids[:, cut], "position_ids": positions[:, cut], SEQUENCE_SHARDS: batch}, targets[:, cut]
+
+
+class _AllGather(torch.autograd.Function):
+    """``all_gather_into_tensor`` along a new dim 0 (one part per rank of the group); its backward reduce-scatters
+    the gradients (each rank's part sums what every rank's attention sent back to it). Without a group (the dry
+    run's simulated rank) it allocates what the gather does and sends nothing."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, size: int, group: Any) -> torch.Tensor:
+        ctx.group = group
+        x = x.contiguous()
+        out = x.new_empty((size, *x.shape))
+        if group is not None:
+            dist.all_gather_into_tensor(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        grad = grad.contiguous()
+        out = grad.new_empty(grad.shape[1:])
+        if ctx.group is not None:
+            dist.reduce_scatter_tensor(out, grad, group=ctx.group)
+        return out, None, None
+
+
+def _gathered(x: torch.Tensor, shards: Shards) -> torch.Tensor:
+    """``[B, H, 2c, D]`` (this rank's chunks: head r, tail 2n-1-r) -> ``[B, H, 2nc, D]``, the whole sequence in order:
+    the heads of ranks 0..n-1, then the tails of ranks n-1..0."""
+    b, h, t, d = x.shape
+    n, c = shards.size, t // 2
+    parts = _AllGather.apply(x, n, shards.group).reshape(n, b, h, 2, c, d)  # [rank, B, H, head|tail, c, D]
+    heads = parts[:, :, :, 0].permute(1, 2, 0, 3, 4)  # [B, H, rank, c, D]
+    tails = parts.flip(0)[:, :, :, 1].permute(1, 2, 0, 3, 4)
+    return torch.cat([heads, tails], dim=2).reshape(b, h, 2 * n * c, d)
+
+
+def _gathered_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        batch: Batch, dropout: float, scaling: float | None) -> torch.Tensor:
+    """All-gather context parallelism: this rank's queries (its two chunks) over every rank's keys and values.
+
+    1. The keys and values gathered, in sequence order (``_gathered``).
+    2. Packed documents: one mask of this rank's queries over every key (``Batch.mask``). Otherwise each chunk
+       attends to the keys up to its own end, lower-right causal: torch's ``causal_lower_right``, which no mask
+       tensor holds (the flash kernels take it as an offset on CUDA).
+    """
+    from torch.nn.attention.bias import causal_lower_right
+
+    k, v = _gathered(key, batch.shards), _gathered(value, batch.shards)  # 1
+    p = dropout if module.training else 0.0
+    gqa = k.shape[1] != query.shape[1]
+    mask = batch.mask(query.device)  # 2
+    if mask is not None:
+        return F.scaled_dot_product_attention(query, k, v, attn_mask=mask, dropout_p=p, scale=scaling, enable_gqa=gqa)
+    n, c = batch.shards.size, query.shape[2] // 2
+    out = []
+    for j, chunk in enumerate((batch.shards.index, 2 * n - 1 - batch.shards.index)):
+        end = (chunk + 1) * c
+        q = query[:, :, j * c:(j + 1) * c]
+        out.append(F.scaled_dot_product_attention(q, k[:, :, :end], v[:, :, :end], attn_mask=causal_lower_right(c, end),
+                                                  dropout_p=p, scale=scaling, enable_gqa=gqa))
+    return torch.cat(out, dim=2)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -137,7 +232,7 @@ def _to_heads(x: torch.Tensor, shards: Shards) -> torch.Tensor:
     """``[B, H, T/sp, D]`` (this rank's positions, every head) -> ``[B, H/sp, T, D]`` (every position, this rank's
     heads): part j of the exchange holds the heads of rank j, and what comes back from rank j is its positions."""
     b, h, t, d = x.shape
-    sp = shards.sp
+    sp = shards.size
     parts = x.reshape(b, sp, h // sp, t, d).transpose(0, 1)  # [sp: whose heads, B, H/sp, T/sp, D]
     got = _AllToAll.apply(parts, shards.group)  # [sp: whose positions, B, H/sp, T/sp, D]
     return got.permute(1, 2, 0, 3, 4).reshape(b, h // sp, sp * t, d)
@@ -146,7 +241,7 @@ def _to_heads(x: torch.Tensor, shards: Shards) -> torch.Tensor:
 def _to_positions(x: torch.Tensor, shards: Shards) -> torch.Tensor:
     """``_to_heads`` reversed: ``[B, H/sp, T, D]`` -> ``[B, H, T/sp, D]``."""
     b, h, t, d = x.shape
-    sp = shards.sp
+    sp = shards.size
     parts = x.reshape(b, h, sp, t // sp, d).permute(2, 0, 1, 3, 4)  # [sp: whose positions, B, H/sp, T/sp, D]
     got = _AllToAll.apply(parts, shards.group)  # [sp: whose heads, B, H/sp, T/sp, D]
     return got.transpose(0, 1).reshape(b, sp * h, t // sp, d)
@@ -156,7 +251,8 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
               attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
               **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature (``[B, heads, T, D]`` in, ``[B, T, heads, D]`` out). Without a
-    ``Batch`` in ``kwargs``: SDPA, as ``attn_implementation=sdpa``. With one:
+    ``Batch`` in ``kwargs``: SDPA, as ``attn_implementation=sdpa``. All-gather context parallelism:
+    ``_gathered_attention``. Ulysses:
 
     1. Grouped-query attention whose key/value heads do not divide by sp repeats them to the query heads first
        (each rank needs the key/value heads of its query heads); otherwise each rank takes its share of them.
@@ -172,8 +268,10 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     shards = batch.shards
+    if shards.style == ALL_GATHER:
+        return _gathered_attention(module, query, key, value, batch, dropout, scaling).transpose(1, 2).contiguous(), None
     heads, kv_heads = query.shape[1], key.shape[1]
-    if kv_heads % shards.sp:  # 1
+    if kv_heads % shards.size:  # 1
         key = key.repeat_interleave(heads // kv_heads, dim=1)
         value = value.repeat_interleave(heads // kv_heads, dim=1)
     q, k, v = (_to_heads(t, shards) for t in (query, key, value))  # 2

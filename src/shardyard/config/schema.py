@@ -159,10 +159,19 @@ class BackendConfig:
     the data-parallel size (the ranks reading different batches) is the world / sp. Engines: ``ddp``, ``fsdp``
     (with HSDP's ``replicate``), ``fsdp_offload`` and ``zero1/2/3``; objective ``lm``
     (``shardyard.backends.sequence_parallel``; docs/long_context.md)."""
+    cp: int = 1
+    """Context-parallel degree, all-gather style (Llama 3's, torch's ``flex_cp_allgather``): this many consecutive
+    ranks read the same sequences, and each holds two of their 2 x cp chunks of positions, chunk r and chunk
+    2 cp - 1 - r (every rank then has the same causal work); each attention gathers every rank's keys and values
+    (their gradients reduce-scattered back) and the rank's queries attend to them. Any head count (where Ulysses'
+    ``sp`` needs heads that divide), but a rank holds a layer's whole-sequence keys and values while it attends and
+    until its backward (activation checkpointing bounds that to one layer). Exact, as ``sp``. It must divide the
+    world, and 2 x cp ``data.seq_len``; not with ``sp`` at once. Engines and objective: as ``sp``."""
 
 
 BACKEND_RANGES = {"ep": Range(1, becomes="the expert-parallel degree (ranks per expert group)"),
-                  "sp": Range(1, becomes="the sequence-parallel degree (ranks per sequence)")}
+                  "sp": Range(1, becomes="the sequence-parallel degree (ranks per sequence)"),
+                  "cp": Range(1, becomes="the context-parallel degree (ranks per sequence)")}
 
 
 @dataclass

@@ -175,7 +175,9 @@ class ParallelDims:
     a contiguous shard of its positions, trading them for shards of the heads around attention
     (``shardyard.backends.sequence_parallel``). Their gradients are averaged as data-parallel ranks' are."""
     cp: int = 1
-    """Context parallel: ranks that split one sequence and read the same batch (no engine sets it yet)."""
+    """Context parallel, all-gather style (``backend.cp``): consecutive ranks that read the same batch and each hold
+    two chunks of its positions (head and tail), gathering every rank's keys and values around attention
+    (``shardyard.backends.sequence_parallel``). Their gradients are averaged as data-parallel ranks' are."""
     ep: int = 1
     """Expert parallel: ranks that split a mixture-of-experts layer's experts. As in torchtitan it borrows ranks
     from ``dp_shard x cp`` rather than multiplying the world, so it is not a factor of ``world_size`` (``fsdp``,
@@ -273,8 +275,9 @@ class Plan:
         nodes = f" x {self.nnodes} nodes" if self.nnodes > 1 else ""
         replicas = (f"data-parallel {self.dp_size} (world {self.world_size} / model-parallel {self.model_parallel})"
                     if self.model_parallel > 1 else
-                    f"data-parallel {self.dp_size} (world {self.world_size} / sequence-parallel {self.dims.sp}, each "
-                    f"rank 1/{self.dims.sp} of every sequence)" if self.dims.sp > 1 else f"world {self.world_size}")
+                    f"data-parallel {self.dp_size} (world {self.world_size} / sequence groups of "
+                    f"{self.dims.sp * self.dims.cp}, each rank 1/{self.dims.sp * self.dims.cp} of every sequence)"
+                    if self.dims.sp * self.dims.cp > 1 else f"world {self.world_size}")
         return (f"world size {self.world_size} ({self.nproc_per_node}/node{nodes} on {self.device_type}) | "
                 f"global batch {self.global_batch_size} = micro {self.micro_batch_size} x accumulation "
                 f"{self.grad_accum_steps} x {replicas} | seq_len {self.seq_len} | "

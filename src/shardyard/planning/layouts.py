@@ -4,8 +4,8 @@ ranked by the step time :mod:`shardyard.planning.steptime` predicts, the first c
 A layout is an engine (each ``backend`` option: DDP, Horovod, ZeRO-1/2/3 and their offloads, FSDP and its offload,
 FSDP + tensor parallel, pipeline) with its degrees (HSDP copies, tensor-parallel degree, pipeline stages, schedule
 and micro-batches, expert-parallel degree, Ulysses sequence groups at micro batch 1), a micro batch and an
-activation-checkpointing policy; the model, the sequence and the global batch are the recipe's. Context parallelism
-is not built yet, so not searched.
+activation-checkpointing policy; the model, the sequence and the global batch are the recipe's. All-gather context
+parallelism (``backend.cp``) is not searched: where the heads divide, Ulysses holds less.
 Keys set on the command line stay as given (``fixed``): ``backend=fsdp`` searches FSDP's layouts only.
 
 Each layout is composed as the run would be (``backend=<option>`` through Hydra, once per engine; the degrees set on
@@ -309,7 +309,7 @@ def table(shown: list[Layout], hw: Hardware, fitting: int) -> str:
         lines.append(f"{i:>2} {(lay.estimate.device_peak + 0) / GiB:7.1f} {t.tokens_per_s_per_gpu:9,.0f} "
                      f"{t.mfu:5.1%} {t.step_s:7.3f}  {t.bottleneck[:44]:44} {' '.join(lay.overrides)}")
     lines.append(f"hardware: {hw.source or hw.name}")
-    lines.append("not searched: context parallelism (not built yet); the global batch, sequence, "
+    lines.append("not searched: context parallelism (backend.cp; Ulysses' sp holds less); the global batch, sequence, "
                  f"model and precision ({shown[0].cfg.precision.name}: MFU of its peak) are the recipe's")
     return "\n".join(lines)
 

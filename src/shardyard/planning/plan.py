@@ -176,11 +176,19 @@ def _one_rank(cfg: DictConfig, batch: Plan, hw: Hardware, states: Any, accum: in
     ckpt = mode != "none"
     fraction = checkpointed_fraction(cfg.model, shape["blocks"])
     kept_share = 1 - (fraction if ckpt else 0.0)  # of the blocks, those whose activations stay until backward
-    # Sequence parallelism (backend.sp): a rank holds 1/sp of every sequence's positions, and each block's
-    # activations are per position (attention's too: after the exchange a rank holds all positions of 1/sp heads)
-    per_rank = mbs * batch.tokens_per_sample / dims.sp
+    # Sequence and context parallelism (backend.sp, backend.cp): a rank holds 1/(sp x cp) of every sequence's
+    # positions, and each block's activations are per position (Ulysses' attention too: after the exchange a rank
+    # holds all positions of 1/sp of the heads)
+    per_rank = mbs * batch.tokens_per_sample / (dims.sp * dims.cp)
     kept, transient, loss, copies = _activation_parts(shape, states.regime, per_rank, mode, fraction,
                                                       int(cfg.model.get("loss_chunk", 0)))
+    gathered = 0.0
+    if dims.cp > 1:  # all-gather context parallelism: each block's attention keeps the other ranks' keys and values
+        # (gathered in the compute dtype) for its backward: every block's not checkpointed, the recomputed one's
+        gathered = (mbs * batch.tokens_per_sample * (dims.cp - 1) / dims.cp * kv_width(cfg.model, shape)
+                    * (4 if states.regime == "fp32" else 2))
+        kept += kept_share * shape["blocks"] * gathered
+        transient += gathered if ckpt else 0.0
     if batch.facts.trainable is not None:  # autocast caches the casts of weights that train only (not a frozen base)
         copies *= batch.facts.trainable / max(P, 1)
         if states.regime == "autocast" and not quantized:
@@ -245,6 +253,8 @@ def _one_rank(cfg: DictConfig, batch: Plan, hw: Hardware, states: Any, accum: in
     if dims.sp > 1:  # Ulysses: per block, queries, keys, values and the output exchanged, forward and backward
         width = 2 if states.regime == "autocast" else 4
         comm_bytes += 8 * shape["blocks"] * per_rank * shape["hidden"] * width * (dims.sp - 1) / dims.sp * accum
+    # all-gather context parallelism: per block, the keys and values gathered forward, their gradients reduce-scattered
+    comm_bytes += 2 * shape["blocks"] * gathered * accum
     bw = hw.intra_bw if hw.nodes == 1 else hw.inter_bw
     ep = int(cfg.backend.get("ep", 1))
     notes = list(states.notes)
@@ -252,11 +262,22 @@ def _one_rank(cfg: DictConfig, batch: Plan, hw: Hardware, states: Any, accum: in
         notes += routing_notes(cfg, batch, ep, dims.dp_shard, hw.ranks_per_node)
     replicate = int(cfg.backend.get("replicate", 1))  # HSDP's copies (fsdp, fsdp_offload)
     name = (cfg.backend.name + (f" ep={ep}" if ep > 1 else "") + (f" replicate={replicate}" if replicate > 1 else "")
-            + (f" sp={dims.sp}" if dims.sp > 1 else ""))
+            + (f" sp={dims.sp}" if dims.sp > 1 else "") + (f" cp={dims.cp}" if dims.cp > 1 else ""))
     e = Estimate(name, N, mbs, accum, ckpt, device, host, states.nvme, comm_bytes, compute,
                  comm_bytes / bw if N > 1 else 0.0, notes, overlap)
     _check_fit(e, hw, cfg.plan.headroom)
     return e
+
+
+def kv_width(model: DictConfig, shape: dict) -> float:
+    """Elements per token of one block's attention keys and values as attention reads them: DeepSeek's MLA
+    expanded to every head (heads x (qk_nope + qk_rope + v head sizes)), grouped-query attention's key/value
+    heads (2 x hidden x kv heads / heads), else 2 x hidden."""
+    h, heads = float(shape["hidden"]), int(model.get("num_heads") or 0)
+    if model.get("qk_nope_head_dim") is not None and heads:
+        return heads * (int(model.qk_nope_head_dim) + int(model.qk_rope_head_dim) + int(model.v_head_dim))
+    kv = int(model.get("num_kv_heads") or heads or 0)
+    return 2 * h * (kv / heads if heads and kv else 1.0)
 
 
 STAGING = "checkpoint_staging"

@@ -256,43 +256,49 @@ def validate_ep(b: DictConfig, dims: ParallelDims, facts: ModelFacts) -> None:
 
 
 def validate_sp(cfg: DictConfig, dims: ParallelDims) -> None:
-    """``backend.sp`` (Ulysses sequence parallelism): an engine that splits sequences, heads and a sequence length
-    it divides, the plain causal-LM objective, and what it does not combine with yet (expert parallelism, MTP,
-    whose next-token inputs cross the shards' edges)."""
+    """``backend.sp`` (Ulysses sequence parallelism) and ``backend.cp`` (all-gather context parallelism): one of them
+    at a time, an engine that splits sequences, a sequence length each rank's share divides (sp: whole heads per
+    rank too), the plain causal-LM objective, and what they do not combine with yet (expert parallelism, MTP, whose
+    next-token inputs cross the shares' edges)."""
     from shardyard.backends import engine
 
     b, m = cfg.backend, cfg.model
-    sp = int(b.get("sp", 1))
-    if sp == 1:
+    sp, cp = int(b.get("sp", 1)), int(b.get("cp", 1))
+    if sp == 1 and cp == 1:
         return
-    if "sp" not in getattr(engine(b), "degree_keys", {}):
-        raise UserError("backend.sp", sp, f"backend={b.name} does not split sequences.",
-                        "Use backend=ddp, fsdp, fsdp_offload, zero1, zero2 or zero3 for sequence parallelism, or "
-                        "backend.sp=1.")
+    if sp > 1 and cp > 1:
+        raise UserError("backend.cp", cp, f"backend.sp={sp} splits the sequences already: one way at a time.",
+                        "Use backend.cp=1 with backend.sp (heads that divide by it), or backend.sp=1 with backend.cp.")
+    key, n, what = ("backend.sp", sp, "sequence") if sp > 1 else ("backend.cp", cp, "context")
+    if key.split(".")[1] not in getattr(engine(b), "degree_keys", {}):
+        raise UserError(key, n, f"backend={b.name} does not split sequences.",
+                        f"Use backend=ddp, fsdp, fsdp_offload, zero1, zero2 or zero3 for {what} parallelism, or "
+                        f"{key}=1.")
     ok = [d for d in range(2, dims.world_size + 1) if dims.world_size % d == 0]
     heads = m.get("num_heads")
-    if heads and heads % sp:
+    if sp > 1 and heads and heads % sp:
         ok = [d for d in ok if heads % d == 0]
-        raise UserError("backend.sp", sp, f"Each rank of a sequence group attends with whole heads, so it must divide "
+        raise UserError(key, sp, f"Each rank of a sequence group attends with whole heads, so it must divide "
                         f"the model's {heads} attention heads (model.num_heads).",
-                        f"Use backend.sp in {ok or [1]} (dividing both the heads and the world of {dims.world_size}).")
-    seq = int(cfg.data.seq_len)
-    if seq % sp:
-        raise UserError("backend.sp", sp, f"Each rank of a sequence group holds an equal share of the positions, so it "
-                        f"must divide data.seq_len={seq}.",
-                        f"Use data.seq_len={seq - seq % sp} (a multiple of {sp}), or a backend.sp that divides {seq}.")
+                        f"Use backend.sp in {ok or [1]} (dividing both the heads and the world of {dims.world_size}), "
+                        "or backend.cp (any head count).")
+    seq, parts = int(cfg.data.seq_len), sp if sp > 1 else 2 * cp
+    if seq % parts:
+        raise UserError(key, n, f"Each rank of a sequence group holds equal shares of the positions ({parts} of them "
+                        f"in all), so {parts} must divide data.seq_len={seq}.",
+                        f"Use data.seq_len={seq - seq % parts} (a multiple of {parts}), or a {key} that divides it.")
     objective = str(cfg.objective.get("name", "lm"))
     if objective != "lm":
-        raise UserError("backend.sp", sp, f"Sequence parallelism splits pre-training and SFT sequences; objective="
+        raise UserError(key, n, f"{what.capitalize()} parallelism splits pre-training and SFT sequences; objective="
                         f"{objective}'s rows (pairs, rollouts) are not split yet.",
-                        "Use backend.sp=1 with this objective, or objective=lm.")
+                        f"Use {key}=1 with this objective, or objective=lm.")
     if m.get("mtp") is not None and int(m.mtp.get("depth", 0)) > 0:
-        raise UserError("backend.sp", sp, "Multi-token prediction feeds each position the next token's embedding, "
-                        "which crosses the sequence shards' edges: not combined with sequence parallelism yet.",
-                        "Use backend.sp=1 with model.mtp, or model.mtp=null.")
+        raise UserError(key, n, "Multi-token prediction feeds each position the next token's embedding, which "
+                        f"crosses the shares' edges: not combined with {what} parallelism yet.",
+                        f"Use {key}=1 with model.mtp, or model.mtp=null.")
     if int(b.get("ep", 1)) > 1:
-        raise UserError("backend.sp", sp, "Expert parallelism and sequence parallelism both borrow the data-parallel "
-                        "ranks: not combined yet.", "Use backend.sp=1 with backend.ep > 1, or backend.ep=1.")
+        raise UserError(key, n, f"Expert parallelism and {what} parallelism both borrow the data-parallel ranks: not "
+                        f"combined yet.", f"Use {key}=1 with backend.ep > 1, or backend.ep=1.")
 
 
 def _common_divisors(a: int, b: int) -> str:

@@ -96,7 +96,7 @@ def simulate(cfg: DictConfig, batch: Plan, role: Role, replica: bool = False,
         def build(allow_meta: bool, model_cfg: Any = None) -> torch.nn.Module:  # on the meta device: the engine
             m = cfg.model if model_cfg is None else model_cfg  # materialises it (model_cfg: a reference's section)
             model = build_model(m, cfg.seed, on_meta=True)
-            if batch.dims.sp > 1:
+            if batch.dims.sp > 1 or batch.dims.cp > 1:
                 sequence_parallel.install(model)
             model = adapters.apply(model, cfg.peft, cfg.seed, COMPUTE_DTYPES[cfg.precision.name])
             return model.to(COMPUTE_DTYPES[cfg.precision.name]) if in_compute_dtype else model
@@ -123,8 +123,9 @@ def simulate(cfg: DictConfig, batch: Plan, role: Role, replica: bool = False,
             rows = batch.micro_batch_size * batch.sequences_per_sample
             ids: Any = torch.randint(0, int(batch.facts.embedding_rows or 2), (rows, batch.sequence_len or batch.seq_len))
             targets = ids
-            if batch.dims.sp > 1:  # one rank's shard of the positions, its exchanges simulated (no group: buffers only)
-                ids, targets = sequence_parallel.shard(ids, ids, sequence_parallel.Shards(batch.dims.sp, 0, None))
+            split = sequence_parallel.groups(1, batch.dims, 0, simulated=True)
+            if split is not None:  # one rank's share of the positions, its exchanges simulated (no group: buffers only)
+                ids, targets = sequence_parallel.shard(ids, ids, split)
             weight = torch.ones(())
             accum = min(batch.grad_accum_steps, 2)  # what accumulation holds shows from the second micro-batch on
             # The measured step is a second one, as every step after the first runs: the engine set up (FSDP2 on

@@ -118,7 +118,7 @@ def predict(cfg: DictConfig, batch: Plan, hw: Hardware, accum: int) -> StepTime 
                                               optimizer_bytes_per_param(cfg.optim))
     micro = micro_compute_s(cfg, batch, hw, dims, states)
     compute = accum * micro
-    comm, parts = exposed_comm_s([*states.collectives, *sequence_exchanges(batch, dims, states)], dims, hw, micro,
+    comm, parts = exposed_comm_s([*states.collectives, *sequence_exchanges(cfg, batch, dims, states)], dims, hw, micro,
                                  accum)
     return StepTime(compute, compute * states.bubble, comm, optimizer_s(states, hw), batch.global_batch_size *
                     batch.tokens_per_sample, hw.world, batch.facts.flops_per_token, hw.peak_flops, parts)
@@ -131,7 +131,7 @@ def micro_compute_s(cfg: DictConfig, batch: Plan, hw: Hardware, dims: ParallelDi
     f, shape = batch.facts, batch.facts.shape
     # 1. This rank's tokens: a tensor-parallel rank computes 1/tp of each, a pipeline stage its layers' share, a rank
     # of a sequence group (backend.sp) 1/sp of the positions (and of attention: every position of 1/sp of the heads).
-    tokens = batch.micro_batch_size * batch.tokens_per_sample / dims.model_parallel / dims.sp
+    tokens = batch.micro_batch_size * batch.tokens_per_sample / dims.model_parallel / (dims.sp * dims.cp)
     attention = f.attention_flops_per_token
     linear = f.flops_per_token - attention
     # 2. Activation checkpointing's recompute, on the checkpointed share of the blocks: full runs a block's forward
@@ -183,18 +183,25 @@ def matmul_efficiency(cfg: DictConfig, batch: Plan, hw: Hardware, dims: Parallel
 
 
 # --------------------------------------------------------------------------------------------- 2. communication
-def sequence_exchanges(batch: Plan, dims: ParallelDims, states: Any) -> list:
+def sequence_exchanges(cfg: DictConfig, batch: Plan, dims: ParallelDims, states: Any) -> list:
     """Ulysses sequence parallelism's all-to-alls (``backend.sp``; ``backends.sequence_parallel``): per block and
     micro-batch, queries, keys, values and the output, forward and backward (8 calls), each of this rank's tokens x
-    the attention's width (the hidden size) in the compute dtype, (sp - 1)/sp of it leaving the rank; on the critical
-    path (attention waits for its inputs)."""
+    the attention's width (the hidden size) in the compute dtype, (sp - 1)/sp of it leaving the rank; and all-gather
+    context parallelism's (``backend.cp``): per block and micro-batch the whole sequence's keys and values gathered
+    (a ring: (cp - 1)/cp of them arrive) and their gradients reduce-scattered. Both on the critical path (attention
+    waits for its inputs)."""
     from shardyard.backends import Collective
+    from shardyard.planning.plan import kv_width
 
-    if dims.sp <= 1:
-        return []
     shape = batch.facts.shape
     blocks = max(int(shape["blocks"]), 1)
     width = 4 if states.regime == "fp32" else 2
+    if dims.cp > 1:  # all-gather context parallelism: keys and values gathered forward, reduce-scattered backward
+        whole = batch.micro_batch_size * batch.tokens_per_sample * kv_width(cfg.model, shape) * width
+        return [Collective("all-gather", whole, "cp", calls=2 * blocks),
+                Collective("reduce-scatter", whole, "cp", calls=2 * blocks)]
+    if dims.sp <= 1:
+        return []
     tokens = batch.micro_batch_size * batch.tokens_per_sample / dims.sp
     leaving = 8 * blocks * tokens * shape["hidden"] * width * (dims.sp - 1) / dims.sp
     return [Collective("all-to-all", leaving, "sp", calls=8 * blocks)]
@@ -209,11 +216,12 @@ def group_span(group: str, dims: ParallelDims, ranks_per_node: int) -> tuple[int
     """(ranks, nodes) of one group of the ``ParallelDims`` degree ``group`` (``dp``: the shards and their copies).
     A sequence group's ranks (``sp``) are data-parallel ranks to the engines: the shards' and replicas' collectives
     run over them too."""
-    sizes = {"tp": dims.tp, "dp_shard": dims.dp_shard * dims.sp, "dp_replicate": dims.dp_replicate, "pp": dims.pp,
-             "ep": dims.ep, "dp": dims.dp * dims.sp, "sp": dims.sp}
+    seq = dims.sp * dims.cp
+    sizes = {"tp": dims.tp, "dp_shard": dims.dp_shard * seq, "dp_replicate": dims.dp_replicate, "pp": dims.pp,
+             "ep": dims.ep, "dp": dims.dp * seq, "sp": dims.sp, "cp": dims.cp}
     stride = 1
     for inner in LAYOUT_ORDER:
-        if inner == group or (group in ("ep", "dp", "sp") and inner == "dp_shard"):
+        if inner == group or (group in ("ep", "dp", "sp", "cp") and inner == "dp_shard"):
             break
         stride *= sizes[inner]
     n = max(sizes[group], 1)

@@ -174,7 +174,7 @@ def evaluate(backend: Backend, val: dict, batches: int, plan: Plan, weights: dic
     are several, whose weighted mean (``weights``: the mixture's) is the overall loss. Like the training loss,
     a source's loss is the mean over its label tokens (a micro-batch's mean weighted by its label count), so
     SFT rows with few labels do not weigh as much as full ones. ``shards``: a sequence group reads one share of the
-    batches, each of its ranks its shard of their positions (``backend.sp``)."""
+    batches, each of its ranks its share of their positions (``backend.sp``, ``backend.cp``)."""
     model = backend.hf_model()
     readers = shards.data_rank(backend.dp_rank, backend.dp_size) if shards else (backend.dp_rank, backend.dp_size)
     was_training = model.training

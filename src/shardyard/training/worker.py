@@ -148,9 +148,9 @@ def train(cfg: DictConfig, plan: Plan, backend: Backend) -> dict:
     if cfg.data.log_sample_ids:
         os.makedirs(os.path.join(cfg.run_dir, "samples"), exist_ok=True)
         log = os.path.join(cfg.run_dir, "samples", f"rank{backend.rank}.jsonl")
-    # Sequence parallelism (backend.sp): a sequence group reads one share of the batch, and each of its ranks
-    # trains its shard of those sequences' positions (shardyard.backends.sequence_parallel).
-    shards = sequence_parallel.groups(plan.world_size, plan.dims.sp, backend.rank)
+    # Sequence or context parallelism (backend.sp, backend.cp): a sequence group reads one share of the batch, and
+    # each of its ranks trains its share of those sequences' positions (shardyard.backends.sequence_parallel).
+    shards = sequence_parallel.groups(plan.world_size, plan.dims, backend.rank)
     readers = shards.data_rank(backend.dp_rank, backend.dp_size) if shards else (backend.dp_rank, backend.dp_size)
     stream: Any = data.TrainStream(seqs, cfg.seed, plan.global_batch_size, plan.micro_batch_size, *readers, log=log)
     if shards is not None:  # the stream's interface, each micro-batch this rank's shard of it
