@@ -675,7 +675,7 @@ def peak_tree_rss(cmd: list[str], env: dict | None = None, timeout: float = 600,
     while proc.poll() is None:
         try:
             tree = [root, *root.children(recursive=True)]
-            pids = {p.pid for p in tree}
+            pids: set[int] | None = {p.pid for p in tree}
             now = sum(p.memory_full_info().pss for p in tree)
             if pids != {root.pid, *(p.pid for p in root.children(recursive=True))}:
                 now, pids = 0, None  # a process started or ended during the read

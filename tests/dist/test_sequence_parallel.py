@@ -15,7 +15,6 @@ The reference with ``data.document_mask=false`` differs from it (the packed docu
 shard that attended across them, or only within its own positions, could not pass."""
 
 import pytest
-import torch
 
 from shardyard.testing import TINY, run_many
 

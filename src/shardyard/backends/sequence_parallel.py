@@ -153,17 +153,17 @@ class _AllGather(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, size: int, group: Any) -> torch.Tensor:
         ctx.group = group
         x = x.contiguous()
-        out = x.new_empty((size, *x.shape))
+        out = x.new_empty((size * x.shape[0], *x.shape[1:]))  # the parts end to end on dim 0, as gloo takes them
         if group is not None:
             dist.all_gather_into_tensor(out, x, group=group)
-        return out
+        return out.view(size, *x.shape)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         grad = grad.contiguous()
         out = grad.new_empty(grad.shape[1:])
         if ctx.group is not None:
-            dist.reduce_scatter_tensor(out, grad, group=ctx.group)
+            dist.reduce_scatter_tensor(out, grad.view(-1, *grad.shape[2:]), group=ctx.group)
         return out, None, None
 
 
