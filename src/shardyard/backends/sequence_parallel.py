@@ -200,8 +200,11 @@ def _gathered_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     for j, chunk in enumerate((batch.shards.index, 2 * n - 1 - batch.shards.index)):
         end = (chunk + 1) * c
         q = query[:, :, j * c:(j + 1) * c]
-        out.append(F.scaled_dot_product_attention(q, k[:, :, :end], v[:, :, :end], attn_mask=causal_lower_right(c, end),
-                                                  dropout_p=p, scale=scaling, enable_gqa=gqa))
+        # The dry run's simulated rank (no group) computes no values: the kernel's memory is the same unmasked (the
+        # flash and efficient kernels take the lower-right bias as an offset; fake tensors have no kernel for it)
+        bias = causal_lower_right(c, end) if batch.shards.group is not None else None
+        out.append(F.scaled_dot_product_attention(q, k[:, :, :end], v[:, :, :end], attn_mask=bias, dropout_p=p,
+                                                  scale=scaling, enable_gqa=gqa))
     return torch.cat(out, dim=2)
 
 
