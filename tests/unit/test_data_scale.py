@@ -286,3 +286,28 @@ def test_open_descriptors_and_mappings_do_not_grow_with_the_shard_count(tmp_path
         assert np.array_equal(x.numpy(), want[:, :-1]) and np.array_equal(y.numpy(), want[:, 1:])
     now, maps = held()
     assert now - fds <= shards.OPEN_SHARDS < 100 and maps <= shards.OPEN_SHARDS, (fds, now, maps)
+
+
+def test_a_caches_listing_skips_its_stamps_and_files_that_vanish_while_it_is_read(tmp_path, monkeypatch):
+    """What a process remembers as verified (``token_cache._listing``) is the cache's files: another host's stamp,
+    rewritten at any time, or its temporary copy, renamed away between the scan and its stat, neither changes it
+    nor stops a start (a 2-node start in a full suite died with FileNotFoundError on such a copy)."""
+    from shardyard.data import token_cache
+
+    (tmp_path / "train-00000.bin").write_bytes(b"\0" * 64)
+    before = token_cache._listing(str(tmp_path))
+    (tmp_path / token_cache.STAMP).write_text("{}")
+    (tmp_path / f"{token_cache.STAMP}.host.1").write_text("{}")
+    assert token_cache._listing(str(tmp_path)) == before
+    real = os.scandir
+
+    def renamed_during_the_scan(path):
+        entries = list(real(path))
+        os.remove(tmp_path / f"{token_cache.STAMP}.host.1")
+        (tmp_path / "gone.tmp").write_text("x")
+        entries += [e for e in real(path) if e.name == "gone.tmp"]
+        os.remove(tmp_path / "gone.tmp")
+        return iter(entries)
+
+    monkeypatch.setattr(token_cache.os, "scandir", renamed_during_the_scan)
+    assert token_cache._listing(str(tmp_path)) == before

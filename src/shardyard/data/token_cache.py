@@ -121,8 +121,20 @@ def _sha256(path: str) -> str:
 
 
 def _listing(out: str) -> str:
-    entries = sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(out))
-    return hashlib.sha256(repr(entries).encode()).hexdigest()
+    """The cache's files as they are now (name, size, mtime), what this process verified (``_remember``); raises
+    ``FileNotFoundError`` when ``out`` is missing. The stamp and its temporary copies are not the cache's: another
+    host rewrites them at any time, and a temporary one vanishes when it is renamed (seen: a 2-node start whose
+    rank listed one between its scandir and its stat, FileNotFoundError, in a full suite)."""
+    entries = []
+    for e in os.scandir(out):
+        if e.name.startswith(STAMP):
+            continue
+        try:
+            st = e.stat()
+        except FileNotFoundError:
+            continue  # gone since the scan: not part of the cache as it is now
+        entries.append((e.name, st.st_size, st.st_mtime_ns))
+    return hashlib.sha256(repr(sorted(entries)).encode()).hexdigest()
 
 
 def _remember(out: str) -> None:
