@@ -14,3 +14,8 @@ _logging.getLogger("torch.utils._pytree").setLevel(_logging.ERROR)
 from shardyard.core import moved as _moved  # noqa: E402
 
 _moved.install()
+
+# DeepSpeed's autotuner imports mlflow at DeepSpeed's import (3 s), which shardyard never needs (core/lazy_imports.py).
+from shardyard.core import lazy_imports as _lazy_imports  # noqa: E402
+
+_lazy_imports.install()

@@ -36,6 +36,10 @@ SMOKE_ELSEWHERE = {
     "r1_zero_tiny_sft": "tests/e2e/test_post_training_e2e.py's sft_export trains it unscaled (eval loss from above 5 "
                         "to below 0.2)",
     "sft_tiny": "tests/e2e/test_finetune_e2e.py trains it unscaled on 2 ranks from the default run's export",
+    "dpo_tiny": "tests/e2e/test_post_training_e2e.py trains it unscaled from r1_zero_tiny_sft's export (scaled down "
+                "it would start from a random init: a run end to end and nothing more)",
+    "r1_zero_tiny_grpo": "tests/e2e/test_post_training_e2e.py trains it unscaled from r1_zero_tiny_sft's export, cut "
+                         "to its first evaluation (scaled down: a random init, a run end to end and nothing more)",
 }
 """Recipes whose scaled-down training another test already runs (the same job, or the recipe itself unscaled)."""
 DRY_RUN_DEPTH = {"deepseek7b": 4}
