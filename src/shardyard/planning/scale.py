@@ -117,10 +117,13 @@ def _accumulation(cfg: DictConfig, world_smoke: int) -> int:
 
 def _model_parallel(cfg: DictConfig, world: int) -> None:
     """The engine's own parallel degrees shrink to the smoke world (its class's ``for_smoke``: the engine knows
-    its options); the data-parallel engines have none."""
-    from shardyard.backends import engine
+    its options), and so do the sequence and context parallel degrees of the data-parallel engines."""
+    from shardyard.backends import engine, smoke_degree
 
     for_smoke = getattr(engine(cfg.backend), "for_smoke", None)
     if for_smoke is not None:
         for_smoke(cfg, world)
+    for key in ("sp", "cp"):  # one sequence's split (the data-parallel engines' keys): over what the smoke world has
+        if int(cfg.backend.get(key, 1)) > 1:
+            cfg.backend[key] = smoke_degree(cfg.backend[key], world)
 
