@@ -187,7 +187,12 @@ def _degrees(base: DictConfig, batch: Plan, hw: Hardware, fixed: dict[str, str])
         seq = int(base.data.seq_len)
         sps = [s for s in powers if s <= hw.ranks_per_node and hw.ranks_per_node % s == 0 and seq % s == 0
                and (not heads or heads % s == 0)]
-        options = options + [{**d, "sp": s} for d in options if "ep" not in d for s in sps]
+        split = [{**d, "sp": s} for d in options if "ep" not in d for s in sps]
+        if "backend.cp" in keys:  # all-gather context parallel groups within a node: any head count, the
+            # sequence in 2 x cp chunks (each rank a head and a tail chunk)
+            split += [{**d, "cp": c} for d in options if "ep" not in d for c in powers
+                      if c <= hw.ranks_per_node and hw.ranks_per_node % c == 0 and seq % (2 * c) == 0]
+        options = options + split
     # The user's own degrees stay as given (``fixed``): only the settings that agree with them.
     given = {k.split(".", 1)[1]: v for k, v in fixed.items() if k.startswith("backend.")}
     return [d for d in options if all(str(d.get(k, base.backend.get(k))) == v for k, v in given.items())] \
@@ -202,10 +207,10 @@ def _batches(base: DictConfig, batch: Plan, degrees: dict[str, Any], hw: Hardwar
              ) -> Iterator[tuple[int, str]]:
     """Micro batches (powers of two whose micro batch x data-parallel size divides the global batch, up to the whole
     of each replica's share) and checkpointing policies, those fixed on the command line only. A sequence group
-    (``sp``) trains one sequence at a time: it is the layout for a sequence too long for one rank, and more of them
-    per micro-batch on the same ranks is the same work as fewer sp ranks (the search stays within a minute)."""
+    (``sp``, ``cp``) trains one sequence at a time: it is the layout for a sequence too long for one rank, and more of
+    them per micro-batch on the same ranks is the same work as fewer such ranks (the search stays within a minute)."""
     mp = int(degrees.get("tp", 1)) * int(degrees.get("stages", 1))
-    sp = int(degrees.get("sp", 1))
+    sp = int(degrees.get("sp", 1)) * int(degrees.get("cp", 1))  # one sequence's group, either split
     dp = hw.world // (mp * sp)
     share = batch.global_batch_size // dp if batch.global_batch_size % dp == 0 else 0
     sizes = [int(fixed["train.micro_batch_size"])] if "train.micro_batch_size" in fixed else \
@@ -309,8 +314,8 @@ def table(shown: list[Layout], hw: Hardware, fitting: int) -> str:
         lines.append(f"{i:>2} {(lay.estimate.device_peak + 0) / GiB:7.1f} {t.tokens_per_s_per_gpu:9,.0f} "
                      f"{t.mfu:5.1%} {t.step_s:7.3f}  {t.bottleneck[:44]:44} {' '.join(lay.overrides)}")
     lines.append(f"hardware: {hw.source or hw.name}")
-    lines.append("not searched: context parallelism (backend.cp; Ulysses' sp holds less); the global batch, sequence, "
-                 f"model and precision ({shown[0].cfg.precision.name}: MFU of its peak) are the recipe's")
+    lines.append("not searched: the global batch, sequence, model and precision "
+                 f"({shown[0].cfg.precision.name}: MFU of its peak) are the recipe's")
     return "\n".join(lines)
 
 
