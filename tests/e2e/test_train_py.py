@@ -150,6 +150,10 @@ def test_a_worker_that_raises_shows_its_traceback_once(tmp_path):
     said = "RuntimeError: SHARDYARD_TEST_CRASH_AT_STEP: rank 1 raises after step 1"
     assert proc.stderr.count(said) == 1 and "Traceback (most recent call last)" in proc.stderr, proc.stderr[-3000:]
     assert "drills.py" in proc.stderr.split(said)[0].rsplit("Traceback", 1)[1]  # the frames of the raising code
+    # Rank 0 failed only on losing rank 1: one line, no traceback of its own beside the real one (a traceback beside a
+    # peer's user error read as a bug: a stale build lock's exit 2 under load, test_op_build_lock.py)
+    assert proc.stderr.count("Traceback (most recent call last)") == 1, proc.stderr[-3000:]
+    assert "shardyard | rank 0 lost a peer (" in proc.stderr, proc.stderr[-3000:]
 
 
 def test_help_lists_groups_and_options():

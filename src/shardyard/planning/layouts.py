@@ -210,11 +210,11 @@ def _batches(base: DictConfig, batch: Plan, degrees: dict[str, Any], hw: Hardwar
     (``sp``, ``cp``) trains one sequence at a time: it is the layout for a sequence too long for one rank, and more of
     them per micro-batch on the same ranks is the same work as fewer such ranks (the search stays within a minute)."""
     mp = int(degrees.get("tp", 1)) * int(degrees.get("stages", 1))
-    sp = int(degrees.get("sp", 1)) * int(degrees.get("cp", 1))  # one sequence's group, either split
-    dp = hw.world // (mp * sp)
+    group = int(degrees.get("sp", 1)) * int(degrees.get("cp", 1))  # one sequence's ranks, either split
+    dp = hw.world // (mp * group)
     share = batch.global_batch_size // dp if batch.global_batch_size % dp == 0 else 0
     sizes = [int(fixed["train.micro_batch_size"])] if "train.micro_batch_size" in fixed else \
-        [1] if sp > 1 else [2 ** i for i in range(0, int(math.log2(max(share, 1))) + 1) if share % 2 ** i == 0]
+        [1] if group > 1 else [2 ** i for i in range(0, int(math.log2(max(share, 1))) + 1) if share % 2 ** i == 0]
     policies = [checkpointing_mode(_policy(fixed["model.activation_checkpointing"]))] \
         if "model.activation_checkpointing" in fixed else list(POLICIES)
     for mbs in sizes:

@@ -358,15 +358,23 @@ def from_run_dir(run_dir: str) -> None:
         main(*rundir.load(run_dir))
     except UserError as err:
         report_and_exit(err)
-    except Exception:
+    except Exception as e:
         # A bug's traceback on this worker's own stderr, as it happens, on every rank that raises: a forked
         # worker's exception otherwise reaches only the launcher, which reports one failed rank (the first it
-        # polls, not always the first to fail).
-        import traceback
+        # polls, not always the first to fail). A rank that failed only because a peer went away says so in a
+        # line: the peer's own error (a user error's paragraph, a bug's traceback) is the story, and a traceback
+        # beside a user error's paragraph made it look like a bug (seen under load: a stale build lock's exit 2).
+        lost = _lost_peer(e)
+        if lost is None:
+            import traceback
 
-        traceback.print_exc()
+            traceback.print_exc()
+        else:
+            print(f"shardyard | rank {os.environ.get('RANK', '?')} lost a peer ({type(lost).__name__}: "
+                  f"{' '.join(str(lost).split())[:300]}): another rank failed first, its error is above or below",
+                  file=sys.stderr, flush=True)
+            _let_the_first_failure_be_seen()
         sys.stderr.flush()
-        _let_the_first_failure_be_seen(sys.exc_info()[1])
         raise
 
 
@@ -377,29 +385,34 @@ PEER_LOST_GRACE_S = 5.0
 """How long a worker that failed only because a peer went away waits before it exits (its launcher ends it sooner)."""
 
 
-def _let_the_first_failure_be_seen(e: BaseException | None) -> None:
+def _lost_peer(e: BaseException | None) -> BaseException | None:
+    """The error in ``e``'s chain that says a peer's connection went away (gloo's reset, torch's
+    ``DistNetworkError``), or None: a worker that failed for that reason alone."""
+    import torch.distributed as dist
+
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, dist.DistNetworkError) or any(mark in str(e) for mark in LOST_PEER_MARKS):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _let_the_first_failure_be_seen() -> None:
     """A rank that dies (a bug, an out-of-memory kill, a drill's exit 13) closes its connections, and every peer
     blocked on it fails within milliseconds with "Connection reset by peer". torch's agent polls its workers
     every 0.2 s and reports the first dead one it finds, in rank order, not the first to die: without this wait
     a job whose rank 1 crashed was reported as "rank 0 failed with exit code 1" (3 runs in 3 on 2 cores, and a
     sweep's summary in CI). So a worker whose error is a lost peer waits ``PEER_LOST_GRACE_S`` (under the
     elastic agent only, which ends it as soon as it has seen the rank that failed first)."""
-    import torch.distributed as dist
-
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return
-    seen: set[int] = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, dist.DistNetworkError) or any(mark in str(e) for mark in LOST_PEER_MARKS):
-            print(f"shardyard | rank {os.environ.get('RANK', '?')} lost a peer (the error above); it waits "
-                  f"{PEER_LOST_GRACE_S:.0f} s so that the launcher names the rank that failed first",
-                  file=sys.stderr, flush=True)
-            import time
+    print(f"shardyard | rank {os.environ.get('RANK', '?')} waits {PEER_LOST_GRACE_S:.0f} s so that the launcher "
+          "names the rank that failed first", file=sys.stderr, flush=True)
+    import time
 
-            time.sleep(PEER_LOST_GRACE_S)
-            return
-        e = e.__cause__ or e.__context__
+    time.sleep(PEER_LOST_GRACE_S)
 
 
 if __name__ == "__main__":
