@@ -45,6 +45,37 @@ def test_the_predictions_are_within_15_percent_of_the_published_runs(overrides, 
     assert t.bottleneck == "compute"  # one node's NVLink hides FSDP's gathers behind these steps
 
 
+LAYOUT_KEYS = ("backend=", "train.micro_batch_size=", "model.activation_checkpointing=")
+
+
+@pytest.mark.parametrize("published,gbs", [(LLAMA31_8B, 16), (MPT_1B, 112)], ids=["torchtitan-8B", "mpt-1B"])
+def test_the_published_layout_or_one_predicted_as_fast_is_among_the_top_three(published, gbs):
+    """Issue 57, point 4: searched with only the published run's model, sequence, precision, hardware and global
+    batch (8 GPUs x local batch 2 = 16; 8 x 14 = 112), the top three are predicted as fast as the published layout
+    (within 1%) or faster. Neither published layout fits this repo's implementation beside the plan's headroom (90%
+    of the GPU), and the plan says so: torchtitan's FSDP, micro batch 2, selective, 87.8 GiB of 95.1 (this repo's
+    selective keeps every matmul's output, torchtitan's every second); llm-foundry's micro batch 14 without
+    checkpointing (MPT's 4d GELU MLP modelled as a SwiGLU of 8d/3 keeps more, and SDPA beside its flash kernels).
+    The search's micro batches are every divisor of the share (7 and 14 of MPT's 14 too, not powers of two only:
+    before, its best was micro batch 2, 0.7% slower than the published layout; now 7, 0.1%)."""
+    free = [o for o in published if not o.startswith(LAYOUT_KEYS)] + [f"train.global_batch_size={gbs}"]
+    cfg, batch, hw = planned([*free, "train.micro_batch_size=1"])
+    found = layouts.search(cfg, batch, hw, {}, OPTIONS,
+                           lambda extra: compose([*free, "train.micro_batch_size=1", *extra, "plan.search=true",
+                                                  "backend.device=cpu"]))
+    pcfg, pbatch, phw = planned([*published, f"train.global_batch_size={gbs}"])
+    theirs = steptime.predict(pcfg, pbatch, phw, pbatch.grad_accum_steps).step_s
+    top = found[:3]
+    assert len(found) > 100 and all(lay.time.step_s <= 1.01 * theirs for lay in top), \
+        [(lay.overrides, lay.time.step_s) for lay in top] + [theirs]
+    e = memory_plan.estimate(pcfg, pbatch, phw)
+    assert not e.fits and e.device_peak > 0.9 * phw.device_bytes, e.device_peak
+    layout = {o.replace("checkpointing=false", "checkpointing=none") for o in published if o.startswith(LAYOUT_KEYS)}
+    assert len(layout) == 3 and not [lay for lay in found if set(lay.overrides) == layout]
+    if published is MPT_1B:
+        assert "train.micro_batch_size=7" in top[0].overrides, top[0].overrides
+
+
 def test_the_500w_part_is_not_the_80gb_part():
     """The torchtitan part's lower peak stays in its own row: the same run on H100-80GB is predicted faster."""
     slow, fast = planned(LLAMA31_8B), planned([*LLAMA31_8B, "plan.hardware=8xH100-80GB"])
@@ -143,6 +174,22 @@ def test_fixed_keys_are_read_from_the_overrides():
     assert layouts.fixed_keys(["model=deepseek7b", "backend=fsdp_tp", "backend.tp=4", "+train.micro_batch_size=2",
                                "plan.search=true"]) == {"backend": "fsdp_tp", "backend.tp": "4",
                                                         "train.micro_batch_size": "2"}
+
+
+def test_the_micro_batch_not_on_the_command_line_is_the_searchs_to_choose():
+    """torchtitan's global batch of 16 on 8 GPUs beside the recipe's micro batch of 16: the search refused to start
+    (train.global_batch_size, 16 not a multiple of 128) though the micro batch was its to choose. Unless the command
+    line fixes it, 1 stands in for it, and the search ranks every micro batch that divides (the test above)."""
+    cfg = compose(["train.global_batch_size=16", "plan.search=true", "plan.hardware=8xH100-80GB", "backend=fsdp",
+                   "backend.device=cpu"])
+    assert cfg.train.micro_batch_size == 16
+    with pytest.raises(UserError) as e:
+        validate(cfg, None)
+    assert e.value.key == "train.global_batch_size"
+    layouts.free_micro_batch(cfg, {"train.micro_batch_size": "16"}, 8)  # fixed by the user: their error stands
+    assert cfg.train.micro_batch_size == 16
+    layouts.free_micro_batch(cfg, {}, 8)
+    assert cfg.train.micro_batch_size == 1 and validate(cfg, None).global_batch_size == 16
 
 
 LONG = ["model=deepseek7b", "backend=fsdp", "precision=bf16", "data.seq_len=131072", "model.max_position_embeddings=131072",

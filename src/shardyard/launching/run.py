@@ -53,7 +53,9 @@ def _run(cfg: DictConfig) -> None:
         from shardyard.planning.hardware import named
 
         if cfg.plan.hardware is not None:
-            layouts.check_fixed(layouts.command_line(), named(cfg.plan.hardware, cfg.plan.nodes).world)
+            world = named(cfg.plan.hardware, cfg.plan.nodes).world
+            layouts.check_fixed(layouts.command_line(), world)
+            layouts.free_micro_batch(cfg, layouts.command_line(), world)
     if cfg.plan.dry_run:  # the run at the named hardware's world, simulated here; nothing is written
         from shardyard.planning import dryrun
 

@@ -111,6 +111,18 @@ def check_fixed(fixed: dict[str, str], world: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- the search
+def free_micro_batch(cfg: DictConfig, fixed: dict[str, str], world: int) -> None:
+    """The micro batch is the search's to choose unless the command line fixes it. The recipe's own would refuse the
+    search before it starts where it does not divide the global batch at this world (the default 16 per rank beside
+    torchtitan's global batch of 16 on 8 GPUs): 1 stands in for it then (``_batches`` searches every micro batch that
+    divides, whatever the recipe's)."""
+    gbs, mbs = cfg.train.global_batch_size, cfg.train.micro_batch_size
+    if "train.micro_batch_size" in fixed or gbs is None or gbs % (mbs * world) == 0:
+        return
+    with open_dict(cfg):
+        cfg.train.micro_batch_size = 1
+
+
 def search(cfg: DictConfig, batch: Plan, hw: Hardware, fixed: dict[str, str], options: list[str],
            compose: Callable[[list[str]], DictConfig]) -> list[Layout]:
     """Every layout of ``cfg`` on ``hw`` that fits, fastest first (``options``: the ``backend`` group's options;
@@ -205,8 +217,8 @@ def _number(v: str) -> Any:
 
 def _batches(base: DictConfig, batch: Plan, degrees: dict[str, Any], hw: Hardware, fixed: dict[str, str]
              ) -> Iterator[tuple[int, str]]:
-    """Micro batches (powers of two whose micro batch x data-parallel size divides the global batch, up to the whole
-    of each replica's share) and checkpointing policies, those fixed on the command line only. A sequence group
+    """Micro batches (every divisor of each replica's share of the global batch: llm-foundry's 14 of a share of 14
+    too, not powers of two only) and checkpointing policies, those fixed on the command line only. A sequence group
     (``sp``, ``cp``) trains one sequence at a time: it is the layout for a sequence too long for one rank, and more of
     them per micro-batch on the same ranks is the same work as fewer such ranks (the search stays within a minute)."""
     mp = int(degrees.get("tp", 1)) * int(degrees.get("stages", 1))
@@ -214,7 +226,7 @@ def _batches(base: DictConfig, batch: Plan, degrees: dict[str, Any], hw: Hardwar
     dp = hw.world // (mp * group)
     share = batch.global_batch_size // dp if batch.global_batch_size % dp == 0 else 0
     sizes = [int(fixed["train.micro_batch_size"])] if "train.micro_batch_size" in fixed else \
-        [1] if group > 1 else [2 ** i for i in range(0, int(math.log2(max(share, 1))) + 1) if share % 2 ** i == 0]
+        [1] if group > 1 else [d for d in range(1, share + 1) if share % d == 0]
     policies = [checkpointing_mode(_policy(fixed["model.activation_checkpointing"]))] \
         if "model.activation_checkpointing" in fixed else list(POLICIES)
     for mbs in sizes:
