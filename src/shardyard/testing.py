@@ -730,7 +730,8 @@ def activation_memory(overrides: list[str], rows: int, seq: int) -> dict:
     shape = model_shape(build_model(cfg.model, cfg.seed, on_meta=True))
     regime = "fp32" if cfg.precision.name == "fp32" else "autocast"
     planned = _activations(shape, regime, rows * seq, checkpointing_mode(cfg.model),
-                           checkpointed_fraction(cfg.model, shape["blocks"]), int(cfg.model.get("loss_chunk", 0)))
+                           checkpointed_fraction(cfg.model, shape["blocks"]), int(cfg.model.get("loss_chunk", 0)),
+                           int(cfg.model.get("mlp_tiles", 0)))
     return {"kept": kept, "peak": status("VmHWM") - base, "plan": planned, "probe": probe.record}
 
 

@@ -28,6 +28,7 @@ LONG = [*TINY, "train.steps=40", "train.eval_every_n_steps=0", "train.global_bat
 CHUNK = "model.loss_chunk=48"  # 256 tokens per micro-batch: five chunks of 48 and one of 16
 SELECTIVE = "model.activation_checkpointing=selective"
 COMPILE = "model.compile=true"
+TILES = "model.mlp_tiles=3"  # 256 tokens per micro-batch: tiles of 86, 85 and 85
 PIPELINE = ["backend=pipeline", "backend.stages=2", "backend.microbatches=2"]
 CHUNKS = 6  # per micro-batch of 256 tokens (CHUNK); world 2 runs one micro-batch a step, single two
 CHUNKED = {"ddp", "fsdp", "zero2", "zero3"}  # the engines whose runs below take model.loss_chunk
@@ -67,7 +68,7 @@ def single(tmp_path_factory):
     d = tmp_path_factory.mktemp("speed1")
     jobs = {"ref": [], "chunk": [CHUNK], "selective": [SELECTIVE],
             "every2": ["model.activation_checkpointing=full", "model.activation_checkpointing_every=2"],
-            "compile": [COMPILE]}
+            "compile": [COMPILE], "tiles": [TILES]}
     runs = run_many(1, [([*STEPS, "backend=single", *extra], str(d / k)) for k, extra in jobs.items()])
     long = {p: run for p, run in zip(["bf16", "fp8"], run_many(1, [([*LONG, "backend=single", f"precision={p}"],
                                                                       str(d / p)) for p in ["bf16", "fp8"]]))}
@@ -89,6 +90,8 @@ def world2(tmp_path_factory):
     jobs[("pipeline", "ref")] = [*REF, *PIPELINE]
     for e in ["ddp", "fsdp", "zero2"]:
         jobs[(e, "compile")] = [*STEPS, f"backend={e}", COMPILE]
+    for e in ["ddp", "fsdp", "zero3"]:  # ZeRO-3: its parameter hooks gather inside each tile's recompute
+        jobs[(e, "tiles")] = [*STEPS, f"backend={e}", TILES]
     jobs[("pipeline", "compile")] = [*STEPS, *PIPELINE, COMPILE]
     # DDP's float8 is single's (prepare_replica): FSDP's sharded float8 weights differ. Its reference is the single
     # process's bf16 run (FSDP's bf16 equals single's bf16: tests/dist/test_engines.py, 5e-4; here 4e-5 over 50 steps)
@@ -126,6 +129,28 @@ def test_chunked_loss_and_selective_checkpointing_on_the_engines(engine, single,
         got, plan = kept_fraction(r, ref), planned_fraction("selective")
         assert got == pytest.approx(alone, rel=0.05) and got == pytest.approx(plan, rel=0.15), \
             (engine, got, alone, plan, probe(r), probe(ref))
+
+
+@pytest.mark.parametrize("engine", ["single", "ddp", "fsdp", "zero3"])
+def test_tiled_mlps_give_the_same_losses_and_keep_no_mlp_intermediates(engine, single, world2):
+    """``model.mlp_tiles`` (issue 56, point 5) behind each engine's wrapper: the same losses and gradient norms as
+    the single process without it, every dense block's MLP computed in 3 tiles on every rank (2 blocks x 3 tiles
+    per micro-batch: the single process's 2 micro-batches a step, 1 on each of 2 ranks), and what the blocks keep
+    for backward is the plan's: the blocks' bytes less their MLPs' intermediates (``mlp_blocks``), as a fraction
+    of the same engine's run without tiles (ZeRO-3's is the single process's: no run of it without)."""
+    runs = [single["tiles"]] if engine == "single" else world2[(engine, "tiles")]
+    shape = model_shape(build_model(compose(TINY).model, 0, on_meta=True))
+    a = shape["activation_bytes_per_token"]["fp32"]
+    plan = (a["blocks"] - a["mlp_blocks"]) / a["blocks"]
+    refs = [single["ref"]] * len(runs) if engine in ("single", "zero3") else world2[(engine, "ref")]
+    for r, ref in zip(runs, refs):
+        for key in ("train_losses", "grad_norms"):
+            assert worst(curve(r, key), curve(single["ref"], key)) <= (1e-5 if engine == "single" else 1e-4), \
+                (engine, key)
+        assert probe(r)["mlp_tiles"] == 2 * 3 * (2 if engine == "single" else 1), (engine, probe(r))
+        got = probe(r)["block_kept_bytes"] / probe(ref)["block_kept_bytes"]  # a micro-batch of 256 tokens each
+        assert got == pytest.approx(plan, rel=0.02) and plan < 0.75, (engine, got, plan, probe(r), probe(ref))
+    assert probe(single["ref"])["mlp_tiles"] is None
 
 
 @pytest.mark.parametrize("engine", ["single", "ddp", "fsdp", "zero2", "pipeline"])

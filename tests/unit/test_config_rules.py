@@ -161,6 +161,13 @@ def test_keys_no_schema_or_plugin_reads_are_refused(overrides, key):
     (["backend=pipeline", "launch.nproc_per_node=2", "model.loss_chunk=256"], "model.loss_chunk"),
     (["backend=fsdp_tp", "launch.nproc_per_node=2", "precision=fp8"], "precision"),
     (["precision=fp8", "peft=lora"], "precision"),
+    # tiled MLPs (issue 56, point 5): a negative count, what they do not combine with, the engines without them
+    (["model.mlp_tiles=-1"], "model.mlp_tiles"),
+    (["model.mlp_tiles=4", "model.activation_checkpointing=selective"], "model.mlp_tiles"),
+    (["model.mlp_tiles=4", "model.compile=true"], "model.mlp_tiles"),
+    (["model.mlp_tiles=4", "peft=lora"], "model.mlp_tiles"),
+    (["backend=fsdp_tp", "launch.nproc_per_node=2", "model.mlp_tiles=4"], "model.mlp_tiles"),
+    (["backend=pipeline", "launch.nproc_per_node=2", "model.mlp_tiles=4"], "model.mlp_tiles"),
     # HSDP (issue 57): copies that do not divide the world, none, and the engines that do not run it
     (["backend=fsdp", "backend.replicate=3", "launch.nproc_per_node=4"], "backend.replicate"),
     (["backend=fsdp", "backend.replicate=0"], "backend.replicate"),

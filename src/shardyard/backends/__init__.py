@@ -200,7 +200,7 @@ FP32 = 4
 def refuse_speed_options(cfg: DictConfig, engine_name: str, why: dict[str, str]) -> None:
     """An engine's refusal of the speed options it cannot take (``why``: option -> the engine's reason), each
     set option named with its key and value: ``fp8`` (``precision=fp8``), ``loss_chunk``
-    (``model.loss_chunk``), ``compile`` (``model.compile``), ``selective``
+    (``model.loss_chunk``), ``compile`` (``model.compile``), ``mlp_tiles`` (``model.mlp_tiles``), ``selective``
     (``model.activation_checkpointing=selective``)."""
     from shardyard.core.errors import UserError
 
@@ -209,6 +209,8 @@ def refuse_speed_options(cfg: DictConfig, engine_name: str, why: dict[str, str])
             "loss_chunk": ("model.loss_chunk", m.get("loss_chunk", 0), bool(m.get("loss_chunk", 0)),
                            "Use model.loss_chunk=0."),
             "compile": ("model.compile", True, bool(m.get("compile")), "Use model.compile=false."),
+            "mlp_tiles": ("model.mlp_tiles", m.get("mlp_tiles", 0), int(m.get("mlp_tiles", 0)) > 1,
+                          "Use model.mlp_tiles=0."),
             "selective": ("model.activation_checkpointing", "selective", checkpointing_mode(m) == "selective",
                           "Use model.activation_checkpointing=full.")}
     for option, reason in why.items():

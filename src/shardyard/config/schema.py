@@ -442,6 +442,15 @@ class ModelConfig:
     loss is the same sum (within 1e-5). 0 = off (one matmul over the micro-batch). Worth it at large
     vocabularies: at vocab 128k and 8k tokens per micro-batch the logits alone take 4 GiB in fp32. The plan
     counts one chunk. Not on fsdp_tp (sharded head) or pipeline."""
+    mlp_tiles: int = 0
+    """Tiled MLP (ALST's TiledMLP, issue 56): each dense transformer block's MLP computes its tokens in this many
+    tiles, each recomputed in backward, so the MLP's intermediates (gate, up, activation and product: 4 x its width
+    per token) are not kept for backward and at most one tile's exist at a time; the output and gradients equal the
+    untiled ones within rounding, for one more forward of the MLP's matmuls. 0 or 1 = off. Worth it at long
+    sequences, where a block's MLP intermediates are about half of what it keeps (DeepSeek-7B: 8 x 11,008 of
+    ~200k bytes per token in bf16). Routed-expert (MoE) blocks are not tiled. With ``activation_checkpointing``
+    ``none`` or ``full`` (not selective, which keeps the MLP's matmul outputs), not with ``compile`` or ``peft``;
+    not on fsdp_tp or pipeline. The plan counts it."""
     init_device: InitDevice = InitDevice.auto
     """Where parameters are first created: ``auto`` (meta above 1B parameters or when ``weights`` are loaded),
     ``cpu`` or ``meta``."""

@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 from shardyard.config import checkpointing_mode
 from shardyard.core.errors import UserError
 from shardyard.models.build import _FAKE_STORAGE, materialize
-from shardyard.models.shape import _bare, is_hf, transformer_blocks
+from shardyard.models.shape import _bare, dense_mlp, is_hf, transformer_blocks
 
 
 def _saved_ops() -> set:
@@ -108,7 +108,50 @@ def float8_linears(model: torch.nn.Module) -> int:
     return sum(type(mod).__name__ == "Float8Linear" for mod in model.modules())
 
 
-_PROBED = {"loss_chunks": 0}  # chunks the chunked heads of this process computed (SpeedProbe reads the step's)
+_PROBED = {"loss_chunks": 0, "mlp_tiles": 0}  # chunks the chunked heads, tiles the tiled MLPs of this process
+#                                             computed in training forwards (SpeedProbe reads the step's)
+
+
+def tiled_mlps(model: Any) -> list[torch.nn.Module]:
+    """The MLPs ``model.mlp_tiles`` tiles: each transformer block's dense one (``shape.dense_mlp``: not routed
+    experts, whose routing and balancing counts run once per call)."""
+    return [mlp for mlp in map(dense_mlp, transformer_blocks(_bare(model))) if mlp is not None]
+
+
+def apply_mlp_tiles(model: Any, m: DictConfig) -> None:
+    """``model.mlp_tiles``: each dense block's MLP computes its tokens in ``mlp_tiles`` tiles (ALST's TiledMLP).
+
+    1. Inside the MLP's own forward (the instance's ``forward`` replaced): its parameter names and the engine's
+       hooks on it and on its linears (ZeRO-3's gathers) are unchanged; a block's FSDP unit holds it unsharded.
+    2. The tokens, flattened over the batch (an MLP mixes no positions), are split into ``mlp_tiles`` near-equal
+       tiles (``tensor_split``: views, no copy); each tile runs inside a non-reentrant checkpoint, which keeps
+       only its input (a view of the block's normalised hidden states, which the block keeps anyway): backward
+       recomputes one tile's intermediates at a time. Nested inside ``full`` checkpointing's recompute alike.
+    3. Per token the same ops: the output and gradients equal the untiled MLP's within rounding.
+    4. Without gradients (evaluation, generation) the plain MLP runs: nothing is kept to save."""
+    tiles = int(m.get("mlp_tiles", 0))
+    if tiles <= 1:
+        return
+    from torch.utils.checkpoint import checkpoint
+
+    mlps = tiled_mlps(model)
+    if not mlps:
+        raise UserError("model.mlp_tiles", tiles, f"This model ({type(_bare(model)).__name__}) has no dense MLP in its "
+                        "transformer blocks (a block's `mlp` without routed experts) to tile.", "Use model.mlp_tiles=0.")
+    for mlp in mlps:
+        plain = mlp.forward  # 1
+
+        def forward(x: torch.Tensor, plain: Any = plain) -> torch.Tensor:
+            if not torch.is_grad_enabled():  # 4
+                return plain(x)
+            flat = x.reshape(-1, x.size(-1))  # 2
+            outs = [checkpoint(plain, tile, use_reentrant=False) for tile in flat.tensor_split(tiles)]
+            _PROBED["mlp_tiles"] += len(outs)
+            out = torch.cat(outs)
+            return out.reshape(*x.shape[:-1], out.size(-1))
+
+        mlp.forward = forward
+    _bare(model).shardyard_mlp_tiles = tiles
 
 
 def apply_chunked_loss(model: Any, m: DictConfig) -> None:
@@ -173,6 +216,8 @@ class SpeedProbe:
     * ``loss_chunks``: the chunks the ``model.loss_chunk`` head computed in the step's training forwards
       (micro-batches x ceil(tokens / loss_chunk) x (1 + MTP depths) on every engine that takes it; null when the
       option is off).
+    * ``mlp_tiles``: the tiles the ``model.mlp_tiles`` MLPs computed in the step's training forwards
+      (micro-batches x dense blocks x mlp_tiles; not their recompute in backward); null when the option is off.
     * ``compiled_calls``: the times the step entered compiled code (``model.compile``): dynamo's cached graphs
       that passed their guards, and the graphs it compiled then. Each block's forward once per micro-batch
       (a pipeline stage's blocks once per pipeline micro-batch); 0: the blocks ran eagerly; null when off.
@@ -189,7 +234,7 @@ class SpeedProbe:
         self.record: dict[str, Any] = {}
 
     def __enter__(self) -> SpeedProbe:
-        self.chunks0, self.hits = _PROBED["loss_chunks"], 0
+        self.chunks0, self.tiles0, self.hits = _PROBED["loss_chunks"], _PROBED["mlp_tiles"], 0
         self.mode = _KeptBytes(self.blocks).__enter__() if self.measure and not self.m.compile else None
         if self.m.compile:  # dynamo is imported only by runs that compile (about a second of start-up otherwise)
             from torch._C._dynamo.eval_frame import set_guard_complete_hook
@@ -216,6 +261,7 @@ class SpeedProbe:
         mode = self.mode if self.mode is not None and self.mode.counted else None
         self.record = {
             "loss_chunks": _PROBED["loss_chunks"] - self.chunks0 if int(self.m.get("loss_chunk", 0)) > 0 else None,
+            "mlp_tiles": _PROBED["mlp_tiles"] - self.tiles0 if int(self.m.get("mlp_tiles", 0)) > 1 else None,
             "compiled_calls": compiled,
             "kept_bytes": mode.kept if mode else None, "block_kept_bytes": mode.block_kept if mode else None}
 
@@ -282,10 +328,11 @@ def _storages(t: Any) -> list[Any]:
 
 def prepare_model(model: Any, cfg: DictConfig, device: torch.device) -> None:
     """The options that change how a built model computes, in the order every engine applies them before
-    it wraps or shards the model: float8 linears -> activation checkpointing -> regional compile -> chunked
-    loss head. Float8 first, so checkpointing recomputes and compile traces the float8 layers; the loss
-    head last, outside the compiled blocks."""
+    it wraps or shards the model: float8 linears -> tiled MLPs -> activation checkpointing -> regional compile ->
+    chunked loss head. Float8 first, so checkpointing recomputes and compile traces the float8 layers; the
+    MLPs tiled inside the blocks checkpointing wraps; the loss head last, outside the compiled blocks."""
     apply_float8(model, cfg.precision, device)
+    apply_mlp_tiles(model, cfg.model)
     apply_activation_checkpointing(model, cfg.model)
     apply_compile(model, cfg.model)
     apply_chunked_loss(model, cfg.model)

@@ -67,6 +67,13 @@ def flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
     return 6 * n + extra_head + 12 * (layers + d) * heads * q * seq_len
 
 
+def dense_mlp(block: torch.nn.Module) -> torch.nn.Module | None:
+    """A transformer block's dense MLP (its ``mlp`` without routed ``experts``): what ``model.mlp_tiles`` tiles
+    (``prepare.apply_mlp_tiles``); None for a routed-expert block or a block without one."""
+    mlp = getattr(block, "mlp", None)
+    return mlp if isinstance(mlp, torch.nn.Module) and not hasattr(mlp, "experts") else None
+
+
 def is_hf(model: torch.nn.Module) -> bool:
     return hasattr(model, "save_pretrained") and hasattr(model, "config")
 
@@ -127,12 +134,16 @@ def model_shape(model: Any) -> dict:
     h = getattr(c, "hidden_size", None) or (emb.embedding_dim if emb is not None else 1024)
     vocab = getattr(c, "vocab_size", None) or (emb.num_embeddings if emb is not None else 32000)
     per_block = [_block_bytes_per_token(block, c, h) for block in blocks] or [_llama_bytes(h, 4 * h, h, max(1, h // 64))]
+    # what a dense MLP keeps per token (``model.mlp_tiles`` no longer keeps it): 0 for routed-expert blocks
+    dense = [dense_mlp(block) is not None for block in blocks] or [False]
     act = {}
     for regime in ("fp32", "autocast", "half"):
         layer = [b[regime] for b in per_block]
         kept = [b["selective_" + regime] for b in per_block]
+        mlp = [b.get("mlp_" + regime, 0.0) if d else 0.0 for b, d in zip(per_block, dense)]
         resid = 2 if regime == "half" else 4  # the residual stream: fp32 but under half parameters
         act[regime] = {"blocks": sum(layer), "max_block": max(layer), "ckpt_per_block": resid * h,
+                       "mlp_blocks": sum(mlp), "max_block_mlp": mlp[layer.index(max(layer))],
                        "selective_blocks": sum(kept), "max_selective_block": max(kept),
                        # the logits (and their fp32 upcast, log-softmax and gradient) per token at the loss's
                        # backward, which model.loss_chunk bounds (12 bytes measured by the dry run at deepseek7b;
@@ -170,6 +181,8 @@ def model_shape(model: Any) -> dict:
             "max_block_expert_params": max((e for e, b in zip(block_experts, block_params) if b == max(block_params)),
                                            default=0),
             "block_param_list": block_params, "block_expert_list": block_experts,
+            "dense_mlp_params": sum(p.numel() for mlp in map(dense_mlp, blocks) if mlp is not None
+                                    for p in mlp.parameters()),
             "moe_layers": len(found), "experts_per_token": found[0].top_k if found else 0,
             "activation_bytes_per_token": act, "mtp_depth": mtp.depth(model)}
 
@@ -185,7 +198,10 @@ def _llama_bytes(h: int, i: int, hkv: int, heads: int) -> dict:
     # layers' inputs, but o_proj's (SDPA keeps its output): under autocast each linear its own bf16 cast of the
     # input (q, k, v, gate, up; down's is bf16 already), else one per distinct input (measured, deepseek_tiny).
     frozen = {"fp32": 16 * h + 4 * i, "autocast": 18 * h + 2 * i, "half": 8 * h + 2 * i}
-    return {"frozen_" + k: v for k, v in frozen.items()} | {
+    # The MLP's own intermediates (gate, up, the activation and the product: 4 x i), in the matmul dtype: what
+    # ``model.mlp_tiles`` stops keeping (the MLP's input is the block's normalised hidden states, kept anyway).
+    mlp = {"mlp_fp32": 16 * i, "mlp_autocast": 8 * i, "mlp_half": 8 * i}
+    return mlp | {"frozen_" + k: v for k, v in frozen.items()} | {
             "fp32": 32 * h + 16 * i + 8 * hkv + 4 * heads + 8,
             "autocast": 30 * h + 8 * i + 4 * hkv + 4 * heads,  # + the bf16 weight copies (``autocast_copies``)
             "half": 20 * h + 8 * i + 4 * hkv + 4 * heads + 8,
@@ -230,7 +246,9 @@ def _block_bytes_per_token(block: Any, c: Any, h: int) -> dict:
         # DeepSeek-V3's pipeline stages, 4096 tokens: 5.3 GiB recomputed and temporary for a block of 4.0, once
         # FSDP's own gradient buffers made in its post-backward are counted as buffers, not temporaries).
         # frozen (``peft``): the two norms' inputs at least (what else its linears stop saving is not counted)
-        return {"fp32": fp32, "autocast": _V3_AUTOCAST * fp32, "half": _V3_HALF * fp32,
+        mlp = 0.0 if moe else 4 * ffn  # a dense MLP's intermediates (4 x its width) in fp32 bytes
+        return {"mlp_fp32": mlp, "mlp_autocast": _V3_AUTOCAST * mlp, "mlp_half": _V3_HALF * mlp,
+                "fp32": fp32, "autocast": _V3_AUTOCAST * fp32, "half": _V3_HALF * fp32,
                 "frozen_fp32": 8 * h, "frozen_autocast": 8 * h, "frozen_half": 4 * h, "backward": _V3_BACKWARD,
                 "selective_fp32": 4 * kept, "selective_autocast": _V3_AUTOCAST * 4 * kept,
                 "selective_half": _V3_HALF * 4 * kept}

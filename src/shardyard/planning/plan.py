@@ -181,7 +181,8 @@ def _one_rank(cfg: DictConfig, batch: Plan, hw: Hardware, states: Any, accum: in
     # holds all positions of 1/sp of the heads)
     per_rank = mbs * batch.tokens_per_sample / (dims.sp * dims.cp)
     kept, transient, loss, copies = _activation_parts(shape, states.regime, per_rank, mode, fraction,
-                                                      int(cfg.model.get("loss_chunk", 0)))
+                                                      int(cfg.model.get("loss_chunk", 0)),
+                                                      int(cfg.model.get("mlp_tiles", 0)))
     gathered = 0.0
     if dims.cp > 1:  # all-gather context parallelism: each block's attention keeps the other ranks' keys and values
         # (gathered in the compute dtype) for its backward: every block's not checkpointed, the recomputed one's
@@ -329,30 +330,35 @@ def _accumulation(cfg: DictConfig, batch: Plan, world: int) -> int:
 
 
 def _activations(shape: dict, regime: str, tokens: int, mode: str = "none", fraction: float = 0.0,
-                 loss_chunk: int = 0) -> float:
+                 loss_chunk: int = 0, mlp_tiles: int = 0) -> float:
     """Activation bytes of one micro-batch of ``tokens``: the blocks (a ``fraction`` of them checkpointed in
     ``mode``), autocast's bf16 weight copies, and the loss (the logits of ``loss_chunk`` tokens at a time), which
     is freed before the recomputed block lives."""
-    kept, transient, loss, copies = _activation_parts(shape, regime, tokens, mode, fraction, loss_chunk)
+    kept, transient, loss, copies = _activation_parts(shape, regime, tokens, mode, fraction, loss_chunk, mlp_tiles)
     return kept + max(transient, loss) + copies
 
 
 def _activation_parts(shape: dict, regime: str, tokens: int, mode: str = "none", fraction: float = 0.0,
-                      loss_chunk: int = 0) -> tuple[float, float, float, float]:
+                      loss_chunk: int = 0, mlp_tiles: int = 0) -> tuple[float, float, float, float]:
     """``_activations`` as its parts: what the blocks keep until backward, the one block recomputed at a time,
     the loss (logits), autocast's weight copies."""
     a = shape["activation_bytes_per_token"][regime]
     n = max(shape["blocks"], 1)
     logits_tokens = min(loss_chunk, tokens) if loss_chunk else tokens
     loss = a["loss_hidden"] * tokens + a["logits"] * logits_tokens
+    # model.mlp_tiles: the dense MLPs' intermediates are not kept (``mlp_blocks``); the backward of a block
+    # recomputes one tile's of them at a time (``max_block_mlp`` / tiles)
+    untiled, tile = (a.get("mlp_blocks", 0.0), a.get("max_block_mlp", 0.0)) if mlp_tiles > 1 else (0.0, 0.0)
     if mode == "none" or fraction == 0:
-        kept, transient = a["blocks"], 0.0
+        kept, transient = a["blocks"] - untiled, tile / mlp_tiles if mlp_tiles > 1 else 0.0
     else:
         # checkpointed blocks keep their input (full) or their matmul outputs (selective); one block at a time
         # is recomputed in backward, all of it (full) or the ops between its matmuls (selective)
         own = n * a["ckpt_per_block"] if mode == "full" else a["selective_blocks"]
-        kept = (1 - fraction) * a["blocks"] + fraction * own
+        kept = (1 - fraction) * (a["blocks"] - untiled) + fraction * own
         transient = a["max_block"] - (0.0 if mode == "full" else a["max_selective_block"])
+        if mlp_tiles > 1:
+            transient -= tile * (1 - 1 / mlp_tiles)
     transient += a.get("max_block_backward", 0.0)  # the backward of the largest block, beside its activations
     # autocast casts each weight to bf16 once per forward and caches the copy until the forward's autocast region
     # ends, checkpointed blocks' too: every block's and the head's are alive at the loss (the dry run measured

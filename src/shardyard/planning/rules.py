@@ -483,6 +483,18 @@ def validate_speed_options(cfg: DictConfig) -> None:
     checkpointing_mode(m)  # raises UserError on a value it does not know
     at_least("model.activation_checkpointing_every", m.get("activation_checkpointing_every", 1), 1)
     at_least("model.loss_chunk", m.get("loss_chunk", 0), 0)
+    at_least("model.mlp_tiles", m.get("mlp_tiles", 0), 0)
+    if int(m.get("mlp_tiles", 0)) > 1:
+        for clash, on, why in (
+                ("model.activation_checkpointing=selective", checkpointing_mode(m) == "selective",
+                 "selective checkpointing keeps the MLP's matmul outputs, which the tiles recompute"),
+                ("model.compile=true", bool(m.get("compile")),
+                 "the compiled blocks would trace the tiles' checkpoints (not tried on torch 2.13)"),
+                (f"peft={cfg.peft.name}", cfg.peft.name != "none",
+                 "the plan counts what a frozen base's MLP keeps untiled (the adapters keep their own)")):
+            if on:
+                raise UserError("model.mlp_tiles", m.mlp_tiles, f"Tiled MLPs are not taken with {clash}: {why}.",
+                                f"Use model.mlp_tiles=0, or leave {clash.split('=')[0]} at its default.")
     if cfg.precision.name == "fp8" and cfg.peft.name != "none":
         raise UserError("precision", "fp8", f"Float8 linears replace the blocks' nn.Linear layers, which peft="
                         f"{cfg.peft.name} wraps with its adapters (and QLoRA quantizes to 4 bits).",

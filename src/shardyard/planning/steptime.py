@@ -139,7 +139,9 @@ def micro_compute_s(cfg: DictConfig, batch: Plan, hw: Hardware, dims: ParallelDi
     mode = checkpointing_mode(cfg.model)
     share = checkpointed_fraction(cfg.model, shape["blocks"]) if mode != "none" else 0.0
     again = share / 3 if mode == "full" else 0.0
-    matmuls = linear * (1 + again) / (hw.peak_flops * matmul_efficiency(cfg, batch, hw, dims, states))
+    # model.mlp_tiles: each tile's MLP runs its forward once more in backward (2 FLOPs per parameter and token)
+    tiled = 2.0 * shape.get("dense_mlp_params", 0) if int(cfg.model.get("mlp_tiles", 0)) > 1 else 0.0
+    matmuls = (linear * (1 + again) + tiled) / (hw.peak_flops * matmul_efficiency(cfg, batch, hw, dims, states))
     # 3. The attention kernel, at its own efficiency on the FLOPs counted for it (12LHQT, causal or not).
     attn = attention * (1 + again) / (hw.peak_flops * ATTENTION_EFFICIENCY)
     # 4. The ops between matmuls, bound by memory: passes over the activation bytes per token (selective recomputes

@@ -405,8 +405,10 @@ def _let_the_first_failure_be_seen() -> None:
     every 0.2 s and reports the first dead one it finds, in rank order, not the first to die: without this wait
     a job whose rank 1 crashed was reported as "rank 0 failed with exit code 1" (3 runs in 3 on 2 cores, and a
     sweep's summary in CI). So a worker whose error is a lost peer waits ``PEER_LOST_GRACE_S`` (under the
-    elastic agent only, which ends it as soon as it has seen the rank that failed first)."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
+    elastic agent only, which ends it as soon as it has seen the rank that failed first). Not a node's only
+    worker (``LOCAL_WORLD_SIZE`` 1): its agent has no other rank to name, and the peer it lost is on another node,
+    whose own agent reports it; the wait would only hold this node's report back."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or os.environ.get("LOCAL_WORLD_SIZE") == "1":
         return
     print(f"shardyard | rank {os.environ.get('RANK', '?')} waits {PEER_LOST_GRACE_S:.0f} s so that the launcher "
           "names the rank that failed first", file=sys.stderr, flush=True)
