@@ -9,7 +9,8 @@ training whole sequences:
   FSDP2 at dp_shard 2 x sp 2; DDP at cp 2 and cp 4 (each rank two chunks of 2 cp, head and tail), FSDP2 at
   dp_shard 2 x cp 2;
 * DeepSeek's MLA and MoE (deepseek_moe_tiny, its router's bias balancing on), causal (no documents: context
-  parallelism's lower-right causal chunks, no mask tensor) under ZeRO-2 at sp 2 and at cp 2.
+  parallelism's lower-right causal chunks, no mask tensor) under ZeRO-2 at sp 2 and at cp 2;
+* FSDP2 at sp 2 and DDP at cp 4 with tiled MLPs (``model.mlp_tiles=3``: each rank's own positions in 3 tiles).
 
 The reference with ``data.document_mask=false`` differs from it (the packed documents are really there), so a
 shard that attended across them, or only within its own positions, could not pass."""
@@ -25,6 +26,10 @@ MLA = [*TINY, *SEQ, "model=deepseek_moe_tiny", "model.hidden_size=64", "model.nu
        "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=8", "model.v_head_dim=8", "model.moe_intermediate_size=32",
        "model.intermediate_size=96", "model.num_layers=2", "model.balance.seq_aux_alpha=0"]
 
+TILES = "model.mlp_tiles=3"
+"""Tiled MLPs (point 5) on the rank's own positions, in two of the runs above (fsdp sp 2, ddp cp 4): the reference
+has none, so they compose exactly with the split or those runs fail."""
+
 
 def curve(result, key):
     return [v for _, v in result["summary"][key]]
@@ -37,8 +42,9 @@ def runs(tmp_path_factory):
               "mla": [*MLA, "backend=single"]}
     two = {"ddp sp2": [*DENSE, "backend=ddp", "backend.sp=2"], "zero2 sp2": [*MLA, "backend=zero2", "backend.sp=2"],
            "ddp cp2": [*DENSE, "backend=ddp", "backend.cp=2"], "zero2 cp2": [*MLA, "backend=zero2", "backend.cp=2"]}
-    four = {"ddp sp4": [*DENSE, "backend=ddp", "backend.sp=4"], "fsdp sp2": [*DENSE, "backend=fsdp", "backend.sp=2"],
-            "ddp cp4": [*DENSE, "backend=ddp", "backend.cp=4"], "fsdp cp2": [*DENSE, "backend=fsdp", "backend.cp=2"]}
+    four = {"ddp sp4": [*DENSE, "backend=ddp", "backend.sp=4"],
+            "fsdp sp2": [*DENSE, "backend=fsdp", "backend.sp=2", TILES],
+            "ddp cp4": [*DENSE, "backend=ddp", "backend.cp=4", TILES], "fsdp cp2": [*DENSE, "backend=fsdp", "backend.cp=2"]}
     out = {}
     for world, jobs in ((1, single), (2, two), (4, four)):
         names = list(jobs)
@@ -75,3 +81,12 @@ def test_sequence_parallel_equals_one_process(runs, run, ref):
 def test_the_documents_mask_matters(runs):
     dense, unmasked = curve(runs["dense"][0], "train_losses"), curve(runs["unmasked"][0], "train_losses")
     assert max(abs(a - b) for a, b in zip(dense, unmasked)) > 1e-3, (dense, unmasked)
+
+
+def test_the_tiled_runs_computed_their_mlps_in_tiles(runs):
+    """The runs with TILES computed every dense block's MLP in 3 tiles of the rank's positions at their first step
+    (``speed_options.mlp_tiles``: 2 blocks x 3 tiles x the rank's micro-batches: 1 at dp 2, 2 at dp 1); the others
+    none."""
+    for name, micro in (("fsdp sp2", 1), ("ddp cp4", 2)):
+        assert [r["summary"]["speed_options"]["mlp_tiles"] for r in runs[name]] == [2 * 3 * micro] * 4, name
+    assert runs["ddp sp4"][0]["summary"]["speed_options"]["mlp_tiles"] is None
