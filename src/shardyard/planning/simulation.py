@@ -169,24 +169,33 @@ def unpacked_rows() -> Iterator[None]:
     packing, as it does on the run's real ones."""
     from torch._subclasses.fake_tensor import FakeTensor
 
+    def unpacked(original: Any) -> Any:
+        return lambda position_ids: None if isinstance(position_ids, FakeTensor) else original(position_ids)
+
+    with _replaced("transformers.masking_utils", "find_packed_sequence_indices", unpacked):
+        yield
+
+
+@contextlib.contextmanager
+def _replaced(module: str, name: str, wrap: Any) -> Iterator[None]:
+    """``module.name`` replaced by ``wrap(original)`` for the simulation's duration, and put back; nothing where the
+    installed transformers has neither (it does that part otherwise)."""
+    import importlib
+
     try:
-        from transformers import masking_utils
-    except ImportError:  # a transformers without it makes its masks otherwise
+        owner = importlib.import_module(module)
+    except ImportError:
         yield
         return
-    original = getattr(masking_utils, "find_packed_sequence_indices", None)
+    original = getattr(owner, name, None)
     if original is None:
         yield
         return
-
-    def unpacked(position_ids: Any) -> Any:
-        return None if isinstance(position_ids, FakeTensor) else original(position_ids)
-
-    masking_utils.find_packed_sequence_indices = unpacked
+    setattr(owner, name, wrap(original))
     try:
         yield
     finally:
-        masking_utils.find_packed_sequence_indices = original
+        setattr(owner, name, original)
 
 
 @contextlib.contextmanager
@@ -234,24 +243,11 @@ def fp32_grouped_gemms() -> Iterator[None]:
     one output, the same shapes), as ``expert_parallel.fused_grouped_mm`` does for the expert-parallel layers."""
     import torch
 
-    try:
-        from transformers.integrations import moe
-    except ImportError:  # a transformers without it runs its experts otherwise
-        yield
-        return
-    original = getattr(moe, "_can_use_grouped_mm", None)
-    if original is None:
-        yield
-        return
+    def bf16_only(original: Any) -> Any:
+        return lambda input, weight, offs: weight.dtype == torch.bfloat16 and original(input, weight, offs)
 
-    def bf16_only(input: Any, weight: Any, offs: Any) -> bool:
-        return weight.dtype == torch.bfloat16 and original(input, weight, offs)
-
-    moe._can_use_grouped_mm = bf16_only
-    try:
+    with _replaced("transformers.integrations.moe", "_can_use_grouped_mm", bf16_only):
         yield
-    finally:
-        moe._can_use_grouped_mm = original
 
 
 def _simulated_config(cfg: DictConfig, replica: bool) -> DictConfig:
