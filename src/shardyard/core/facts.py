@@ -92,7 +92,16 @@ class GPU:
     """The host link, GB/s per direction (PCIe Gen5 x16: 64, Gen4 x16: 32): what offload's copies cross."""
     source: str = ""
     """Where each figure of this row comes from (the data sheet, or how it was derived)."""
+    matmul_efficiency: float = 0.0
+    """The share of the peak a large matmul reaches on this part, where a published run of it fitted one
+    (``shardyard.planning.steptime``); 0: the step-time model's ``MATMUL_EFFICIENCY``, fitted on H100."""
 
+
+A100_MATMUL_EFFICIENCY = 0.82
+"""A100's matmul efficiency, fitted to torchtitan's Llama 3 8B on 64 A100-80GB (8 nodes; its docs/performance.md:
+FSDP, local batch 1, seq 8,192, selective op checkpointing, 2,973 tokens/s/GPU, 58.2% MFU: 2,957 predicted),
+where H100's 0.55 predicted 2,355 (-21%); checked on its Llama 3 70B on the same 64 GPUs (full checkpointing, 331
+published, 313 predicted, -5.6%; -29% at 0.55): docs/plan.md's table."""
 
 GPUS = [
     GPU("H100-80GB", 79.1, 989.4, 66.9, 450.0, 50.0, hbm_tbs=3.35, pcie_gbs=64.0,
@@ -117,10 +126,11 @@ GPUS = [
                "each way), PCIe Gen5 (the Gen6 link is not assumed); 400 Gb/s per GPU (50 GB/s)"),
     GPU("A100-80GB", 79.2, 312.0, 19.5, 300.0, 25.0, 256.0, hbm_tbs=2.039, pcie_gbs=32.0,
         source="NVIDIA A100 data sheet (SXM4 80GB): 312 TFLOP/s dense BF16, 19.5 FP32, HBM2e 2.039 TB/s, NVLink 3 "
-               "600 GB/s (300 each way), PCIe Gen4; DGX A100: 200 Gb/s HDR per GPU (25 GB/s)"),
+               "600 GB/s (300 each way), PCIe Gen4; DGX A100: 200 Gb/s HDR per GPU (25 GB/s)",
+        matmul_efficiency=A100_MATMUL_EFFICIENCY),
     GPU("A100-40GB", 39.4, 312.0, 19.5, 300.0, 25.0, 128.0, hbm_tbs=1.555, pcie_gbs=32.0,
         source="NVIDIA A100 data sheet (SXM4 40GB): 312 TFLOP/s dense BF16, HBM2 1.555 TB/s, NVLink 3 600 GB/s; "
-               "200 Gb/s HDR per GPU"),
+               "200 Gb/s HDR per GPU", matmul_efficiency=A100_MATMUL_EFFICIENCY),
     GPU("L40S-48GB", 44.4, 362.0, 91.6, 32.0, 12.5, 96.0, hbm_tbs=0.864, pcie_gbs=32.0,
         source="NVIDIA L40S data sheet: 362 TFLOP/s dense BF16, 91.6 FP32, GDDR6 864 GB/s, PCIe Gen4 x16 (no "
                "NVLink: 32 GB/s each way between GPUs); 100 Gb/s per GPU (12.5 GB/s) assumed"),

@@ -65,6 +65,8 @@ class Hardware:
     source: str = ""
     """Where the figures come from (the GPU table's ``source``)."""
 
+    matmul_efficiency: float | None = None
+    """The part's own matmul efficiency (``facts.GPU.matmul_efficiency``); None: the step-time model's."""
     intra_latency: float = NCCL_NVLINK_STEP_S
     """Seconds per step of a ring inside a node (``NCCL_NVLINK_STEP_S``)."""
     inter_latency: float = NCCL_NET_STEP_S
@@ -105,7 +107,7 @@ def named(spec: str, nodes: int, precision: str = "bf16", nvme_path: str | None 
     flops = (gpu.fp32_tflops if Precision(precision) is Precision.fp32 else gpu.bf16_tflops) * 1e12
     return Hardware(f"{count}x{gpu.name}", "cuda", count, nodes, gpu.memory_gib * GiB, gpu.host_gib_per_gpu * count * GiB,
                     _nvme_free(nvme_path), flops, gpu.intra_gbs * 1e9, gpu.inter_gbs * 1e9, False,
-                    gpu.hbm_tbs * 1e12 or None, gpu.pcie_gbs * 1e9, gpu.source)
+                    gpu.hbm_tbs * 1e12 or None, gpu.pcie_gbs * 1e9, gpu.source, gpu.matmul_efficiency or None)
 
 
 def this_machine(cfg: DictConfig, batch: Plan) -> Hardware:

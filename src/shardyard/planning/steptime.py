@@ -169,7 +169,7 @@ def matmul_efficiency(cfg: DictConfig, batch: Plan, hw: Hardware, dims: Parallel
 
     def roofline(m: float, n: float, k: float) -> float:
         intensity = 2 * m * n * k / (c * (m * k + k * n + m * n))
-        return MATMUL_EFFICIENCY * min(1.0, intensity / ridge)
+        return (hw.matmul_efficiency or MATMUL_EFFICIENCY) * min(1.0, intensity / ridge)
 
     dense = min(roofline(rows, h / dims.tp, h), roofline(rows, width / dims.tp, h))
     if not shape["expert_params"] or not f.routed_experts:
