@@ -38,7 +38,8 @@ def planned(overrides):
 
 
 # torchtitan's Llama 3 on 64 A100-80GB (8 nodes; its docs/performance.md): FSDP, local batch 1 (global 64), seq 8,192;
-# 8B with selective op checkpointing 2,973 tokens/s/GPU (A100's matmul efficiency is fitted to it), 70B (hidden
+# 8B with selective op checkpointing 2,973 tokens/s/GPU (A100's matmul efficiency is fitted to it: its row holds the
+# fit, the 70B's is the independent check), 70B (hidden
 # 8,192, MLP 28,672, 80 layers, 64 heads, 8 key/value heads) with full checkpointing 331.
 A100_64 = ["plan.hardware=8xA100-80GB", "plan.nodes=8", "train.micro_batch_size=1", "train.global_batch_size=64"]
 LLAMA3_8B_A100 = [*(o for o in LLAMA31_8B if not o.startswith(("plan.hardware", "train.micro_batch_size"))), *A100_64]

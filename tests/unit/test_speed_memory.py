@@ -62,6 +62,7 @@ def test_tiled_mlps_keep_none_of_the_mlps_intermediates(measured):
     assert none["probe"]["block_kept_bytes"] - tiles["probe"]["block_kept_bytes"] == mlp, measured
     assert tiles["probe"]["mlp_tiles"] == 4 * 4 and none["probe"]["mlp_tiles"] is None  # 4 blocks x 4 tiles
     assert full_tiles["probe"]["block_kept_bytes"] == full["probe"]["block_kept_bytes"]
+    assert full_tiles["probe"]["mlp_tiles"] == 4 * 4  # the training forward's, not the recompute's in backward too
     wide, wide_tiles = measured["full-wide"], measured["full-wide-tiles4"]
     saved = 16 * 2048 * 2048 * 3 / 4
     assert wide["plan"] - wide_tiles["plan"] == pytest.approx(saved, rel=0.01), measured

@@ -26,8 +26,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 
 def options(cfg: DictConfig) -> DictConfig:
-    """``cfg`` for building the reference with an engine's own function: activation checkpointing, compile and
-    the chunked loss head off (1); the objective's ``reference_weights`` as ``model.weights`` when it names
+    """``cfg`` for building the reference with an engine's own function: activation checkpointing, compile, the
+    tiled MLPs and the chunked loss head off (1); the objective's ``reference_weights`` as ``model.weights`` when it names
     some (validation checked them against the policy's shapes); everything else, the precision included, as the
     policy's."""
     ref = copy.deepcopy(cfg)
@@ -36,6 +36,7 @@ def options(cfg: DictConfig) -> DictConfig:
         ref.model.activation_checkpointing = "none"
         ref.model.compile = False
         ref.model.loss_chunk = 0
+        ref.model.mlp_tiles = 0
         weights = OmegaConf.select(cfg, "objective.reference_weights", default=None)
         if weights:
             ref.model.weights = weights

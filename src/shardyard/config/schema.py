@@ -449,8 +449,8 @@ class ModelConfig:
     untiled ones within rounding, for one more forward of the MLP's matmuls. 0 or 1 = off. Worth it at long
     sequences, where a block's MLP intermediates are about half of what it keeps (DeepSeek-7B: 8 x 11,008 of
     ~200k bytes per token in bf16). Routed-expert (MoE) blocks are not tiled. With ``activation_checkpointing``
-    ``none`` or ``full`` (not selective, which keeps the MLP's matmul outputs), not with ``compile`` or ``peft``;
-    not on fsdp_tp or pipeline. The plan counts it."""
+    ``none`` or ``full`` (not selective, which keeps the MLP's matmul outputs), not with ``compile``, ``peft`` or
+    fp8; not on fsdp_tp or pipeline. The plan counts it."""
     init_device: InitDevice = InitDevice.auto
     """Where parameters are first created: ``auto`` (meta above 1B parameters or when ``weights`` are loaded),
     ``cpu`` or ``meta``."""

@@ -124,7 +124,7 @@ def apply_mlp_tiles(model: Any, m: DictConfig) -> None:
     1. Inside the MLP's own forward (the instance's ``forward`` replaced): its parameter names and the engine's
        hooks on it and on its linears (ZeRO-3's gathers) are unchanged; a block's FSDP unit holds it unsharded.
     2. The tokens, flattened over the batch (an MLP mixes no positions), are split into ``mlp_tiles`` near-equal
-       tiles (``tensor_split``: views, no copy); each tile runs inside a non-reentrant checkpoint, which keeps
+       tiles (``tensor_split``: views of a contiguous input; never more tiles than tokens); each tile runs inside a non-reentrant checkpoint, which keeps
        only its input (a view of the block's normalised hidden states, which the block keeps anyway): backward
        recomputes one tile's intermediates at a time. Nested inside ``full`` checkpointing's recompute alike.
     3. Per token the same ops: the output and gradients equal the untiled MLP's within rounding.
@@ -145,13 +145,14 @@ def apply_mlp_tiles(model: Any, m: DictConfig) -> None:
             if not torch.is_grad_enabled():  # 4
                 return plain(x)
             flat = x.reshape(-1, x.size(-1))  # 2
-            outs = [checkpoint(plain, tile, use_reentrant=False) for tile in flat.tensor_split(tiles)]
-            _PROBED["mlp_tiles"] += len(outs)
+            outs = [checkpoint(plain, tile, use_reentrant=False)
+                    for tile in flat.tensor_split(min(tiles, max(flat.size(0), 1)))]  # no empty tiles
+            if torch._C._current_graph_task_id() == -1:  # a training forward, not full checkpointing's recompute
+                _PROBED["mlp_tiles"] += len(outs)
             out = torch.cat(outs)
             return out.reshape(*x.shape[:-1], out.size(-1))
 
         mlp.forward = forward
-    _bare(model).shardyard_mlp_tiles = tiles
 
 
 def apply_chunked_loss(model: Any, m: DictConfig) -> None:

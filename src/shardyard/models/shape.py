@@ -143,7 +143,7 @@ def model_shape(model: Any) -> dict:
         mlp = [b.get("mlp_" + regime, 0.0) if d else 0.0 for b, d in zip(per_block, dense)]
         resid = 2 if regime == "half" else 4  # the residual stream: fp32 but under half parameters
         act[regime] = {"blocks": sum(layer), "max_block": max(layer), "ckpt_per_block": resid * h,
-                       "mlp_blocks": sum(mlp), "max_block_mlp": mlp[layer.index(max(layer))],
+                       "mlp_blocks": sum(mlp), "block_list": layer, "mlp_list": mlp,
                        "selective_blocks": sum(kept), "max_selective_block": max(kept),
                        # the logits (and their fp32 upcast, log-softmax and gradient) per token at the loss's
                        # backward, which model.loss_chunk bounds (12 bytes measured by the dry run at deepseek7b;
@@ -246,8 +246,8 @@ def _block_bytes_per_token(block: Any, c: Any, h: int) -> dict:
         # DeepSeek-V3's pipeline stages, 4096 tokens: 5.3 GiB recomputed and temporary for a block of 4.0, once
         # FSDP's own gradient buffers made in its post-backward are counted as buffers, not temporaries).
         # frozen (``peft``): the two norms' inputs at least (what else its linears stop saving is not counted)
-        mlp = 0.0 if moe else 4 * ffn  # a dense MLP's intermediates (4 x its width) in fp32 bytes
-        return {"mlp_fp32": mlp, "mlp_autocast": _V3_AUTOCAST * mlp, "mlp_half": _V3_HALF * mlp,
+        mlp = 0.0 if moe else 4 * ffn  # a dense MLP's intermediates (4 x its width) in fp32 bytes, half in bf16
+        return {"mlp_fp32": mlp, "mlp_autocast": mlp / 2, "mlp_half": mlp / 2,
                 "fp32": fp32, "autocast": _V3_AUTOCAST * fp32, "half": _V3_HALF * fp32,
                 "frozen_fp32": 8 * h, "frozen_autocast": 8 * h, "frozen_half": 4 * h, "backward": _V3_BACKWARD,
                 "selective_fp32": 4 * kept, "selective_autocast": _V3_AUTOCAST * 4 * kept,

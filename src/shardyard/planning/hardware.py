@@ -125,7 +125,8 @@ def this_machine(cfg: DictConfig, batch: Plan) -> Hardware:
         intra, inter = (gpu.intra_gbs, gpu.inter_gbs) if gpu else (64.0, 12.5)
         return Hardware(f"{batch.nproc_per_node}x {name or 'GPU'} (this machine)", "cuda", batch.nproc_per_node, nodes,
                         total, host, nvme, flops, intra * 1e9, inter * 1e9, True,
-                        gpu.hbm_tbs * 1e12 if gpu else None, gpu.pcie_gbs * 1e9 if gpu else 32e9, gpu.source if gpu else "")
+                        gpu.hbm_tbs * 1e12 if gpu else None, gpu.pcie_gbs * 1e9 if gpu else 32e9, gpu.source if gpu else "",
+                        (gpu.matmul_efficiency or None) if gpu else None)
     return Hardware(f"this machine ({os.cpu_count()} cores, {host / GiB:.1f} GiB RAM available)", "cpu",
                     batch.nproc_per_node, nodes, None, host, nvme, None, 10e9, 10e9, True)
 

@@ -226,13 +226,21 @@ def _batches(base: DictConfig, batch: Plan, degrees: dict[str, Any], hw: Hardwar
     dp = hw.world // (mp * group)
     share = batch.global_batch_size // dp if batch.global_batch_size % dp == 0 else 0
     sizes = [int(fixed["train.micro_batch_size"])] if "train.micro_batch_size" in fixed else \
-        [1] if group > 1 else [d for d in range(1, share + 1) if share % d == 0]
+        [1] if group > 1 else _divisors(share)
     policies = [checkpointing_mode(_policy(fixed["model.activation_checkpointing"]))] \
         if "model.activation_checkpointing" in fixed else list(POLICIES)
+    if int(base.model.get("mlp_tiles", 0)) > 1:  # tiled MLPs are refused beside selective checkpointing
+        policies = [p for p in policies if p != "selective"]
     for mbs in sizes:
         if share and share % mbs == 0:
             for policy in policies:
                 yield mbs, policy
+
+
+def _divisors(n: int) -> list[int]:
+    """The divisors of ``n`` in increasing order, in O(sqrt n) (a global batch of millions of sequences stays quick)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0] if n > 0 else []
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def _policy(value: str) -> Any:

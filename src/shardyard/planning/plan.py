@@ -347,18 +347,20 @@ def _activation_parts(shape: dict, regime: str, tokens: int, mode: str = "none",
     logits_tokens = min(loss_chunk, tokens) if loss_chunk else tokens
     loss = a["loss_hidden"] * tokens + a["logits"] * logits_tokens
     # model.mlp_tiles: the dense MLPs' intermediates are not kept (``mlp_blocks``); the backward of a block
-    # recomputes one tile's of them at a time (``max_block_mlp`` / tiles)
-    untiled, tile = (a.get("mlp_blocks", 0.0), a.get("max_block_mlp", 0.0)) if mlp_tiles > 1 else (0.0, 0.0)
+    # recomputes one tile's of them at a time: the largest MLP's tile without checkpointing; under full
+    # checkpointing the largest recomputed block less what its tiles do not hold at once
+    tiled = mlp_tiles > 1 and "mlp_list" in a
+    untiled = a["mlp_blocks"] if tiled else 0.0
     if mode == "none" or fraction == 0:
-        kept, transient = a["blocks"] - untiled, tile / mlp_tiles if mlp_tiles > 1 else 0.0
+        kept, transient = a["blocks"] - untiled, max(a["mlp_list"]) / mlp_tiles if tiled else 0.0
     else:
         # checkpointed blocks keep their input (full) or their matmul outputs (selective); one block at a time
         # is recomputed in backward, all of it (full) or the ops between its matmuls (selective)
         own = n * a["ckpt_per_block"] if mode == "full" else a["selective_blocks"]
         kept = (1 - fraction) * (a["blocks"] - untiled) + fraction * own
         transient = a["max_block"] - (0.0 if mode == "full" else a["max_selective_block"])
-        if mlp_tiles > 1:
-            transient -= tile * (1 - 1 / mlp_tiles)
+        if tiled:  # full only (validation refuses tiles beside selective)
+            transient = max(b - m * (1 - 1 / mlp_tiles) for b, m in zip(a["block_list"], a["mlp_list"]))
     transient += a.get("max_block_backward", 0.0)  # the backward of the largest block, beside its activations
     # autocast casts each weight to bf16 once per forward and caches the copy until the forward's autocast region
     # ends, checkpointed blocks' too: every block's and the head's are alive at the loss (the dry run measured

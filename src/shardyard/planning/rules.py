@@ -491,7 +491,9 @@ def validate_speed_options(cfg: DictConfig) -> None:
                 ("model.compile=true", bool(m.get("compile")),
                  "the compiled blocks would trace the tiles' checkpoints (not tried on torch 2.13)"),
                 (f"peft={cfg.peft.name}", cfg.peft.name != "none",
-                 "the plan counts what a frozen base's MLP keeps untiled (the adapters keep their own)")):
+                 "the plan counts what a frozen base's MLP keeps untiled (the adapters keep their own)"),
+                ("precision=fp8", cfg.precision.name == "fp8",
+                 "each tile would take its own float8 scales, not the untiled MLP's (not tried)")):
             if on:
                 raise UserError("model.mlp_tiles", m.mlp_tiles, f"Tiled MLPs are not taken with {clash}: {why}.",
                                 f"Use model.mlp_tiles=0, or leave {clash.split('=')[0]} at its default.")
