@@ -54,8 +54,9 @@ def _run(cfg: DictConfig) -> None:
 
         if cfg.plan.hardware is not None:
             world = named(cfg.plan.hardware, cfg.plan.nodes).world
-            layouts.check_fixed(layouts.command_line(), world)
-            layouts.free_micro_batch(cfg, layouts.command_line(), world)
+            fixed = layouts.command_line()
+            layouts.check_fixed(fixed, world)
+            layouts.free_micro_batch(cfg, fixed, world)
     if cfg.plan.dry_run:  # the run at the named hardware's world, simulated here; nothing is written
         from shardyard.planning import dryrun
 

@@ -112,29 +112,24 @@ _PROBED = {"loss_chunks": 0, "mlp_tiles": 0}  # chunks the chunked heads, tiles 
 #                                             computed in training forwards (SpeedProbe reads the step's)
 
 
-def tiled_mlps(model: Any) -> list[torch.nn.Module]:
-    """The MLPs ``model.mlp_tiles`` tiles: each transformer block's dense one (``shape.dense_mlp``: not routed
-    experts, whose routing and balancing counts run once per call)."""
-    return [mlp for mlp in map(dense_mlp, transformer_blocks(_bare(model))) if mlp is not None]
-
-
 def apply_mlp_tiles(model: Any, m: DictConfig) -> None:
     """``model.mlp_tiles``: each dense block's MLP computes its tokens in ``mlp_tiles`` tiles (ALST's TiledMLP).
 
     1. Inside the MLP's own forward (the instance's ``forward`` replaced): its parameter names and the engine's
        hooks on it and on its linears (ZeRO-3's gathers) are unchanged; a block's FSDP unit holds it unsharded.
     2. The tokens, flattened over the batch (an MLP mixes no positions), are split into ``mlp_tiles`` near-equal
-       tiles (``tensor_split``: views of a contiguous input; never more tiles than tokens); each tile runs inside a non-reentrant checkpoint, which keeps
-       only its input (a view of the block's normalised hidden states, which the block keeps anyway): backward
+       tiles (``tensor_split``: views of a contiguous input; never more tiles than tokens); each tile runs inside
+       a non-reentrant checkpoint, which keeps only its input (a view of the block's normalised hidden states, which the block keeps anyway): backward
        recomputes one tile's intermediates at a time. Nested inside ``full`` checkpointing's recompute alike.
     3. Per token the same ops: the output and gradients equal the untiled MLP's within rounding.
-    4. Without gradients (evaluation, generation) the plain MLP runs: nothing is kept to save."""
+    4. Without gradients (evaluation, generation) the plain MLP runs: nothing is kept to save.
+    Only dense MLPs (``shape.dense_mlp``): routed experts' routing and balancing counts run once per call."""
     tiles = int(m.get("mlp_tiles", 0))
     if tiles <= 1:
         return
     from torch.utils.checkpoint import checkpoint
 
-    mlps = tiled_mlps(model)
+    mlps = [mlp for mlp in map(dense_mlp, transformer_blocks(_bare(model))) if mlp is not None]
     if not mlps:
         raise UserError("model.mlp_tiles", tiles, f"This model ({type(_bare(model)).__name__}) has no dense MLP in its "
                         "transformer blocks (a block's `mlp` without routed experts) to tile.", "Use model.mlp_tiles=0.")
