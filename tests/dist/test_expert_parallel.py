@@ -1,7 +1,8 @@
 """Expert parallelism (``backend.ep``) on the FSDP2 family equals the single process, with DeepSeek-V3's
 multi-token prediction on (``model.mtp.depth=1``: its MoE depth rides on the last pipeline stage; its loss is
-logged and equal too; one run with the chunked head): losses and global pre-clip grad norms within 1e-4 at (world 2, ep 2), (world 4, ep 2), (world 4, ep 4) with accumulation 1 and 2, with
-activation checkpointing, and for 2 pipeline stages x ep 2 at world 4, each run measured to have sent token rows
+logged and equal too; one run with the chunked head): losses and global pre-clip grad norms within 1e-4 at
+(world 2, ep 2), (world 4, ep 2), (world 4, ep 4) with accumulation 1 and 2, with activation checkpointing, for 2
+pipeline stages x ep 2 and for HSDP's 2 copies x ep 2 at world 4, each run measured to have sent token rows
 to every EP peer (equality alone would hold with ``ep`` ignored); each rank holds E / ep whole experts; a
 resume is bit for bit, and a checkpoint written at ep 2 resumes at ep 4 (and 4 -> 2) with the same losses; the HF
 export scores the eval set as the engine did. A MoE layer makes the host wait once per forward (issue 41), and
@@ -76,7 +77,9 @@ def runs(tmp_path_factory):
           "ep4": [*EP, "backend.ep=4", "train.micro_batch_size=2", CKPT],
           # (ep 4 with accumulation: its all-to-all is ep4's, its accumulation ep2-accum2's and ep2-accum2-ckpt's)
           "pp2-ep2": [*EP, "backend=pipeline", "backend.stages=2", "backend.microbatches=2", "backend.ep=2",
-                      "train.micro_batch_size=2"]}
+                      "train.micro_batch_size=2"],
+          # HSDP (issue 57): 2 copies, each of edp 1 x ep 2 (the rest of each block sharded over the copy's 2 ranks)
+          "hsdp-ep2": [*EP, "backend.ep=2", "backend.replicate=2", "train.micro_batch_size=2"]}
     # a world-4 run's resumes, in a second call: its checkpoints must exist first
     w4_resumes = {"ep2-to-ep4": [*EP, "backend.ep=4", "train.micro_batch_size=2", step3(d / "w4-ep2")],
                   "ep4-to-ep2": [*EP, "backend.ep=2", "train.micro_batch_size=2", step3(d / "w4-ep4")]}
@@ -88,7 +91,7 @@ def runs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("run", ["w2-ep2", "w2-ep2-accum2-ckpt", "w4-ep2", "w4-ep2-accum2", "w4-ep4",
-                                 "w4-pp2-ep2"])
+                                 "w4-pp2-ep2", "w4-hsdp-ep2"])
 def test_expert_parallel_matches_single_process(run, runs):
     """Equal to the single process, and measured to be expert parallel: tokens crossed ranks (equality alone
     holds with ``backend.ep`` ignored)."""
@@ -119,6 +122,20 @@ def test_each_rank_holds_its_own_whole_experts(run, ep, runs):
         rows = block.chunk(world // ep)[edp_index]  # FSDP's dim-0 shard of them
         assert torch.equal(local, rows), (run, r)
     assert sum(rank["local"][EXPERTS].shape[0] for rank in ranks) == full.shape[0] == 8
+
+
+def test_hsdp_copies_hold_the_same_experts_and_shards(runs):
+    """backend.replicate=2 beside ep 2 at world 4 (issue 57): rank r holds EP block r % 2 whole (its copy's edp is
+    1), the copies (ranks 0 and 2, 1 and 3) hold every tensor bit for bit after training, and the dense weights are
+    sharded within a copy (half per rank, where plain ep 2 at world 4 holds a quarter)."""
+    ranks, plain = runs["w4-hsdp-ep2"], runs["w4-ep2"]
+    full = ranks[0]["full"][EXPERTS]
+    for r, rank in enumerate(ranks):
+        assert torch.equal(rank["local"][EXPERTS], full[(r % 2) * 4:(r % 2 + 1) * 4]), r
+    for a, b in ((0, 2), (1, 3)):
+        assert all(torch.equal(ranks[a]["local"][k], ranks[b]["local"][k]) for k in ranks[a]["local"]), (a, b)
+    dense = "model.embed_tokens.weight"
+    assert ranks[0]["local"][dense].numel() * 2 == ranks[0]["full"][dense].numel() == plain[0]["local"][dense].numel() * 4
 
 
 def test_resume_is_bit_for_bit(runs):

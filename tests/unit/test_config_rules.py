@@ -168,13 +168,14 @@ def test_keys_no_schema_or_plugin_reads_are_refused(overrides, key):
     (["model.mlp_tiles=4", "peft=lora"], "model.mlp_tiles"),
     (["backend=fsdp_tp", "launch.nproc_per_node=2", "model.mlp_tiles=4"], "model.mlp_tiles"),
     (["backend=pipeline", "launch.nproc_per_node=2", "model.mlp_tiles=4"], "model.mlp_tiles"),
-    # HSDP (issue 57): copies that do not divide the world, none, and the engines that do not run it
+    # HSDP (issue 57): copies that do not divide the world or the data-parallel ranks tp / stages leave, none, and
+    # expert parallelism over more than one copy's shards
     (["backend=fsdp", "backend.replicate=3", "launch.nproc_per_node=4"], "backend.replicate"),
     (["backend=fsdp", "backend.replicate=0"], "backend.replicate"),
-    (["backend=fsdp_tp", "launch.nproc_per_node=4", "backend.replicate=2"], "backend.replicate"),
-    (["backend=pipeline", "launch.nproc_per_node=4", "backend.replicate=2"], "backend.replicate"),
-    (["model=deepseek_moe_tiny", "backend=fsdp", "backend.ep=2", "backend.replicate=2", "launch.nproc_per_node=4"],
-     "backend.replicate"),
+    (["backend=fsdp_tp", "launch.nproc_per_node=4", "backend.tp=2", "backend.replicate=4"], "backend.replicate"),
+    (["backend=pipeline", "launch.nproc_per_node=4", "backend.stages=2", "backend.replicate=4"], "backend.replicate"),
+    (["model=deepseek_moe_tiny", "backend=fsdp", "backend.ep=4", "backend.replicate=2", "launch.nproc_per_node=4"],
+     "backend.ep"),
     # Ulysses sequence parallelism (issue 56): an engine that does not split sequences, heads or a sequence length
     # it does not divide, a world it does not divide, and what it does not combine with yet
     (["backend=pipeline", "launch.nproc_per_node=2", "backend.sp=2"], "backend.sp"),

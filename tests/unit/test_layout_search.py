@@ -173,12 +173,13 @@ def test_a_node_count_where_nothing_fits_names_the_fewest_that_do():
 
 
 @pytest.mark.parametrize("fixed,key", [({"backend.tp": "2", "backend.stages": "2"}, "backend.stages"),
-                                       ({"backend.replicate": "2", "backend.ep": "4"}, "backend.replicate"),
+                                       ({"backend.replicate": "4", "backend.tp": "8"}, "backend.replicate"),
+                                       ({"backend.replicate": "2", "backend.ep": "4", "backend.tp": "4"}, None),
                                        ({"backend.replicate": "3"}, "backend.replicate"),
                                        ({"backend.stages": "4", "backend.replicate": "1"}, None)])
 def test_degrees_fixed_on_the_command_line_that_contradict_each_other(fixed, key):
     if key is None:
-        layouts.check_fixed(fixed, 16)  # 4 stages of 16 ranks: nothing to refuse
+        layouts.check_fixed(fixed, 16)  # they compose on 16 ranks: nothing to refuse
         return
     with pytest.raises(UserError) as e:
         layouts.check_fixed(fixed, 16)

@@ -79,6 +79,9 @@ class ModelStates:
     so the plan counts the larger, not both."""
     accumulation_bytes: float = 0.0
     """On the device only while gradients accumulate over micro-batches (grad_accum_steps > 1)."""
+    accumulation_buffers: float = 0.0
+    """The engine's buffers that exist only while gradients accumulate (grad_accum_steps > 1), in backward, as the
+    activations are freed: HSDP's held all-reduce outputs (``FSDPBackend.model_states``, 10)."""
     activation_factor: float = 1.0
     """This rank's activations as a fraction of one micro-batch's through the whole model: 1/tp for tensor
     parallel, (layers held / layers) x (micro-batches in flight / pipeline micro-batches) for a pipeline."""

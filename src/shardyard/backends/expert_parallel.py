@@ -28,6 +28,7 @@ that is not already there. The same numbers bound the receive buffer when ``back
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -294,25 +295,27 @@ class ExpertGradients:
             torch._foreach_mul_(grads, 1.0 / self.ep)  # one mesh: the experts'
 
 
-def stepper_options(model: torch.nn.Module, ep: int) -> dict[str, Any]:
+def stepper_options(model: torch.nn.Module, ep: int, copies: int = 1) -> dict[str, Any]:
     """``TorchStepper``'s options under expert parallelism (none at ep 1): the experts' gradients divided by ep
     before unscaling (``ExpertGradients``), and the global norm of gradients on two meshes (experts: edp x ep;
-    the rest: all ranks), which torch's norm does not combine (``sharded_grad_norm``)."""
+    the rest: all ranks), which torch's norm does not combine (``sharded_grad_norm``; ``copies``: HSDP's)."""
     if ep <= 1:
         return {}
-    return {"before_unscale": ExpertGradients(model, ep).average, "grad_norm": sharded_grad_norm}
+    return {"before_unscale": ExpertGradients(model, ep).average,
+            "grad_norm": functools.partial(sharded_grad_norm, copies=copies)}
 
 
-def sharded_grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
+def sharded_grad_norm(params: list[torch.nn.Parameter], copies: int = 1) -> torch.Tensor:
     """The global L2 norm of gradients that are all sharded (FSDP2 over dp_shard, experts over edp x ep): every
-    element lives on exactly one rank, so the squares of the local shards add up over the world."""
+    element lives on exactly one rank of each of HSDP's ``copies`` (which hold the same gradients after their
+    all-reduce), so the squares of the local shards add up over the world to ``copies`` times the model's."""
     from shardyard.core.memory import local
 
     grads = [local(p.grad).float() for p in params if p.grad is not None]
     device = grads[0].device if grads else torch.device("cpu")
     sq = sum((g.pow(2).sum() for g in grads), torch.zeros((), device=device))
     dist.all_reduce(sq)
-    return sq.sqrt()
+    return (sq / copies).sqrt()
 
 
 def clip_by_mesh(params: list[torch.nn.Parameter], max_norm: float, total_norm: torch.Tensor) -> None:

@@ -42,8 +42,9 @@ def parallelize_fsdp(model: torch.nn.Module, cfg: DictConfig, device: torch.devi
        tokens are already summed in them).
     4. Shard every transformer block as its own unit (its all-gather overlaps the previous block's
        compute), then the root, which takes what is left: embeddings, final norm and LM head; over every rank
-       (with EP: the flattened edp x ep mesh; with HSDP, ``mesh`` the (replicate, shard) mesh: FSDP2 shards
-       over its inner dimension and all-reduces the reduce-scattered gradients over the outer one).
+       (with EP: the flattened edp x ep mesh). With HSDP (``backend.replicate``: the engine's mesh has a
+       ``replicate`` dimension) each of these meshes gets the copies as its outer dimension (``with_copies``):
+       FSDP2 shards over the inner one and all-reduces the reduce-scattered gradients over the outer one.
     5. A big model was built on the meta device; only now, sharded, does each rank give its own shards
        storage and initialise them, so no rank ever holds the full model. With CPU offload the shards get
        host memory and the buffers the compute device: the offload policy moves parameters, never buffers,
@@ -56,13 +57,14 @@ def parallelize_fsdp(model: torch.nn.Module, cfg: DictConfig, device: torch.devi
     mp = MixedPrecisionPolicy(param_dtype=COMPUTE_DTYPES[pr.name], reduce_dtype=torch.float32) \
         if pr.name != "fp32" else MixedPrecisionPolicy()
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if b.cpu_offload else OffloadPolicy()
-    dp = mesh if mesh is not None and mesh.mesh_dim_names == ("replicate", "shard") else None  # 4: HSDP
-    if mesh is not None and dp is None:  # 3
+    names = mesh.mesh_dim_names or () if mesh is not None else ()
+    dp = with_copies(mesh, mesh["shard"]) if mesh is not None and "shard" in names else None  # 4: HSDP
+    if mesh is not None and "ep" in names:  # 3
         shard_experts(model, mesh["ep"], b.ep_capacity_factor)
-        dp = mesh["edp", "ep"]._flatten("dp")
+        dp = with_copies(mesh, mesh["edp", "ep"]._flatten("dp"))
         for experts in expert_modules(model):
-            fully_shard(experts, mesh=mesh["edp"], reshard_after_forward=b.reshard_after_forward, mp_policy=mp,
-                        offload_policy=offload)
+            fully_shard(experts, mesh=with_copies(mesh, mesh["edp"]), reshard_after_forward=b.reshard_after_forward,
+                        mp_policy=mp, offload_policy=offload)
     for block in transformer_blocks(model):  # 4
         fully_shard(block, mesh=dp, reshard_after_forward=b.reshard_after_forward, mp_policy=mp,
                     offload_policy=offload)
@@ -74,14 +76,23 @@ def parallelize_fsdp(model: torch.nn.Module, cfg: DictConfig, device: torch.devi
     return model
 
 
-def refuse_replicate(cfg: DictConfig, why: str) -> None:
-    """For an engine built on FSDP2 that does not run HSDP (its schema inherits ``backend.replicate``): more than
-    one copy refused, saying ``why``."""
-    replicate = int(cfg.backend.get("replicate", 1))
-    if replicate > 1:
-        raise UserError("backend.replicate", replicate, f"backend={cfg.backend.name} does not run HSDP: {why}",
-                        f"Use backend.replicate=1 with backend={cfg.backend.name}, or backend=fsdp "
-                        f"backend.replicate={replicate} (HSDP without {cfg.backend.name}'s own split).")
+def fsdp_mesh(device_type: str, outer: dict[str, int], replicate: int, shard: dict[str, int],
+              inner: dict[str, int]) -> DeviceMesh:
+    """The one mesh of an engine built on FSDP2, its dimensions outermost first: ``outer`` (pipeline stages), then
+    HSDP's copies (``replicate``, left out at 1), then the shard group's dimensions (``shard``: ``shard``, ``dp``
+    or ``edp`` x ``ep``), then ``inner`` (tensor parallel). The copies sit outside the shard group, so a shard
+    group is consecutive ranks (whole nodes, where its all-gathers stay on NVLink) and only the copies'
+    all-reduce crosses between them."""
+    dims = {**outer, **({"replicate": replicate} if replicate > 1 else {}), **shard, **inner}
+    return init_device_mesh(device_type, tuple(dims.values()), mesh_dim_names=tuple(dims))
+
+
+def with_copies(mesh: DeviceMesh, shard: DeviceMesh) -> DeviceMesh:
+    """What ``fully_shard`` runs on for a shard group ``shard`` of the engine's ``mesh``: the shard group itself,
+    or, with HSDP's copies (a ``replicate`` dimension), the 2-D (replicate, shard) mesh."""
+    if "replicate" not in (mesh.mesh_dim_names or ()):
+        return shard
+    return DeviceMesh._concatenate([mesh["replicate"], shard])
 
 
 def gather_full_state_dict(model: torch.nn.Module, rank: int) -> dict | None:
@@ -128,11 +139,6 @@ class FSDPBackend:
         if cfg.precision.name == "fp16" and plan.device_type == "cpu":
             raise UserError("precision", "fp16", "FSDP2 keeps fp16 parameters for compute, and fp16 matmuls on CPU "
                             "are emulated and unstable.", "Use precision=bf16 (or fp32) on CPU; fp16 works on CUDA.")
-        replicate = int(cfg.backend.get("replicate", 1))
-        if replicate > 1 and int(cfg.backend.get("ep", 1)) > 1:
-            raise UserError("backend.replicate", replicate, f"HSDP (copies of the sharded model) and expert "
-                            f"parallelism (backend.ep={cfg.backend.ep}, which borrows the shards' ranks) are not "
-                            "combined yet.", "Use backend.replicate=1 with backend.ep > 1, or backend.ep=1 for HSDP.")
         if int(cfg.backend.get("ep", 1)) > 1:  # measured: the recompute's op count differs, torch raises mid-backward
             refuse_speed_options(cfg, f"backend={cfg.backend.name} with backend.ep={cfg.backend.ep}", {
                 "selective": "the experts are an FSDP unit of their own inside each MoE block, whose hooks run "
@@ -163,6 +169,13 @@ class FSDPBackend:
            while this one computes (forward and backward); the reduce-scatters block by block as backward produces
            the gradients, over the shard group; HSDP's all-reduce of each block's gradient shard across the copies
            as well, after its reduce-scatter.
+        10. HSDP while accumulating: FSDP2 (torch 2.13) keeps each unit's all-reduced gradient shard referenced until
+           the end of the backward (``FSDPParamGroup._all_reduce_state``, so that the next unit's reduce-scatter
+           cannot reuse its memory while the all-reduce is in flight). On the first micro-batch that buffer is the
+           gradient itself; on the others it is added into the gradient and held beside it: every unit's, 4 x P / N,
+           by the end of the backward (the dry run of deepseek7b at 2 copies of 8, accumulation 2: 3.22 GiB more at
+           the peak than at accumulation 1, the plan's 3.22; tests/unit/test_dryrun.py's tiny model: 10.04 MiB, the
+           plan's 10.04).
         """
         b, P = cfg.backend, float(n_params)
         R = max(int(b.get("replicate", 1)), 1)
@@ -187,6 +200,7 @@ class FSDPBackend:
                              comm_per_micro=(2 * c + FP32) * P + across if every_micro else 2 * c * P,
                              grads_freed_each_step=True, buffers_apart=apart,  # 5
                              accumulation_bytes=0.0 if every_micro else FP32 * P,  # 6
+                             accumulation_buffers=FP32 * P / N if R > 1 and every_micro else 0.0,  # 10
                              collectives=collectives, cpu_optimizer_params=P / N if b.cpu_offload else 0.0)
         return expert_parallel_states(states, cfg, shape, N, c)  # 7
 
@@ -194,12 +208,11 @@ class FSDPBackend:
         self.device = pick_device(self.plan, int(os.environ.get("LOCAL_RANK", 0)))
         init_process_group(self.cfg, self.device)
         ep, replicate = self.plan.dims.ep, self.plan.dims.dp_replicate
+        shard = self.world_size // replicate  # the ranks of one copy (HSDP) or all of them
         self.mesh: DeviceMesh | None = None
-        if ep > 1:  # the ranks as (edp, ep), ep innermost: an EP group is consecutive ranks (one node)
-            self.mesh = init_device_mesh(self.device.type, (self.world_size // ep, ep), mesh_dim_names=("edp", "ep"))
-        elif replicate > 1:  # HSDP: (replicate, shard), shard innermost: a shard group is consecutive ranks
-            self.mesh = init_device_mesh(self.device.type, (replicate, self.world_size // replicate),
-                                         mesh_dim_names=("replicate", "shard"))
+        if ep > 1 or replicate > 1:  # (replicate, edp, ep), ep innermost: an EP group is consecutive ranks (one node)
+            self.mesh = fsdp_mesh(self.device.type, {}, replicate, {"edp": shard // ep, "ep": ep} if ep > 1
+                                  else {"shard": shard}, {})
 
     def prepare(self, build, total_steps: int) -> None:
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -211,7 +224,7 @@ class FSDPBackend:
                                    growth_interval=pr.loss_scale_window, enabled=pr.name == "fp16")
         self.stepper = TorchStepper(self.model, self.cfg, self.device, self.plan.grad_accum_steps, total_steps,
                                     scaler=scaler, autocast=False,  # the MixedPrecisionPolicy casts instead
-                                    **stepper_options(self.model, self.plan.dims.ep))
+                                    **stepper_options(self.model, self.plan.dims.ep, self.plan.dims.dp_replicate))
 
     def forward_backward(self, inputs, targets, is_last_micro: bool, weight: torch.Tensor) -> torch.Tensor:
         # reduce_every_micro_batch=false: non-final micro-steps keep unsharded gradients and skip the reduce-scatter.

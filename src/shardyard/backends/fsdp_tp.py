@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 
 import torch
 from omegaconf import DictConfig
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -18,7 +18,7 @@ from shardyard.config import checkpointing_mode
 from shardyard.core.facts import Plan
 from shardyard.backends import Collective, ModelStates, process_group, reference, refuse_speed_options, shard_ends, smoke_degree
 from shardyard.backends.forward import forward_to
-from shardyard.backends.fsdp import FSDPBackend, gather_full_state_dict, refuse_replicate
+from shardyard.backends.fsdp import FSDPBackend, fsdp_mesh, gather_full_state_dict, with_copies
 from shardyard.backends.process_group import init_process_group, teardown
 from shardyard.backends.torch_step import COMPUTE_DTYPES, TorchStepper, pick_device, read_dcp_model_state
 from shardyard.core.errors import UserError
@@ -53,10 +53,11 @@ def parallelize_fsdp_tp(model: Any, cfg: DictConfig, mesh: DeviceMesh, device: t
     2-3. As in ``parallelize_fsdp``: checkpointing and compile wrap each block before FSDP's hooks.
     4. FSDP2 per block, then the root, over the dp sub-mesh; parameters all-gathered in the compute dtype,
        gradients reduce-scattered in fp32 (averaged over dp; the tp ranks' gradients of a replicated norm are
-       identical, since their inputs are).
+       identical, since their inputs are). With HSDP (``backend.replicate``) the dp ranks are copies x shards:
+       FSDP2 on the 2-D (replicate, dp) mesh shards over dp and all-reduces across the copies.
     5. A model built on the meta device gets storage for this rank's shards only.
     """
-    tp, dp = mesh["tp"], mesh["dp"]
+    tp, dp = mesh["tp"], with_copies(mesh, mesh["dp"])
     style = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     inner = model.model
     parallelize_module(model, tp, {  # 1
@@ -130,11 +131,12 @@ class FSDPTPBackend:
     def read_model_state(path: str, model: torch.nn.Module, meta: dict) -> dict[str, torch.Tensor]:
         return read_dcp_model_state(path, model, meta)
 
-    degree_keys: ClassVar[dict[str, str]] = {"tp": "backend.tp"}
+    degree_keys: ClassVar[dict[str, str]] = {"tp": "backend.tp", "dp_replicate": "backend.replicate"}
 
     @staticmethod
     def degrees(b: DictConfig) -> dict[str, int | None]:
-        return {"tp": int(b.tp), "dp_shard": None}  # FSDP over the world / tp replicas
+        # FSDP over the world / tp replicas (HSDP: backend.replicate copies of world / (tp x replicate) shards each)
+        return {"tp": int(b.tp), "dp_replicate": int(b.get("replicate", 1)), "dp_shard": None}
 
     @staticmethod
     def dry_run_roles(cfg: DictConfig, dims) -> list[tuple[int, str, int]]:
@@ -151,7 +153,7 @@ class FSDPTPBackend:
         self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         self.tp = plan.dims.tp
         # The mesh is (dp, tp), tp innermost: the tp ranks of a replica are consecutive, i.e. on one node,
-        # where their per-block all-reduces use NVLink; only FSDP's traffic crosses nodes.
+        # where their per-block all-reduces use NVLink; only FSDP's traffic crosses nodes. HSDP: (replicate, dp, tp).
         self.dp_rank, self.dp_size = self.rank // self.tp, plan.dims.dp
 
     @staticmethod
@@ -159,8 +161,6 @@ class FSDPTPBackend:
         from shardyard.models.build import shape_model
 
         FSDPBackend.validate(cfg, plan)
-        refuse_replicate(cfg, "its mesh is (dp, tp), the data-parallel ranks all shards of one copy; a third "
-                         "dimension of copies is not built yet.")
         refuse_speed_options(cfg, "backend=fsdp_tp", {
             "fp8": "tensor-parallel float8 needs its own sharding plans (float8 all-gathers of the split layers).",
             "loss_chunk": "the LM head is split over the tensor-parallel ranks (vocab-parallel logits).",
@@ -215,7 +215,8 @@ class FSDPTPBackend:
         logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
         self.device = pick_device(self.plan, int(os.environ.get("LOCAL_RANK", 0)))
         init_process_group(self.cfg, self.device)
-        self.mesh = init_device_mesh(self.device.type, (self.dp_size, self.tp), mesh_dim_names=("dp", "tp"))
+        dims = self.plan.dims
+        self.mesh = fsdp_mesh(self.device.type, {}, dims.dp_replicate, {"dp": dims.dp_shard}, {"tp": self.tp})
 
     def prepare(self, build, total_steps: int) -> None:
         self.model = parallelize_fsdp_tp(build(allow_meta=True), self.cfg, self.mesh, self.device)

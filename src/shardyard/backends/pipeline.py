@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from omegaconf import DictConfig
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -22,7 +22,7 @@ from shardyard.backends import FP32, HALF, Collective, ModelStates, process_grou
 from shardyard.backends.expert_parallel import shard_experts, stepper_options
 from shardyard.models.moe import expert_modules
 from shardyard.backends.forward import forward_to
-from shardyard.backends.fsdp import FSDPBackend, refuse_replicate
+from shardyard.backends.fsdp import FSDPBackend, fsdp_mesh, with_copies
 from shardyard.backends.process_group import init_process_group, teardown
 from shardyard.backends.torch_step import COMPUTE_DTYPES, TorchStepper, pick_device, read_dcp_model_state
 from shardyard.core.errors import UserError
@@ -159,7 +159,8 @@ def parallelize_pipeline(model: Any, cfg: DictConfig, mesh: DeviceMesh, device: 
        ``torch.distributed.pipelining`` drives FSDP itself: it defers the reduce-scatter to the last
        micro-batch of each schedule step. With expert parallelism (``backend.ep``) the stage's dp ranks are
        (edp, ep) as in ``parallelize_fsdp``: each keeps its experts of the stage's MoE layers, FSDP-sharded over
-       edp, and the rest of each block over all of the stage's dp.
+       edp, and the rest of each block over all of the stage's dp. With HSDP (``backend.replicate``) a stage's dp
+       ranks are copies x shards: each of these meshes gets the copies as its outer dimension (``with_copies``).
     4. Only now does a meta-built model get storage, for this rank's shards of this rank's layers.
     """
     b = cfg.backend
@@ -167,7 +168,7 @@ def parallelize_pipeline(model: Any, cfg: DictConfig, mesh: DeviceMesh, device: 
     apply_compile(model, cfg.model)
     model.shardyard_signature = signature(model)  # the whole model's names and shapes, before the cut
     pp, expert_parallel = mesh["pp"], "ep" in (mesh.mesh_dim_names or ())
-    dp = mesh["edp", "ep"]._flatten("dp") if expert_parallel else mesh["dp"]
+    dp = with_copies(mesh, mesh["edp", "ep"]._flatten("dp") if expert_parallel else mesh["dp"])
     chunks = b.stages * (b.virtual_stages if b.schedule == "interleaved" else 1)
     main = len(model.model.layers) - mtp.depth(model)  # the MTP depths follow the main layers: the last stage's
     spans = layer_split(main, chunks)
@@ -189,7 +190,8 @@ def parallelize_pipeline(model: Any, cfg: DictConfig, mesh: DeviceMesh, device: 
         for layer in [*stage.layers.values(), *stage.mtp]:
             if expert_parallel and shard_experts(layer, mesh["ep"], b.ep_capacity_factor):
                 for experts in expert_modules(layer):
-                    fully_shard(experts, mesh=mesh["edp"], reshard_after_forward=b.reshard_after_forward, mp_policy=mp)
+                    fully_shard(experts, mesh=with_copies(mesh, mesh["edp"]),
+                                reshard_after_forward=b.reshard_after_forward, mp_policy=mp)
             fully_shard(layer, mesh=dp, reshard_after_forward=b.reshard_after_forward, mp_policy=mp)
         fully_shard(stage, mesh=dp, reshard_after_forward=False, mp_policy=mp)
     materialize(model, device, cfg.seed, cfg.model)  # 4
@@ -230,15 +232,16 @@ class PipelineBackend:
     def read_model_state(path: str, model: torch.nn.Module, meta: dict) -> dict[str, torch.Tensor]:
         return read_dcp_model_state(path, model, meta)
 
-    degree_keys: ClassVar[dict[str, str]] = {"pp": "backend.stages", "ep": "backend.ep"}
+    degree_keys: ClassVar[dict[str, str]] = {"pp": "backend.stages", "ep": "backend.ep", "dp_replicate": "backend.replicate"}
     post_training: ClassVar[bool] = False
     """The post-training objectives (DPO, GRPO) need each sequence's log-probabilities from one forward of the
     whole model, and GRPO samples with it: a stage holds only its layers (``planning.rules.validate_objective``)."""
 
     @staticmethod
     def degrees(b: DictConfig) -> dict[str, int | None]:
-        # each stage FSDP over the world / stages replicas; expert parallelism borrows from them
-        return {"pp": int(b.stages), "dp_shard": None, "ep": int(b.ep)}
+        # each stage FSDP over the world / stages replicas (HSDP: backend.replicate copies of their shards);
+        # expert parallelism borrows from the shards
+        return {"pp": int(b.stages), "dp_replicate": int(b.get("replicate", 1)), "dp_shard": None, "ep": int(b.ep)}
 
     @staticmethod
     def dry_run_roles(cfg: DictConfig, dims) -> list[tuple[int, str, int]]:
@@ -298,8 +301,6 @@ class PipelineBackend:
         import transformers
 
         FSDPBackend.validate(cfg, plan)
-        refuse_replicate(cfg, "each stage's data-parallel ranks are all shards of one copy of the stage; copies "
-                         "of the shard groups are not built yet.")
         refuse_speed_options(cfg, "backend=pipeline", {
             "fp8": "the stages are not built with float8 linears here.",
             "loss_chunk": "the last stage's loss function receives the logits from the schedule.",
@@ -435,9 +436,9 @@ class PipelineBackend:
     def init(self) -> None:
         self.device = pick_device(self.plan, int(os.environ.get("LOCAL_RANK", 0)))
         init_process_group(self.cfg, self.device)
-        ep = self.plan.dims.ep
-        self.mesh = init_device_mesh(self.device.type, (self.pp, self.dp_size // ep, ep), mesh_dim_names=("pp", "edp", "ep")) \
-            if ep > 1 else init_device_mesh(self.device.type, (self.pp, self.dp_size), mesh_dim_names=("pp", "dp"))
+        ep, dims = self.plan.dims.ep, self.plan.dims
+        self.mesh = fsdp_mesh(self.device.type, {"pp": self.pp}, dims.dp_replicate,
+                              {"edp": dims.dp_shard // ep, "ep": ep} if ep > 1 else {"dp": dims.dp_shard}, {})
         self.pp_group = self.mesh["pp"].get_group()
 
     def prepare(self, build, total_steps: int) -> None:
@@ -464,7 +465,7 @@ class PipelineBackend:
         # optimizer's param groups, since DCP stores them from rank 0 (the first stage's parameters) only.
         self.stepper = TorchStepper(self.model, self.cfg, self.device, self.accum, total_steps, autocast=False,
                                     norm_group=self.pp_group, own_param_groups=True,
-                                    **stepper_options(self.model, self.plan.dims.ep))
+                                    **stepper_options(self.model, self.plan.dims.ep, self.plan.dims.dp_replicate))
         self.model.forward = self._forward_whole  # for sampling through hf_model(): the whole model's logits
         self._terms: list[torch.Tensor] = []
 

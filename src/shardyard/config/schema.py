@@ -206,8 +206,10 @@ class FSDPBackendConfig(BackendConfig):
     when that is the node's size, so the all-gathers stay on its links), each of the ``replicate`` groups holds
     a whole copy, and gradients are reduce-scattered within a group and all-reduced across the copies (one
     gradient shard's bytes cross the nodes instead of every all-gather). 1: plain FSDP over every rank. It must
-    divide the world size. ``fsdp`` and ``fsdp_offload``; ``fsdp_tp`` and ``pipeline`` refuse more than 1, and so
-    does ``backend.ep > 1`` (expert parallelism borrows the shards: not combined yet)."""
+    divide the world size. Every FSDP2 engine: with ``fsdp_tp`` the copies are of the (shard x tp) ranks
+    (mesh ``replicate x dp x tp``), with ``pipeline`` of each stage's shard group (``pp x replicate x dp``), and
+    with ``backend.ep`` the expert-parallel groups are made of one copy's shards (``replicate x edp x ep``: the
+    experts are sharded over edp and all-reduced across the copies, as the rest is)."""
     cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state in CPU memory (``CPUOffloadPolicy``)."""
     reduce_every_micro_batch: bool = True

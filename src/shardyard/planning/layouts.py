@@ -86,8 +86,8 @@ def check_fixed(fixed: dict[str, str], world: int) -> None:
 
     1. Tensor parallelism and pipeline stages: no engine here combines them (``fsdp_tp`` has ``backend.tp``,
        ``pipeline`` has ``backend.stages``).
-    2. HSDP copies with a degree of another engine (tp, stages) or with expert parallelism, which borrows the shards.
-    3. Their product must divide the world (``plan.hardware`` x ``plan.nodes`` ranks)."""
+    2. Their product must divide the world (``plan.hardware`` x ``plan.nodes`` ranks): HSDP's copies multiply
+       with tensor parallelism and pipeline stages (expert parallelism borrows the shards, within a copy)."""
     def num(key: str) -> int:
         return int(fixed.get(key, 1) or 1)
 
@@ -96,14 +96,8 @@ def check_fixed(fixed: dict[str, str], world: int) -> None:
                         "no engine here combines tensor parallelism with pipeline stages (fsdp_tp has backend.tp, "
                         "pipeline has backend.stages).",
                         "Fix one of the two (or neither: plan.search tries both).")
-    for other in ("backend.tp", "backend.stages", "backend.ep"):  # 2
-        if num("backend.replicate") > 1 and num(other) > 1:
-            raise UserError("backend.replicate", fixed["backend.replicate"], f"{other}={fixed[other]} is fixed too, "
-                            "and HSDP's copies are built on plain FSDP only (not beside tensor parallelism, pipeline "
-                            "stages or expert parallelism, which borrows the shards).",
-                            f"Fix one of backend.replicate and {other}, or neither.")
     product = num("backend.tp") * num("backend.stages") * num("backend.replicate")
-    if world % product:  # 3
+    if world % product:  # 2
         key = next(k for k in ("backend.replicate", "backend.stages", "backend.tp") if num(k) > 1)
         raise UserError(key, fixed[key], f"The degrees fixed on the command line multiply to {product}, which does "
                         f"not divide the {world} ranks of plan.hardware x plan.nodes.",
@@ -169,8 +163,9 @@ def candidates(cfg: DictConfig, batch: Plan, hw: Hardware, fixed: dict[str, str]
 
 def _degrees(base: DictConfig, batch: Plan, hw: Hardware, fixed: dict[str, str]) -> list[dict[str, Any]]:
     """The engine's degree settings to try, as backend keys -> value (the engine's ``degree_keys`` say which it
-    has): HSDP copies whose shard groups are whole nodes, tensor-parallel degrees within a node that divide the
-    heads, pipeline stages up to the layers with each schedule, expert-parallel degrees (``search._ep_options``)."""
+    has): tensor-parallel degrees within a node that divide the heads, pipeline stages up to the layers with each
+    schedule, each of them with HSDP copies whose shard groups (with their tp ranks) are whole nodes,
+    expert-parallel degrees within a copy's shards (``search._ep_options``)."""
     from shardyard.backends import engine
     from shardyard.planning.search import _ep_options
 
@@ -180,20 +175,24 @@ def _degrees(base: DictConfig, batch: Plan, hw: Hardware, fixed: dict[str, str])
     kv = int(m.get("num_kv_heads", 0) or heads or 0)
     powers = [2 ** i for i in range(1, int(math.log2(hw.world)) + 1)]
     options: list[dict[str, Any]] = [{}]
-    if "backend.replicate" in keys:
-        options += [{"replicate": r} for r in range(2, hw.nodes + 1) if hw.nodes % r == 0]
     if "backend.tp" in keys:
         options = [{"tp": t} for t in powers if t <= hw.ranks_per_node and hw.ranks_per_node % t == 0
                    and (not heads or (heads % t == 0 and kv % t == 0))]
     if "backend.stages" in keys:
         options = [{"stages": s, "schedule": sch} for s in powers if hw.world % s == 0 and (not layers or s <= layers)
                    for sch in ("gpipe", "1f1b", "interleaved")]
+    if "backend.replicate" in keys:  # a copy: whole nodes of shards (x tp), so that only the copies' all-reduce
+        # crosses between them
+        def copies(d: dict[str, Any]) -> list[int]:
+            split = d.get("tp", 1) * d.get("stages", 1)
+            return [r for r in range(2, hw.nodes + 1) if hw.world % (split * r) == 0
+                    and hw.world // (split * r) * d.get("tp", 1) % hw.ranks_per_node == 0]
+        options = [*options, *({**d, "replicate": r} for d in options for r in copies(d))]
     if "backend.ep" in keys and batch.facts.routed_experts:
         out = []
         for d in options:
             shards = hw.world // (d.get("stages", 1) * d.get("replicate", 1))
-            out += [d] + ([{**d, "ep": e} for e in _ep_options(batch.facts.routed_experts, shards, hw.ranks_per_node)]
-                          if "replicate" not in d else [])
+            out += [d] + [{**d, "ep": e} for e in _ep_options(batch.facts.routed_experts, shards, hw.ranks_per_node)]
         options = out
     if "backend.sp" in keys:  # Ulysses sequence groups within a node, dividing the heads and the sequence
         seq = int(base.data.seq_len)

@@ -134,6 +134,7 @@ def frozen_base(states: Any, P: int, trainable: int, shape: dict, quantized: boo
         device["params"] = 4.0 * (root + trainable) + NF4_BYTES * max(P - root, 0)
     return dataclasses.replace(states, device=device, host=scaled(states.host),
                                accumulation_bytes=states.accumulation_bytes * f,
+                               accumulation_buffers=states.accumulation_buffers * f,
                                notes=list(states.notes) + [f"peft: {trainable:,} trainable parameters "
                                                            f"({100 * f:.2f}%) hold gradients and optimizer state"])
 
@@ -211,6 +212,9 @@ def _one_rank(cfg: DictConfig, batch: Plan, hw: Hardware, states: Any, accum: in
     device = dict(states.device)
     if accum > 1 and states.accumulation_bytes:
         device["grads"] = device.get("grads", 0.0) + states.accumulation_bytes
+    all_reduced = states.accumulation_buffers if accum > 1 else 0.0  # made in backward as activations are freed
+    if all_reduced:
+        device["buffers"] = device.get("buffers", 0.0) + all_reduced
     device["activations"] = acts
     # Post-training (objective=dpo|grpo): the frozen reference is held as the engine holds the policy's parameters
     # (a replica, or its shards: Backend.reference_model) unless adapters are disabled instead (LoRA); GRPO keeps its
@@ -227,7 +231,7 @@ def _one_rank(cfg: DictConfig, batch: Plan, hw: Hardware, states: Any, accum: in
     # Without accumulation, gradients freed by each step grow in backward as the activations shrink.
     overlap = min(device.get("grads", 0.0), acts) if states.grads_freed_each_step and accum == 1 else 0.0
     # Buffers alive only once the activations are freed (FSDP's root reduced after the whole backward).
-    overlap = min(overlap + states.buffers_apart, acts)
+    overlap = min(overlap + states.buffers_apart + all_reduced, acts)
     if hw.device == "cpu":  # one pool: the device is host RAM, offloaded state included
         for k, v in states.host.items():
             device[k] = device.get(k, 0.0) + v
@@ -261,7 +265,7 @@ def _one_rank(cfg: DictConfig, batch: Plan, hw: Hardware, states: Any, accum: in
     notes = list(states.notes)
     if states.all_to_all_per_micro:
         notes += routing_notes(cfg, batch, ep, dims.dp_shard, hw.ranks_per_node)
-    replicate = int(cfg.backend.get("replicate", 1))  # HSDP's copies (fsdp, fsdp_offload)
+    replicate = int(cfg.backend.get("replicate", 1))  # HSDP's copies (the FSDP2 engines)
     name = (cfg.backend.name + (f" ep={ep}" if ep > 1 else "") + (f" replicate={replicate}" if replicate > 1 else "")
             + (f" sp={dims.sp}" if dims.sp > 1 else "") + (f" cp={dims.cp}" if dims.cp > 1 else ""))
     e = Estimate(name, N, mbs, accum, ckpt, device, host, states.nvme, comm_bytes, compute,

@@ -249,8 +249,9 @@ def validate_ep(b: DictConfig, dims: ParallelDims, facts: ModelFacts) -> None:
                         f"Use a divisor of {facts.routed_experts} that also divides the {dims.dp_shard} data-parallel "
                         f"shards: {_common_divisors(facts.routed_experts, dims.dp_shard)}.")
     if dims.dp_shard % ep:
-        raise UserError("backend.ep", ep, f"The expert-parallel groups are made of data-parallel shards, and there are "
-                        f"{dims.dp_shard} ({dims.describe()}), which it must divide.",
+        copy = " of one HSDP copy (backend.replicate)" if dims.dp_replicate > 1 else ""
+        raise UserError("backend.ep", ep, f"The expert-parallel groups are made of data-parallel shards{copy}, and "
+                        f"there are {dims.dp_shard} ({dims.describe()}), which it must divide.",
                         f"Use one of {_common_divisors(facts.routed_experts, dims.dp_shard)}, or a world size that "
                         f"{ep} divides.")
 

@@ -317,8 +317,12 @@ class _Tracker:
         self.fsdp_params = [p for g in groups for p in g.fsdp_params]
         self.entered: float | None = None  # the backward temporaries when a post-backward began (in one: a float)
         self.held = 0  # those bytes, counted again after each post-backward (where FSDP2 accumulates and frees them)
+        # HSDP: each group's all-reduced gradient shard, referenced by the group until the end of the backward; a
+        # buffer of its own where the gradient existed already (accumulating), which the tracker sees as temporaries
+        self.all_reduced: dict[int, float] = {}
         for g in groups:
-            g.post_backward = self._recount_after(g.post_backward)  # type: ignore[method-assign]
+            g.post_backward = self._recount_after(g, g.post_backward)  # type: ignore[method-assign]
+            g.finalize_backward = self._forget_after(g, g.finalize_backward)  # type: ignore[method-assign]
         # A root's group (embedding, head) is reduced once, at the end of the step; its gradient, kept unsharded in
         # the compute dtype meanwhile, is counted at every change (a few tensors).
         roots = [m for m in roots if isinstance(m, FSDPModule)]
@@ -337,16 +341,30 @@ class _Tracker:
 
         self.inner._update_peak_stats = update
 
-    def _recount_after(self, post_backward: Any) -> Any:
+    def _recount_after(self, group: Any, post_backward: Any) -> Any:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             # what FSDP2 allocates in its post-backward (the fp32 accumulation of a block's gradients, the cast
             # that fills it, the reduce-scatter input) is the engine's, though the tracker sees backward temporaries
             self.entered = sum(self._temp(snap) for snap in self.inner._curr_mem_snap.values())
+            accumulating = any(p.sharded_param.grad is not None for p in group.fsdp_params)
             try:
                 out = post_backward(*args, **kwargs)
             finally:
                 self.entered = None
-            self.held = sum(local(g).nbytes for p in self.fsdp_params for g in _unsharded_grads(p))
+            state = getattr(group, "_all_reduce_state", None)
+            if accumulating and state is not None:  # HSDP's all-reduced shard, added into the gradient and kept
+                self.all_reduced[id(group)] = float(local(state.all_reduce_input).nbytes)
+            self.held = sum(local(g).nbytes for p in self.fsdp_params for g in _unsharded_grads(p)) \
+                + sum(self.all_reduced.values())
+            return out
+        return wrapped
+
+    def _forget_after(self, group: Any, finalize_backward: Any) -> Any:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            out = finalize_backward(*args, **kwargs)  # drops the group's all-reduce buffer
+            if self.all_reduced.pop(id(group), None) is not None:
+                self.held = sum(local(g).nbytes for p in self.fsdp_params for g in _unsharded_grads(p)) \
+                    + sum(self.all_reduced.values())
             return out
         return wrapped
 

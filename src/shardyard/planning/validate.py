@@ -188,11 +188,14 @@ def _parallel_dims(cfg: DictConfig, world: int) -> ParallelDims:
     for field, key in keys.items():
         if getattr(dims, field) < 1:
             raise UserError(key, getattr(dims, field), "It is a number of ranks, at least 1.", f"Use {key}=2 (or 1 for none).")
-    if dims.dp_replicate > 1 and world % dims.dp_replicate and "dp_replicate" in keys:  # HSDP's copies
-        key = keys["dp_replicate"]
-        raise UserError(key, dims.dp_replicate, f"The world size {world} must be a multiple of the copies of the "
-                        f"sharded model; each copy is sharded over world / {key} ranks.",
-                        f"Use {key} in {[d for d in range(1, world + 1) if world % d == 0]}, or a world size "
+    split = dims.tp * dims.pp * dims.sp * dims.cp  # the ranks of one data-parallel index
+    if dims.dp_replicate > 1 and "dp_replicate" in keys and world % split == 0 and (world // split) % dims.dp_replicate:
+        key, dp = keys["dp_replicate"], world // split  # HSDP's copies of the data-parallel ranks' shards
+        names = [f"{k} {getattr(dims, k)}" for k in ("tp", "pp", "sp", "cp") if getattr(dims, k) > 1]
+        within = f" (world {world} / {' x '.join(names)})" if names else ""
+        raise UserError(key, dims.dp_replicate, f"The {dp} data-parallel ranks{within} must be a multiple of the "
+                        f"copies of the sharded model; each copy is sharded over {dp} / {key} of them.",
+                        f"Use {key} in {[d for d in range(1, dp + 1) if dp % d == 0]}, or a world size "
                         f"(launch.nproc_per_node x launch.nnodes) that it divides.")
     if dims.product != world:
         mp = dims.product // dims.dp  # the ranks holding one model replica
