@@ -6,8 +6,8 @@ training whole sequences:
 * a dense model with grouped-query attention (deepseek_tiny: 4 query heads, 2 key/value heads) and packed
   documents (``data.document_mask``: positions restart inside the window, so each share's attention must see the
   whole sequence's block-diagonal mask): DDP at sp 2 and sp 4 (key/value heads repeated: 2 do not divide by 4),
-  FSDP2 at dp_shard 2 x sp 2; DDP at cp 2 and cp 4 (each rank two chunks of 2 cp, head and tail), FSDP2 at
-  dp_shard 2 x cp 2;
+  FSDP2 at dp_shard 2 x sp 2; DDP at cp 2 and cp 4 (each rank two chunks of 2 cp, head and tail), FSDP2 as HSDP
+  (issue 57) at 2 copies x cp 2 (each copy's pair of context ranks shards it);
 * DeepSeek's MLA and MoE (deepseek_moe_tiny, its router's bias balancing on), causal (no documents: context
   parallelism's lower-right causal chunks, no mask tensor) under ZeRO-2 at sp 2 and at cp 2;
 * FSDP2 at sp 2 and DDP at cp 4 with tiled MLPs (``model.mlp_tiles=3``: each rank's own positions in 3 tiles).
@@ -16,6 +16,7 @@ The reference with ``data.document_mask=false`` differs from it (the packed docu
 shard that attended across them, or only within its own positions, could not pass."""
 
 import pytest
+import torch
 
 from shardyard.testing import TINY, run_many
 
@@ -44,7 +45,7 @@ def runs(tmp_path_factory):
            "ddp cp2": [*DENSE, "backend=ddp", "backend.cp=2"], "zero2 cp2": [*MLA, "backend=zero2", "backend.cp=2"]}
     four = {"ddp sp4": [*DENSE, "backend=ddp", "backend.sp=4"],
             "fsdp sp2": [*DENSE, "backend=fsdp", "backend.sp=2", TILES],
-            "ddp cp4": [*DENSE, "backend=ddp", "backend.cp=4", TILES], "fsdp cp2": [*DENSE, "backend=fsdp", "backend.cp=2"]}
+            "ddp cp4": [*DENSE, "backend=ddp", "backend.cp=4", TILES], "hsdp cp2": [*DENSE, "backend=fsdp", "backend.cp=2", "backend.replicate=2"]}
     out = {}
     for world, jobs in ((1, single), (2, two), (4, four)):
         names = list(jobs)
@@ -60,7 +61,7 @@ def assert_close(got, ref, what, rel=1e-5):
 
 @pytest.mark.parametrize("run,ref", [("ddp sp2", "dense"), ("ddp sp4", "dense"), ("fsdp sp2", "dense"),
                                      ("zero2 sp2", "mla"), ("ddp cp2", "dense"), ("ddp cp4", "dense"),
-                                     ("fsdp cp2", "dense"), ("zero2 cp2", "mla")])
+                                     ("hsdp cp2", "dense"), ("zero2 cp2", "mla")])
 def test_sequence_parallel_equals_one_process(runs, run, ref):
     want = runs[ref][0]
     for r in runs[run]:  # every rank: the same reduced numbers
@@ -76,6 +77,15 @@ def test_sequence_parallel_equals_one_process(runs, run, ref):
         diff = (full[name] - value).abs()
         assert diff.max() <= 1e-4, (run, name, diff.max().item(), int((diff > 1e-5).sum()), diff.numel())
         assert (diff > 1e-5).float().mean() < 1e-3, (run, name, int((diff > 1e-5).sum()), diff.numel())
+
+
+def test_hsdp_with_context_parallel_shards_within_a_copy(runs):
+    """2 copies x cp 2 at world 4 is HSDP, not FSDP over 4: each rank holds half the model (its copy's pair of
+    ranks shards it), and ranks 0 and 2 (1 and 3) hold the same shard bit for bit after training."""
+    ranks = runs["hsdp cp2"]
+    for name, full in ranks[0]["full"].items():
+        assert ranks[0]["local"][name].numel() * 2 == full.numel(), name
+        assert all(torch.equal(ranks[a]["local"][name], ranks[a + 2]["local"][name]) for a in (0, 1)), name
 
 
 def test_the_documents_mask_matters(runs):
