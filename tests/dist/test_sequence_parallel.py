@@ -10,7 +10,10 @@ training whole sequences:
   (issue 57) at 2 copies x cp 2 (each copy's pair of context ranks shards it);
 * DeepSeek's MLA and MoE (deepseek_moe_tiny, its router's bias balancing on), causal (no documents: context
   parallelism's lower-right causal chunks, no mask tensor) under ZeRO-2 at sp 2 and at cp 2;
-* FSDP2 at sp 2 and DDP at cp 4 with tiled MLPs (``model.mlp_tiles=3``: each rank's own positions in 3 tiles).
+* FSDP2 at sp 2 and DDP at cp 4 with tiled MLPs (``model.mlp_tiles=3``: each rank's own positions in 3 tiles);
+* MLA and MoE with expert parallelism (FSDP2 at ep 4 x sp 2: each EP group spans both sequence groups; and at
+  ep 2 x cp 2: each is one) and DeepSeek's sequence-wise balance loss on (``model.balance.seq_aux_alpha``: each sequence's expert loads and affinities summed over its shares), the
+  token rows measured to have crossed to the EP peer.
 
 The reference with ``data.document_mask=false`` differs from it (the packed documents are really there), so a
 shard that attended across them, or only within its own positions, could not pass."""
@@ -26,6 +29,9 @@ DENSE = [*TINY, *SEQ, "model.num_kv_heads=2", "data.document_mask=true"]
 MLA = [*TINY, *SEQ, "model=deepseek_moe_tiny", "model.hidden_size=64", "model.num_heads=4", "model.kv_lora_rank=16",
        "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=8", "model.v_head_dim=8", "model.moe_intermediate_size=32",
        "model.intermediate_size=96", "model.num_layers=2", "model.balance.seq_aux_alpha=0"]
+# with the sequence-wise balance loss, large enough that one taken over each share instead of the whole sequence
+# fails the losses' 1e-5 (measured at ep 2: 4.8e-5 at sp 2, 2.2e-5 at cp 2; at alpha 0.1, 1.1e-5 and 1.0e-5)
+BALANCED = [*MLA[:-1], "model.balance.seq_aux_alpha=1.0"]
 
 TILES = "model.mlp_tiles=3"
 """Tiled MLPs (point 5) on the rank's own positions, in two of the runs above (fsdp sp 2, ddp cp 4): the reference
@@ -40,12 +46,14 @@ def curve(result, key):
 def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("sp")
     single = {"dense": [*DENSE, "backend=single"], "unmasked": [*DENSE, "backend=single", "data.document_mask=false"],
-              "mla": [*MLA, "backend=single"]}
+              "mla": [*MLA, "backend=single"], "balanced": [*BALANCED, "backend=single"]}
     two = {"ddp sp2": [*DENSE, "backend=ddp", "backend.sp=2"], "zero2 sp2": [*MLA, "backend=zero2", "backend.sp=2"],
            "ddp cp2": [*DENSE, "backend=ddp", "backend.cp=2"], "zero2 cp2": [*MLA, "backend=zero2", "backend.cp=2"]}
     four = {"ddp sp4": [*DENSE, "backend=ddp", "backend.sp=4"],
             "fsdp sp2": [*DENSE, "backend=fsdp", "backend.sp=2", TILES],
-            "ddp cp4": [*DENSE, "backend=ddp", "backend.cp=4", TILES], "hsdp cp2": [*DENSE, "backend=fsdp", "backend.cp=2", "backend.replicate=2"]}
+            "ddp cp4": [*DENSE, "backend=ddp", "backend.cp=4", TILES], "hsdp cp2": [*DENSE, "backend=fsdp", "backend.cp=2", "backend.replicate=2"],
+            "ep4 sp2": [*BALANCED, "backend=fsdp", "backend.ep=4", "backend.sp=2"],
+            "ep2 cp2": [*BALANCED, "backend=fsdp", "backend.ep=2", "backend.cp=2"]}
     out = {}
     for world, jobs in ((1, single), (2, two), (4, four)):
         names = list(jobs)
@@ -61,7 +69,8 @@ def assert_close(got, ref, what, rel=1e-5):
 
 @pytest.mark.parametrize("run,ref", [("ddp sp2", "dense"), ("ddp sp4", "dense"), ("fsdp sp2", "dense"),
                                      ("zero2 sp2", "mla"), ("ddp cp2", "dense"), ("ddp cp4", "dense"),
-                                     ("hsdp cp2", "dense"), ("zero2 cp2", "mla")])
+                                     ("hsdp cp2", "dense"), ("zero2 cp2", "mla"), ("ep4 sp2", "balanced"),
+                                     ("ep2 cp2", "balanced")])
 def test_sequence_parallel_equals_one_process(runs, run, ref):
     want = runs[ref][0]
     for r in runs[run]:  # every rank: the same reduced numbers
@@ -86,6 +95,15 @@ def test_hsdp_with_context_parallel_shards_within_a_copy(runs):
     for name, full in ranks[0]["full"].items():
         assert ranks[0]["local"][name].numel() * 2 == full.numel(), name
         assert all(torch.equal(ranks[a]["local"][name], ranks[a + 2]["local"][name]) for a in (0, 1)), name
+
+
+def test_expert_parallel_runs_dispatched_tokens_to_their_peer(runs):
+    """The expert-parallel runs sent token rows to every other rank of their group (equality alone would hold
+    with backend.ep ignored)."""
+    for name, ep in (("ep4 sp2", 4), ("ep2 cp2", 2)):
+        for rank, r in enumerate(runs[name]):
+            rows = r["ep_rows_sent"]["model.layers.1.mlp.experts"]
+            assert len(rows) == ep and all(n > 0 for i, n in enumerate(rows) if i != rank % ep), (name, rank, rows)
 
 
 def test_the_documents_mask_matters(runs):

@@ -121,7 +121,7 @@ class FSDPBackend:
         """The ranks whose figures can differ: the ends of the shards, or the first alone where every parameter
         divides evenly (``uneven_shard_ends``; with expert parallelism the ends of each group; with HSDP, of the
         first copy's shard group: every copy holds the same)."""
-        return uneven_shard_ends(cfg, dims.dp_shard if dims.dp_replicate > 1 else dims.world_size)
+        return uneven_shard_ends(cfg, dims.shard_group)
 
     @staticmethod
     def for_smoke(cfg: DictConfig, world: int) -> None:

@@ -199,6 +199,12 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def shard_group(self) -> int:
+        """The ranks of one copy that shard the parameters, ``dp_shard x sp x cp`` (a sequence group's ranks shard
+        them with the others): what expert parallelism borrows its groups from (``ep`` must divide it)."""
+        return self.dp_shard * self.sp * self.cp
+
+    @property
     def model_parallel(self) -> int:
         """Ranks that hold one model replica together (tensor parallel x pipeline stages)."""
         return self.tp * self.pp

@@ -18,7 +18,10 @@ The balance losses all have the paper's form ``alpha * sum_i f_i * P_i`` for one
 over the sequences of the micro-batch: ``f_i = E / (K T) * #tokens routed to i`` (1 for every expert when
 balanced) and ``P_i`` the mean over the sequence of the expert's normalised affinity ``s_i / sum_j s_j``
 (softmax scores are normalised already). The device-level and communication forms group the experts into the
-``D`` expert-parallel groups (section 2.2.3); with D = 1 they are constant and are not computed.
+``D`` expert-parallel groups (section 2.2.3); with D = 1 they are constant and are not computed. Under sequence
+or context parallelism (``backend.sp``, ``backend.cp``) a rank holds a share of each sequence's tokens: its sums
+over them (``P_i``'s affinities, the routed slots) are added over the sequence group before the ratios are taken,
+so each sequence's loss is the whole sequence's, as one process computes it (``SequenceSplit``).
 
 How it meets the engines (no engine needs to know any of this but one call):
 
@@ -108,33 +111,78 @@ def count_routed(into: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
     return into.scatter_add_(0, flat, torch.ones(flat.shape, dtype=into.dtype, device=into.device))
 
 
+@dataclass(frozen=True)
+class SequenceSplit:
+    """The sequence group a rank's tokens are a share of (``backend.sp`` or ``backend.cp``): ``size`` ranks and
+    their process ``group`` (None in the dry run: nothing is exchanged, the sums are the share's)."""
+
+    size: int
+    group: Any
+
+
+class _SumOver(torch.autograd.Function):
+    """The sum over a sequence group of each rank's per-sequence sums; in backward every rank's gradient of the
+    (identical) sum, added up: each rank's share then gets ``size`` x its part of the gradient, which the
+    data-parallel mean over all ``dp x size`` ranks turns into the one-process gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        out = x.clone()
+        if group is not None:
+            torch.distributed.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        grad = grad.clone()
+        if ctx.group is not None:
+            torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
 def balance_loss(logits: torch.Tensor, chosen: torch.Tensor, batch: int, sigmoid: bool, groups: int = 1,
-                 alphas: tuple[float, float, float] = (0.0, 0.0, 0.0)) -> torch.Tensor:
+                 alphas: tuple[float, float, float] = (0.0, 0.0, 0.0), split: SequenceSplit | None = None
+                 ) -> torch.Tensor:
     """``alpha * sum_i f_i P_i`` per sequence, averaged over the ``batch`` sequences, for the expert-level
     (``alphas[0]``), device-level (``alphas[1]``) and communication (``alphas[2]``) forms.
 
     ``logits``: the router's [tokens, E] logits (fp32); ``chosen``: the [tokens, K] experts each token went to;
     ``sigmoid``: the router scores with sigmoid (DeepSeek-V3) rather than softmax (V2); ``groups``: the D
-    expert-parallel groups (consecutive experts), for the device-level and communication forms."""
+    expert-parallel groups (consecutive experts), for the device-level and communication forms; ``split``: the
+    sequence group whose ranks hold the other shares of these sequences' tokens (their sums are added)."""
     tokens, E = logits.shape
     K = chosen.shape[-1]
-    T = tokens // batch
+    T = tokens // batch  # this rank's tokens of each sequence
     s = logits.sigmoid() if sigmoid else logits.softmax(-1)
-    p = (s / s.sum(-1, keepdim=True)).view(batch, T, E).mean(1)  # P_i per sequence: [batch, E]
-    routed = torch.zeros(batch, E, device=logits.device, dtype=p.dtype)
-    routed.scatter_add_(1, chosen.reshape(batch, T * K), torch.ones(batch, T * K, device=logits.device, dtype=p.dtype))
+    affinity = (s / s.sum(-1, keepdim=True)).view(batch, T, E).sum(1)  # [batch, E]
+    routed = torch.zeros(batch, E, device=logits.device, dtype=affinity.dtype)
+    routed.scatter_add_(1, chosen.reshape(batch, T * K), torch.ones(batch, T * K, device=logits.device,
+                                                                    dtype=affinity.dtype))
+    device_level = groups > 1 and bool(alphas[1] or alphas[2])
+    per = E // groups
+    sent = routed.new_zeros(batch, 0)  # the tokens that reach each group: f''_i's count
+    if device_level:
+        reach = torch.zeros(tokens, groups, device=logits.device, dtype=affinity.dtype)
+        reach.scatter_(1, torch.div(chosen, per, rounding_mode="floor"), 1.0)
+        sent = reach.view(batch, T, groups).sum(1)
+    if split is not None and split.size > 1:  # the whole sequence's sums, from every share
+        T *= split.size
+        affinity = _SumOver.apply(affinity, split.group)
+        counts = torch.cat([routed, sent], 1)  # one exchange for both counts
+        if split.group is not None:
+            torch.distributed.all_reduce(counts, group=split.group)
+        routed, sent = counts[:, :E], counts[:, E:]
+    p = affinity / T  # P_i per sequence: [batch, E]
     f = routed * (E / (K * T))  # 1 for every expert when balanced
     loss = alphas[0] * (f * p).sum(-1).mean()
-    if groups > 1 and (alphas[1] or alphas[2]):
-        per = E // groups
+    if device_level:
         p_dev = p.view(batch, groups, per).sum(-1)  # P'_i: the group's summed affinity
         f_dev = f.view(batch, groups, per).mean(-1)  # f'_i: the mean f of its experts
         loss = loss + alphas[1] * (f_dev * p_dev).sum(-1).mean()
         # f''_i = D / (M T) * #tokens sent to group i, M = the most groups one token can reach
-        reach = torch.zeros(tokens, groups, device=logits.device, dtype=p.dtype)
-        reach.scatter_(1, torch.div(chosen, per, rounding_mode="floor"), 1.0)
         M = min(K, groups)
-        f_comm = reach.view(batch, T, groups).sum(1) * (groups / (M * T))
+        f_comm = sent * (groups / (M * T))
         loss = loss + alphas[2] * (f_comm * p_dev).sum(-1).mean()
     return loss
 
@@ -154,8 +202,8 @@ class Balancer:
     """The routers of one model, their step's loads and pending balance losses (see the module docstring)."""
 
     def __init__(self, found: list[Router], b: DictConfig, layers: int, experts: int, groups: int,
-                 device: torch.device):
-        self.routers, self.b, self.groups, self.device = found, b, groups, device
+                 device: torch.device, split: SequenceSplit | None = None):
+        self.routers, self.b, self.groups, self.device, self.split = found, b, groups, device, split
         self.experts, self.layers = experts, layers
         # this rank's routed slots per [layer, expert] this step, kept on the device and added to in place
         self.counts = torch.zeros(layers, experts, device=device, dtype=torch.float64)
@@ -169,11 +217,11 @@ class Balancer:
 
     @classmethod
     def install(cls, model: torch.nn.Module, b: DictConfig, experts: int, groups: int = 1,
-                device: torch.device | None = None) -> Balancer | None:
+                device: torch.device | None = None, split: SequenceSplit | None = None) -> Balancer | None:
         """Hooks on the routers ``model`` holds on this rank (None: a dense model, ``experts`` = 0). ``b``: the
         ``model.balance`` section; ``experts``: routed experts per layer (``ModelFacts.routed_experts``);
         ``groups``: the expert-parallel degree; ``device``: where the engine's collectives run (the model's
-        first parameter's by default). Every rank of a MoE model gets one, also a pipeline stage that
+        first parameter's by default); ``split``: the sequence group of this rank (sp, cp), if any. Every rank of a MoE model gets one, also a pipeline stage that
         holds no MoE layer: each takes part in the step's all-reduce. It rides on the model (``of``)."""
         if not experts:
             return None
@@ -183,7 +231,7 @@ class Balancer:
         # each pipeline stage holds some of them, and all take part in one all-reduce of the same size
         whole = (getattr(config, "num_hidden_layers", 0) or 0) + (getattr(config, "num_nextn_predict_layers", 0) or 0)
         layers = max(whole, max((r.layer for r in found), default=-1) + 1)
-        balancer = cls(found, b, layers, experts, groups, device or next(model.parameters()).device)
+        balancer = cls(found, b, layers, experts, groups, device or next(model.parameters()).device, split)
         object.__setattr__(model, "shardyard_balancer", balancer)
         return balancer
 
@@ -201,7 +249,7 @@ class Balancer:
             quiet = self.paused or _recomputing()
             if any(self.alphas) and torch.is_grad_enabled():
                 batch = hidden.shape[0] if hidden.dim() == 3 else 1
-                loss = balance_loss(logits.float(), chosen, batch, sigmoid, self.groups, self.alphas)
+                loss = balance_loss(logits.float(), chosen, batch, sigmoid, self.groups, self.alphas, self.split)
                 if not quiet:
                     self.pending.append(loss)
             if quiet:

@@ -430,7 +430,7 @@ def nodes_needed(cfg: DictConfig, batch: Plan, hw: Hardware, limit: int = MAX_NO
 
     def allowed(n: int) -> bool:
         dims = ParallelDims.of(n * hw.ranks_per_node, fixed)
-        return (dims.product == dims.world_size and dims.dp_shard % max(dims.ep, 1) == 0
+        return (dims.product == dims.world_size and dims.shard_group % max(dims.ep, 1) == 0
                 and (not whole_batch or gbs is None or gbs % (mbs * dims.dp) == 0))
 
     def fits(n: int) -> bool:

@@ -243,24 +243,26 @@ def validate_ep(b: DictConfig, dims: ParallelDims, facts: ModelFacts) -> None:
         raise UserError("backend.ep", ep, "Expert parallelism splits a mixture-of-experts layer's experts, and this "
                         "model has none (no router).", "Use backend.ep=1, or a MoE model (model=deepseek_moe_tiny, "
                         "deepseek_v2_lite, deepseek_v3).")
+    shards = dims.shard_group  # one copy's sharding ranks, a sequence group's among them
     if facts.routed_experts % ep:
         raise UserError("backend.ep", ep, f"Each rank of an expert-parallel group holds whole experts, so it must "
                         f"divide the model's {facts.routed_experts} routed experts.",
-                        f"Use a divisor of {facts.routed_experts} that also divides the {dims.dp_shard} data-parallel "
-                        f"shards: {_common_divisors(facts.routed_experts, dims.dp_shard)}.")
-    if dims.dp_shard % ep:
+                        f"Use a divisor of {facts.routed_experts} that also divides the {shards} data-parallel "
+                        f"shards: {_common_divisors(facts.routed_experts, shards)}.")
+    if shards % ep:
         copy = " of one HSDP copy (backend.replicate)" if dims.dp_replicate > 1 else ""
         raise UserError("backend.ep", ep, f"The expert-parallel groups are made of data-parallel shards{copy}, and "
-                        f"there are {dims.dp_shard} ({dims.describe()}), which it must divide.",
-                        f"Use one of {_common_divisors(facts.routed_experts, dims.dp_shard)}, or a world size that "
+                        f"there are {shards} ({dims.describe()}), which it must divide.",
+                        f"Use one of {_common_divisors(facts.routed_experts, shards)}, or a world size that "
                         f"{ep} divides.")
 
 
 def validate_sp(cfg: DictConfig, dims: ParallelDims) -> None:
     """``backend.sp`` (Ulysses sequence parallelism) and ``backend.cp`` (all-gather context parallelism): one of them
     at a time, an engine that splits sequences, a sequence length each rank's share divides (sp: whole heads per
-    rank too), the plain causal-LM objective, and what they do not combine with yet (expert parallelism, MTP, whose
-    next-token inputs cross the shares' edges)."""
+    rank too), the plain causal-LM objective, and what they do not combine with yet (MTP, whose next-token inputs
+    cross the shares' edges). Expert parallelism composes: its groups dispatch each rank's share of the tokens, and
+    the balance losses add the shares' sums over the sequence group (``models.moe.SequenceSplit``)."""
     from shardyard.backends import engine
 
     b, m = cfg.backend, cfg.model
@@ -297,9 +299,6 @@ def validate_sp(cfg: DictConfig, dims: ParallelDims) -> None:
         raise UserError(key, n, "Multi-token prediction feeds each position the next token's embedding, which "
                         f"crosses the shares' edges: not combined with {what} parallelism yet.",
                         f"Use {key}=1 with model.mtp, or model.mtp=null.")
-    if int(b.get("ep", 1)) > 1:
-        raise UserError(key, n, f"Expert parallelism and {what} parallelism both borrow the data-parallel ranks: not "
-                        f"combined yet.", f"Use {key}=1 with backend.ep > 1, or backend.ep=1.")
 
 
 def _common_divisors(a: int, b: int) -> str:

@@ -152,7 +152,7 @@ def _check_nodes(cfg: DictConfig, per_node: int, world: int) -> None:
 
     def usable(nodes: int) -> bool:
         dims = ParallelDims.of(per_node * nodes, fixed)
-        return (dims.product == dims.world_size and dims.dp_shard % max(dims.ep, 1) == 0
+        return (dims.product == dims.world_size and dims.shard_group % max(dims.ep, 1) == 0
                 and (gbs is None or gbs % (mbs * dims.dp) == 0))
 
     if usable(cfg.plan.nodes):

@@ -190,7 +190,7 @@ def train(cfg: DictConfig, plan: Plan, backend: Backend) -> dict:
     objective.setup(objectives.Setup(backend, build, cfg, prepared.tokenizer_dir, seqs, val))
     # MoE routers, wherever the engine put them: their loads counted, their balance kept (shardyard.models.moe).
     balancer = moe.Balancer.install(backend.hf_model(), cfg.model.balance, plan.facts.routed_experts, plan.dims.ep,
-                                    backend.device)
+                                    backend.device, moe.SequenceSplit(shards.size, shards.group) if shards else None)
     if rank0:
         trainable = plan.facts.trainable  # counted on the meta build at validation
         tuned = (f" ({trainable:,} trainable: {cfg.peft.name} adapters, {100 * trainable / plan.facts.params:.2f}%)"
