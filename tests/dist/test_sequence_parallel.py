@@ -12,11 +12,15 @@ training whole sequences:
   parallelism's lower-right causal chunks, no mask tensor) under ZeRO-2 at sp 2 and at cp 2;
 * FSDP2 at sp 2 and DDP at cp 4 with tiled MLPs (``model.mlp_tiles=3``: each rank's own positions in 3 tiles);
 * MLA and MoE with expert parallelism (FSDP2 at ep 4 x sp 2: each EP group spans both sequence groups; and at
-  ep 2 x cp 2: each is one) and DeepSeek's sequence-wise balance loss on (``model.balance.seq_aux_alpha``: each sequence's expert loads and affinities summed over its shares), the
-  token rows measured to have crossed to the EP peer.
+  ep 2 x cp 2: each is one), DeepSeek's sequence-wise balance loss on (``model.balance.seq_aux_alpha``: each
+  sequence's expert loads and affinities summed over its shares) and DeepSeek-V3's multi-token prediction (one
+  depth, whose next-token embeddings and targets cross the shares' edges: its logged loss equal too), the token
+  rows measured to have crossed to the EP peer.
 
 The reference with ``data.document_mask=false`` differs from it (the packed documents are really there), so a
 shard that attended across them, or only within its own positions, could not pass."""
+
+import json
 
 import pytest
 import torch
@@ -31,7 +35,7 @@ MLA = [*TINY, *SEQ, "model=deepseek_moe_tiny", "model.hidden_size=64", "model.nu
        "model.intermediate_size=96", "model.num_layers=2", "model.balance.seq_aux_alpha=0"]
 # with the sequence-wise balance loss, large enough that one taken over each share instead of the whole sequence
 # fails the losses' 1e-5 (measured at ep 2: 4.8e-5 at sp 2, 2.2e-5 at cp 2; at alpha 0.1, 1.1e-5 and 1.0e-5)
-BALANCED = [*MLA[:-1], "model.balance.seq_aux_alpha=1.0"]
+BALANCED = [*MLA[:-1], "model.balance.seq_aux_alpha=1.0", "model.mtp.depth=1"]
 
 TILES = "model.mlp_tiles=3"
 """Tiled MLPs (point 5) on the rank's own positions, in two of the runs above (fsdp sp 2, ddp cp 4): the reference
@@ -59,6 +63,7 @@ def runs(tmp_path_factory):
         names = list(jobs)
         for name, result in zip(names, run_many(world, [(jobs[n], str(d / n.replace(" ", "-"))) for n in names])):
             out[name] = result
+    out["dir"] = d
     return out
 
 
@@ -95,6 +100,17 @@ def test_hsdp_with_context_parallel_shards_within_a_copy(runs):
     for name, full in ranks[0]["full"].items():
         assert ranks[0]["local"][name].numel() * 2 == full.numel(), name
         assert all(torch.equal(ranks[a]["local"][name], ranks[a + 2]["local"][name]) for a in (0, 1)), name
+
+
+@pytest.mark.parametrize("run", ["ep4 sp2", "ep2 cp2"])
+def test_the_mtp_depth_across_the_shares_edges_equals_one_process(runs, run):
+    """The MTP depth's loss, as every monitor gets it (metrics.jsonl), equals one process's at each step: its input
+    at a share's last positions is the next share's token, and its target the token after."""
+    def mtp_losses(name: str) -> list[float]:
+        lines = [json.loads(line) for line in open(runs["dir"] / name.replace(" ", "-") / "metrics.jsonl")]
+        return [m["train/mtp_loss_1"] for m in lines if "train/loss" in m]
+
+    assert_close(mtp_losses(run), mtp_losses("balanced"), f"{run} MTP loss")
 
 
 def test_expert_parallel_runs_dispatched_tokens_to_their_peer(runs):

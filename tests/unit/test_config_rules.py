@@ -188,8 +188,6 @@ def test_keys_no_schema_or_plugin_reads_are_refused(overrides, key):
     (["backend=ddp", "launch.nproc_per_node=4", "backend.sp=2", "backend.cp=2"], "backend.cp"),
     (["backend=fsdp_tp", "launch.nproc_per_node=2", "backend.cp=2"], "backend.cp"),
     (["backend=ddp", "launch.nproc_per_node=2", "backend.cp=2", "data.seq_len=66"], "backend.cp"),
-    (["backend=ddp", "launch.nproc_per_node=2", "backend.sp=2", "model=deepseek_moe_tiny", "model.mtp={depth: 1}"],
-     "backend.sp"),  # multi-token prediction
 ])
 def test_bad_values_name_the_key(overrides, key):
     cfg = compose(overrides)

@@ -100,6 +100,11 @@ class Batch:
     segments: torch.Tensor | None
     """``[B, T]`` document number of every position of the whole sequence (packed documents, positions restarting
     at 0); None: one causal sequence."""
+    ahead: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+    """Multi-token prediction (``model.mtp``): for each depth k, the token ids at this rank's positions + k (the
+    embeddings depth k reads, wrapping at the row's end as one process's roll does) and depth k's targets at its
+    positions, both taken from the whole sequence before the split: they cross the shares' edges
+    (``models.mtp``). None without depths."""
     _mask: torch.Tensor | None = field(default=None, repr=False)
 
     def to(self, *args: Any, **kwargs: Any) -> Batch:
@@ -123,11 +128,12 @@ class Batch:
         return self._mask
 
 
-def shard(inputs: Any, targets: torch.Tensor, shards: Shards) -> tuple[dict, torch.Tensor]:
+def shard(inputs: Any, targets: torch.Tensor, shards: Shards, depths: int = 0) -> tuple[dict, torch.Tensor]:
     """A micro-batch of whole sequences (token ids, or ``input_ids`` and ``position_ids`` of packed documents) as
     this rank's shard: its 1/sp of the positions, their position ids (so RoPE rotates by the true position), its
     targets (already shifted by the data: the last position of a shard predicts the next shard's first token),
-    and the ``Batch`` that attention reads."""
+    and the ``Batch`` that attention reads; with ``depths`` MTP depths, what each depth reads past the share's
+    edge (``Batch.ahead``)."""
     ids = inputs["input_ids"] if isinstance(inputs, dict) else inputs
     extra = set(inputs) - {"input_ids", "position_ids"} if isinstance(inputs, dict) else set()
     assert not extra, f"sequence parallelism splits token ids and positions, not {sorted(extra)}"
@@ -140,7 +146,14 @@ def shard(inputs: Any, targets: torch.Tensor, shards: Shards) -> tuple[dict, tor
     else:
         positions = torch.arange(length, device=ids.device).expand(rows, length)
         segments, whole = None, True
-    batch = Batch(shards, None if whole else segments)
+    ahead = None
+    if depths:
+        from shardyard.models.mtp import depth_targets
+
+        packed = inputs.get("position_ids") if isinstance(inputs, dict) else None
+        ahead = ([ids[:, (cut + k) % length] for k in range(1, depths + 1)],
+                 [depth_targets(targets, packed, k)[:, cut] for k in range(1, depths + 1)])
+    batch = Batch(shards, None if whole else segments, ahead)
     return {"input_ids": ids[:, cut], "position_ids": positions[:, cut], SEQUENCE_SHARDS: batch}, targets[:, cut]
 
 
@@ -310,12 +323,12 @@ class ShardedStream:
     """A ``data.TrainStream`` of a sequence group (made with ``Shards.data_rank``) whose micro-batches are this
     rank's shard of them; everything else (positions, weights, checkpointed state) is the stream's."""
 
-    def __init__(self, stream: Any, shards: Shards):
-        self.stream, self.shards = stream, shards
+    def __init__(self, stream: Any, shards: Shards, depths: int = 0):
+        self.stream, self.shards, self.depths = stream, shards, depths
 
     def micro_batch(self, step: int, micro: int) -> tuple[dict, torch.Tensor]:
         x, y = self.stream.micro_batch(step, micro)
-        return shard(x, y, self.shards)
+        return shard(x, y, self.shards, self.depths)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.stream, name)

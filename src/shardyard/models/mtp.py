@@ -206,15 +206,17 @@ class _DepthForward:
         return layer.shared_head.norm(type(layer).forward(layer, x, **kwargs))
 
 
-def run_depths(model: Any, hidden: torch.Tensor, emb: torch.Tensor, **block: Any) -> list[torch.Tensor]:
+def run_depths(model: Any, hidden: torch.Tensor, emb: torch.Tensor, ahead: list[torch.Tensor] | None = None,
+               **block: Any) -> list[torch.Tensor]:
     """Each depth's output after its final norm (what the shared head reads), depth 1 first, from the main model's
     output ``hidden`` (after ``model.norm``) and the embedding ``emb`` of the input tokens; depth k reads depth
     k-1's normed output (Megatron-Core's chaining). Position i combines its own representation with token i+k's
-    embedding (rolled: the last k positions wrap around, and have no target: ``depth_targets``); causal attention
+    embedding (rolled: the last k positions wrap around, and have no target: ``depth_targets``; ``ahead``: those
+    embeddings given, a sequence-parallel share's, whose tokens i+k may lie in the next share); causal attention
     keeps token i+k+1 out of position i's view."""
     out, prev = [], hidden
     for k, layer in enumerate(layers(model), 1):
-        prev = layer(prev, emb.roll(-k, dims=1), **block)
+        prev = layer(prev, ahead[k - 1] if ahead is not None else emb.roll(-k, dims=1), **block)
         out.append(prev)
     return out
 
@@ -247,11 +249,22 @@ def depth_targets(targets: torch.Tensor, position_ids: torch.Tensor | None, k: i
     return t
 
 
+def _ahead(inputs: Any) -> Any:
+    """A sequence-parallel share's depth inputs and targets, taken from the whole sequence
+    (``sequence_parallel.Batch.ahead``), or None."""
+    from shardyard.models.loss import SEQUENCE_SHARDS
+
+    return getattr(inputs.get(SEQUENCE_SHARDS), "ahead", None) if isinstance(inputs, dict) else None
+
+
 def label_counts(inputs: Any, targets: torch.Tensor, d: int) -> torch.Tensor:
-    """The label tokens of the main loss and of each depth: ``[main, depth 1, ..., depth D]`` (int64)."""
+    """The label tokens of the main loss and of each depth: ``[main, depth 1, ..., depth D]`` (int64); of a
+    sequence-parallel share, its own positions' (the whole sequence's depth targets, split)."""
     pos = inputs.get("position_ids") if isinstance(inputs, dict) else None
+    ahead = _ahead(inputs)
     return torch.stack([(targets != -100).sum()] +
-                       [(depth_targets(targets, pos, k) != -100).sum() for k in range(1, d + 1)])
+                       [((ahead[1][k - 1] if ahead else depth_targets(targets, pos, k)) != -100).sum().to(targets.device)
+                        for k in range(1, d + 1)])
 
 
 def term_weights(mtp: DictConfig | None, step: int) -> list[float]:
@@ -306,7 +319,9 @@ def _forward(model: Any, plain: Any, targets: torch.Tensor | None, input_ids: to
     from transformers.masking_utils import create_causal_mask
 
     inner = model.model
-    hidden = inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
+    # kwargs: a sequence-parallel share's ``Batch`` (its attention over the whole sequence), for the depths too
+    hidden = inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   **kwargs).last_hidden_state
     sums = [head_sum(model, hidden, targets)]
     emb = inner.embed_tokens(input_ids)  # the shared embedding (a lookup; its gradient adds up from every use)
     pos = position_ids if position_ids is not None else \
@@ -314,6 +329,9 @@ def _forward(model: Any, plain: Any, targets: torch.Tensor | None, input_ids: to
     mask = create_causal_mask(config=inner.config, inputs_embeds=emb, attention_mask=attention_mask, cache=None,
                               position_ids=pos)
     rope = inner.rotary_emb(emb, pos)
-    normed = run_depths(model, hidden, emb, attention_mask=mask, position_embeddings=rope, position_ids=pos)
-    sums += [head_sum(model, n, depth_targets(targets, position_ids, k)) for k, n in enumerate(normed, 1)]
+    ahead = _ahead(kwargs)  # a share's: the next tokens and the depths' targets across its edges
+    normed = run_depths(model, hidden, emb, [inner.embed_tokens(i.to(emb.device)) for i in ahead[0]] if ahead else None,
+                        attention_mask=mask, position_embeddings=rope, position_ids=pos, **kwargs)
+    sums += [head_sum(model, n, ahead[1][k - 1].to(n.device) if ahead else depth_targets(targets, position_ids, k))
+             for k, n in enumerate(normed, 1)]
     return torch.stack(sums)

@@ -260,9 +260,10 @@ def validate_ep(b: DictConfig, dims: ParallelDims, facts: ModelFacts) -> None:
 def validate_sp(cfg: DictConfig, dims: ParallelDims) -> None:
     """``backend.sp`` (Ulysses sequence parallelism) and ``backend.cp`` (all-gather context parallelism): one of them
     at a time, an engine that splits sequences, a sequence length each rank's share divides (sp: whole heads per
-    rank too), the plain causal-LM objective, and what they do not combine with yet (MTP, whose next-token inputs
-    cross the shares' edges). Expert parallelism composes: its groups dispatch each rank's share of the tokens, and
-    the balance losses add the shares' sums over the sequence group (``models.moe.SequenceSplit``)."""
+    rank too) and the plain causal-LM objective. Expert parallelism composes (its groups dispatch each rank's share
+    of the tokens; the balance losses add the shares' sums over the sequence group: ``models.moe.SequenceSplit``),
+    and so do MTP's depths (what they read past a share's edge is taken from the whole sequence:
+    ``sequence_parallel.Batch.ahead``)."""
     from shardyard.backends import engine
 
     b, m = cfg.backend, cfg.model
@@ -295,10 +296,6 @@ def validate_sp(cfg: DictConfig, dims: ParallelDims) -> None:
         raise UserError(key, n, f"{what.capitalize()} parallelism splits pre-training and SFT sequences; objective="
                         f"{objective}'s rows (pairs, rollouts) are not split yet.",
                         f"Use {key}=1 with this objective, or objective=lm.")
-    if m.get("mtp") is not None and int(m.mtp.get("depth", 0)) > 0:
-        raise UserError(key, n, "Multi-token prediction feeds each position the next token's embedding, which "
-                        f"crosses the shares' edges: not combined with {what} parallelism yet.",
-                        f"Use {key}=1 with model.mtp, or model.mtp=null.")
 
 
 def _common_divisors(a: int, b: int) -> str:

@@ -125,7 +125,8 @@ def simulate(cfg: DictConfig, batch: Plan, role: Role, replica: bool = False,
             targets = ids
             split = sequence_parallel.groups(1, batch.dims, 0, simulated=True)
             if split is not None:  # one rank's share of the positions, its exchanges simulated (no group: buffers only)
-                ids, targets = sequence_parallel.shard(ids, ids, split)
+                depths = int((cfg.model.get("mtp") or {}).get("depth", 0) or 0)  # what MTP reads past the edges
+                ids, targets = sequence_parallel.shard(ids, ids, split, depths)
             weight = torch.ones(())
             accum = min(batch.grad_accum_steps, 2)  # what accumulation holds shows from the second micro-batch on
             # The measured step is a second one, as every step after the first runs: the engine set up (FSDP2 on

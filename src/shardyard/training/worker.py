@@ -154,7 +154,7 @@ def train(cfg: DictConfig, plan: Plan, backend: Backend) -> dict:
     readers = shards.data_rank(backend.dp_rank, backend.dp_size) if shards else (backend.dp_rank, backend.dp_size)
     stream: Any = data.TrainStream(seqs, cfg.seed, plan.global_batch_size, plan.micro_batch_size, *readers, log=log)
     if shards is not None:  # the stream's interface, each micro-batch this rank's shard of it
-        stream = sequence_parallel.ShardedStream(stream, shards)
+        stream = sequence_parallel.ShardedStream(stream, shards, int(OmegaConf.select(cfg, "model.mtp.depth") or 0))
     if rank0 and len(prepared.parts) > 1:
         shares = ", ".join(f"{p.name} {w:.1%} ({len(r):,} sequences)"
                            for p, w, r in zip(prepared.parts, stream.weights().values(), seqs.parts))
