@@ -110,7 +110,8 @@ def test_the_mtp_depth_across_the_shares_edges_equals_one_process(runs, run):
         lines = [json.loads(line) for line in open(runs["dir"] / name.replace(" ", "-") / "metrics.jsonl")]
         return [m["train/mtp_loss_1"] for m in lines if "train/loss" in m]
 
-    assert_close(mtp_losses(run), mtp_losses("balanced"), f"{run} MTP loss")
+    # (rolled per share, measured 1.0e-5 and 2.9e-5 off: tighter than the main loss's 1e-5)
+    assert_close(mtp_losses(run), mtp_losses("balanced"), f"{run} MTP loss", rel=3e-6)
 
 
 def test_expert_parallel_runs_dispatched_tokens_to_their_peer(runs):

@@ -176,7 +176,9 @@ def expert_parallel_states(states: ModelStates, cfg: DictConfig, shape: dict, wo
     device["buffers"], apart = fsdp_buffers(c, shape["root_params"], shape["max_block_params"] - saved,
                                             shape["block_params"] - E_all * (1 - 1 / ep),
                                             cfg.backend.reshard_after_forward)
-    tokens = cfg.train.micro_batch_size * cfg.data.seq_len
+    # this rank's tokens: its share of each sequence under sequence or context parallelism
+    split = int(cfg.backend.get("sp", 1)) * int(cfg.backend.get("cp", 1))
+    tokens = cfg.train.micro_batch_size * cfg.data.seq_len / split
     passes = 6 if checkpointing_mode(cfg.model) == "full" else 4  # 4 (selective keeps the dispatched rows' outputs)
     experts = int(cfg.model.get("n_routed_experts", 0) or 0) or ep
     rows = routing_groups(cfg.model, experts, int(shape["experts_per_token"]), ep, 1).max_ranks  # 4

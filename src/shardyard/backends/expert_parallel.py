@@ -1,16 +1,18 @@
 """Expert parallelism for the FSDP2 family (``backend.ep``): each MoE layer's routed experts split across the ranks
 of an expert-parallel group, tokens sent to their experts and back by all-to-all, nothing dropped.
 
-The layout (torchtitan's, ``torchtitan/distributed/expert_parallel.py``): the data-parallel ranks that shard the
-model, ``dp_shard``, are viewed as ``edp x ep`` with ``ep`` innermost, so an EP group is ``ep`` consecutive ranks
-(within a node when it fits: the all-to-all is the chatty collective). Then
+The layout (torchtitan's, ``torchtitan/distributed/expert_parallel.py``): the ranks of one copy that shard the
+model (``ParallelDims.shard_group``: ``dp_shard``, with a sequence group's ranks among them; all of them but HSDP's
+other copies) are viewed as ``edp x ep`` with ``ep`` innermost, so an EP group is ``ep`` consecutive ranks (within
+a node when it fits: the all-to-all is the chatty collective). Then
 
 1. the routed experts' weights ([E, ...] tensors: transformers' fused ``gate_up_proj`` and ``down_proj``) become
    DTensors sharded on dim 0 over the ``ep`` mesh: ``E / ep`` whole experts per rank, the rank's own;
 2. FSDP2 shards those over ``edp`` (what remains of data parallel), and everything else over all of
    ``dp_shard``: the usual ``fully_shard`` per block, whose experts are already their own FSDP unit;
 3. the expert gradients are divided by the whole data-parallel world, not by ``edp``: each owner's gradient already
-   sums the tokens of its EP peers (the all-to-all's backward brings them), and FSDP sums it over ``edp``.
+   sums the tokens of its EP peers (the all-to-all's backward brings them), and FSDP averages it over ``edp`` (and
+   HSDP's copies).
 
 Because the weights keep their global [E, ...] shapes as DTensors, checkpoints (DCP) and the full state dict see
 the same tensors at every ``ep``: a checkpoint written at ep 2 resumes at ep 4, and the HF export is the same
@@ -280,9 +282,9 @@ def shard_experts(model: torch.nn.Module, ep_mesh: DeviceMesh, capacity_factor: 
 
 class ExpertGradients:
     """The routed experts' gradients, averaged over all of data parallel before the optimizer step. FSDP averages
-    them over ``edp``; each EP owner's gradient already sums its ``ep`` peers' tokens (the all-to-all's
-    backward brought them), so one more division by ``ep`` makes the mean over every data-parallel rank, as
-    the other parameters get. (FSDP's ``set_gradient_divide_factor`` would fold it into the reduce-scatter, but
+    them over ``edp`` (and HSDP's copies, ``replicate x edp``); each EP owner's gradient already sums its ``ep``
+    peers' tokens (the all-to-all's backward brought them), so one more division by ``ep`` makes the mean over
+    every data-parallel rank, as the other parameters get. (FSDP's ``set_gradient_divide_factor`` would fold it into the reduce-scatter, but
     its PREMUL_SUM reduction does not exist on gloo.)"""
 
     def __init__(self, model: torch.nn.Module, ep: int):

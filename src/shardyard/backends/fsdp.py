@@ -210,7 +210,8 @@ class FSDPBackend:
         ep, replicate = self.plan.dims.ep, self.plan.dims.dp_replicate
         shard = self.world_size // replicate  # the ranks of one copy (HSDP) or all of them
         self.mesh: DeviceMesh | None = None
-        if ep > 1 or replicate > 1:  # (replicate, edp, ep), ep innermost: an EP group is consecutive ranks (one node)
+        if ep > 1 or replicate > 1:  # ([replicate,] edp, ep), ep innermost: an EP group is consecutive ranks (one
+            # node); without EP ([replicate,] shard)
             self.mesh = fsdp_mesh(self.device.type, {}, replicate, {"edp": shard // ep, "ep": ep} if ep > 1
                                   else {"shard": shard}, {})
 

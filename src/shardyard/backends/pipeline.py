@@ -232,7 +232,8 @@ class PipelineBackend:
     def read_model_state(path: str, model: torch.nn.Module, meta: dict) -> dict[str, torch.Tensor]:
         return read_dcp_model_state(path, model, meta)
 
-    degree_keys: ClassVar[dict[str, str]] = {"pp": "backend.stages", "ep": "backend.ep", "dp_replicate": "backend.replicate"}
+    degree_keys: ClassVar[dict[str, str]] = {"pp": "backend.stages", "ep": "backend.ep",
+                                             "dp_replicate": "backend.replicate"}
     post_training: ClassVar[bool] = False
     """The post-training objectives (DPO, GRPO) need each sequence's log-probabilities from one forward of the
     whole model, and GRPO samples with it: a stage holds only its layers (``planning.rules.validate_objective``)."""

@@ -32,6 +32,7 @@ A module of ``backends``: it imports torch, transformers' attention registry and
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -108,7 +109,13 @@ class Batch:
     _mask: torch.Tensor | None = field(default=None, repr=False)
 
     def to(self, *args: Any, **kwargs: Any) -> Batch:
-        return self  # rides along through ``objectives.to_device`` as the batch's tensors move
+        """Rides along through ``objectives.to_device`` as the batch's tensors move; MTP's ``ahead`` moves with them
+        (copied as they are, ``non_blocking``: the depths read them without making the host wait)."""
+        if self.ahead is None:
+            return self
+        ids, targets = self.ahead
+        return dataclasses.replace(self, ahead=([t.to(*args, **kwargs) for t in ids],
+                                                [t.to(*args, **kwargs) for t in targets]))
 
     def mask(self, device: torch.device) -> torch.Tensor | None:
         """The attention mask of this rank's queries over the whole sequence's keys (bool ``[B, 1, queries, T]``: a

@@ -121,13 +121,14 @@ class SequenceSplit:
 
 
 class _SumOver(torch.autograd.Function):
-    """The sum over a sequence group of each rank's per-sequence sums; in backward every rank's gradient of the
-    (identical) sum, added up: each rank's share then gets ``size`` x its part of the gradient, which the
-    data-parallel mean over all ``dp x size`` ranks turns into the one-process gradient."""
+    """The sum over a sequence group of ``size`` ranks of each rank's per-sequence sums; in backward every rank's
+    gradient of the sum, added up: they are equal (every rank computes the same loss from the same sums), so
+    ``size`` x its own, without an exchange. Each rank's share then gets ``size`` x its part of the gradient, which
+    the data-parallel mean over all ``dp x size`` ranks turns into the one-process gradient."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
+    def forward(ctx: Any, x: torch.Tensor, size: int, group: Any) -> torch.Tensor:
+        ctx.size = size
         out = x.clone()
         if group is not None:
             torch.distributed.all_reduce(out, group=group)
@@ -135,10 +136,7 @@ class _SumOver(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        grad = grad.clone()
-        if ctx.group is not None:
-            torch.distributed.all_reduce(grad, group=ctx.group)
-        return grad, None
+        return grad * ctx.size, None, None
 
 
 def balance_loss(logits: torch.Tensor, chosen: torch.Tensor, batch: int, sigmoid: bool, groups: int = 1,
@@ -168,7 +166,7 @@ def balance_loss(logits: torch.Tensor, chosen: torch.Tensor, batch: int, sigmoid
         sent = reach.view(batch, T, groups).sum(1)
     if split is not None and split.size > 1:  # the whole sequence's sums, from every share
         T *= split.size
-        affinity = _SumOver.apply(affinity, split.group)
+        affinity = _SumOver.apply(affinity, split.size, split.group)
         counts = torch.cat([routed, sent], 1)  # one exchange for both counts
         if split.group is not None:
             torch.distributed.all_reduce(counts, group=split.group)
@@ -221,8 +219,9 @@ class Balancer:
         """Hooks on the routers ``model`` holds on this rank (None: a dense model, ``experts`` = 0). ``b``: the
         ``model.balance`` section; ``experts``: routed experts per layer (``ModelFacts.routed_experts``);
         ``groups``: the expert-parallel degree; ``device``: where the engine's collectives run (the model's
-        first parameter's by default); ``split``: the sequence group of this rank (sp, cp), if any. Every rank of a MoE model gets one, also a pipeline stage that
-        holds no MoE layer: each takes part in the step's all-reduce. It rides on the model (``of``)."""
+        first parameter's by default); ``split``: the sequence group of this rank (sp, cp), if any. Every rank of a
+        MoE model gets one, also a pipeline stage that holds no MoE layer: each takes part in the step's
+        all-reduce. It rides on the model (``of``)."""
         if not experts:
             return None
         found = routers(model)

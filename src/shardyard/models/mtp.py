@@ -262,9 +262,8 @@ def label_counts(inputs: Any, targets: torch.Tensor, d: int) -> torch.Tensor:
     sequence-parallel share, its own positions' (the whole sequence's depth targets, split)."""
     pos = inputs.get("position_ids") if isinstance(inputs, dict) else None
     ahead = _ahead(inputs)
-    return torch.stack([(targets != -100).sum()] +
-                       [((ahead[1][k - 1] if ahead else depth_targets(targets, pos, k)) != -100).sum().to(targets.device)
-                        for k in range(1, d + 1)])
+    per_depth = ahead[1] if ahead else [depth_targets(targets, pos, k) for k in range(1, d + 1)]
+    return torch.stack([(targets != -100).sum()] + [(t != -100).sum() for t in per_depth[:d]])
 
 
 def term_weights(mtp: DictConfig | None, step: int) -> list[float]:
@@ -329,9 +328,10 @@ def _forward(model: Any, plain: Any, targets: torch.Tensor | None, input_ids: to
     mask = create_causal_mask(config=inner.config, inputs_embeds=emb, attention_mask=attention_mask, cache=None,
                               position_ids=pos)
     rope = inner.rotary_emb(emb, pos)
-    ahead = _ahead(kwargs)  # a share's: the next tokens and the depths' targets across its edges
-    normed = run_depths(model, hidden, emb, [inner.embed_tokens(i.to(emb.device)) for i in ahead[0]] if ahead else None,
-                        attention_mask=mask, position_embeddings=rope, position_ids=pos, **kwargs)
-    sums += [head_sum(model, n, ahead[1][k - 1].to(n.device) if ahead else depth_targets(targets, position_ids, k))
+    ahead = _ahead(kwargs)  # a share's: the next tokens and the depths' targets across its edges (on the device)
+    embeds = [inner.embed_tokens(ids) for ids in ahead[0]] if ahead else None
+    normed = run_depths(model, hidden, emb, embeds, attention_mask=mask, position_embeddings=rope, position_ids=pos,
+                        **kwargs)
+    sums += [head_sum(model, n, ahead[1][k - 1] if ahead else depth_targets(targets, position_ids, k))
              for k, n in enumerate(normed, 1)]
     return torch.stack(sums)

@@ -165,7 +165,8 @@ def _degrees(base: DictConfig, batch: Plan, hw: Hardware, fixed: dict[str, str])
     """The engine's degree settings to try, as backend keys -> value (the engine's ``degree_keys`` say which it
     has): tensor-parallel degrees within a node that divide the heads, pipeline stages up to the layers with each
     schedule, each of them with HSDP copies whose shard groups (with their tp ranks) are whole nodes,
-    expert-parallel degrees within a copy's shards (``search._ep_options``)."""
+    expert-parallel degrees within a copy's shards (``search._ep_options``), sequence or context groups within a
+    node (not beside expert parallelism yet, though the engines run it: its step time is not modelled for it)."""
     from shardyard.backends import engine
     from shardyard.planning.search import _ep_options
 

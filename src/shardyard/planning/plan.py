@@ -264,7 +264,7 @@ def _one_rank(cfg: DictConfig, batch: Plan, hw: Hardware, states: Any, accum: in
     ep = int(cfg.backend.get("ep", 1))
     notes = list(states.notes)
     if states.all_to_all_per_micro:
-        notes += routing_notes(cfg, batch, ep, dims.dp_shard, hw.ranks_per_node)
+        notes += routing_notes(cfg, batch, ep, dims.shard_group, hw.ranks_per_node)
     replicate = int(cfg.backend.get("replicate", 1))  # HSDP's copies (the FSDP2 engines)
     name = (cfg.backend.name + (f" ep={ep}" if ep > 1 else "") + (f" replicate={replicate}" if replicate > 1 else "")
             + (f" sp={dims.sp}" if dims.sp > 1 else "") + (f" cp={dims.cp}" if dims.cp > 1 else ""))

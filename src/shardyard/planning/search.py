@@ -111,7 +111,7 @@ def engine_variants(cfg: DictConfig, hw: Hardware, experts: int = 0) -> list[tup
         if name != cfg.backend.name:
             out.append((name, variant))
         if "ep" in getattr(engine(variant.backend), "degree_keys", {}):
-            for ep in _ep_options(experts, dims.dp_shard, hw.ranks_per_node):
+            for ep in _ep_options(experts, dims.shard_group, hw.ranks_per_node):
                 if ep == variant.backend.ep:
                     continue
                 v = variant.copy()

@@ -196,7 +196,8 @@ def _parallel_dims(cfg: DictConfig, world: int) -> ParallelDims:
         raise UserError(key, dims.dp_replicate, f"The {dp} data-parallel ranks{within} must be a multiple of the "
                         f"copies of the sharded model; each copy is sharded over {dp} / {key} of them.",
                         f"Use {key} in {[d for d in range(1, dp + 1) if dp % d == 0]}, or a world size "
-                        f"(launch.nproc_per_node x launch.nnodes) that it divides.")
+                        f"(launch.nproc_per_node x launch.nnodes) that leaves a multiple of {dims.dp_replicate} "
+                        f"data-parallel ranks{within}.")
     if dims.product != world:
         mp = dims.product // dims.dp  # the ranks holding one model replica
         key = next((k for f, k in keys.items() if getattr(dims, f) > 1), next(iter(keys.values()), "backend"))
