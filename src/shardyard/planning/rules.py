@@ -253,8 +253,8 @@ def validate_ep(b: DictConfig, dims: ParallelDims, facts: ModelFacts) -> None:
         copy = " of one HSDP copy (backend.replicate)" if dims.dp_replicate > 1 else ""
         raise UserError("backend.ep", ep, f"The expert-parallel groups are made of data-parallel shards{copy}, and "
                         f"there are {shards} ({dims.describe()}), which it must divide.",
-                        f"Use one of {_common_divisors(facts.routed_experts, shards)}, or more ranks per copy: "
-                        f"world / (backend.replicate x tp x stages) a multiple of {ep}.")
+                        f"Use one of {_common_divisors(facts.routed_experts, shards)}, or a world size with more "
+                        f"ranks per copy: world / (backend.replicate x tp x stages) a multiple of {ep}.")
 
 
 def validate_sp(cfg: DictConfig, dims: ParallelDims) -> None:
