@@ -233,3 +233,19 @@ def test_a_sequence_too_long_for_one_rank_is_searched_with_sequence_groups():
     per_micro = 8 * blocks * (131072 / sp) * h * 2 * (sp - 1) / sp / hw.intra_bw \
         + calls * (steptime.NCCL_BASE_S + hw.intra_latency)
     assert best.time.parts["all-to-all over sp (intra-node)"] == pytest.approx(accum * per_micro, rel=1e-6)
+
+
+def test_hsdp_copies_are_searched_beside_tp_and_stages_as_whole_nodes():
+    """Issue 57: on 4 nodes of 8, fsdp_tp and pipeline get HSDP copies too, each copy's shard group (with its tp
+    ranks) whole nodes: tp 2 and tp 8 with 2 and 4 copies (32 / (tp x copies) shards x tp ranks, a multiple of 8),
+    2 stages with 2 copies (8 shards a copy: a node), not with 4 (4 shards), nor 4 stages with 2. The old search
+    gave copies to plain FSDP only."""
+    from shardyard.backends import engine
+
+    cfg, batch, hw = planned(["model=deepseek7b", "plan.hardware=8xH100-80GB", "plan.nodes=4", "precision=bf16"])
+    tp = layouts._degrees(compose(["model=deepseek7b", "backend=fsdp_tp"]), batch, hw, {})
+    assert {(d["tp"], d.get("replicate", 1)) for d in tp} >= {(2, 1), (2, 2), (2, 4), (8, 2), (8, 4)}, tp
+    pp = layouts._degrees(compose(["model=deepseek7b", "backend=pipeline"]), batch, hw, {})
+    copies = {(d["stages"], d.get("replicate", 1)) for d in pp}
+    assert (2, 2) in copies and (2, 4) not in copies and (4, 2) not in copies, copies
+    assert "backend.replicate" in engine(compose(["backend=pipeline"]).backend).degree_keys.values()
