@@ -355,8 +355,7 @@ class _Tracker:
             state = getattr(group, "_all_reduce_state", None)
             if accumulating and state is not None:  # HSDP's all-reduced shard, added into the gradient and kept
                 self.all_reduced[id(group)] = float(local(state.all_reduce_input).nbytes)
-            self.held = sum(local(g).nbytes for p in self.fsdp_params for g in _unsharded_grads(p)) \
-                + sum(self.all_reduced.values())
+            self._recount()
             return out
         return wrapped
 
@@ -364,10 +363,14 @@ class _Tracker:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             out = finalize_backward(*args, **kwargs)  # drops the group's all-reduce buffer
             if self.all_reduced.pop(id(group), None) is not None:
-                self.held = sum(local(g).nbytes for p in self.fsdp_params for g in _unsharded_grads(p)) \
-                    + sum(self.all_reduced.values())
+                self._recount()
             return out
         return wrapped
+
+    def _recount(self) -> None:
+        """``held``: the unsharded gradients FSDP2 keeps now, and HSDP's all-reduced shards still referenced."""
+        self.held = sum(local(g).nbytes for p in self.fsdp_params for g in _unsharded_grads(p)) \
+            + sum(self.all_reduced.values())
 
     @staticmethod
     def _temp(snap: dict) -> float:
