@@ -45,25 +45,13 @@ def assert_two_nodes_started_as_one_run(node0: str, node1: str) -> None:
 
 # Across two hosts, each engine once: DDP is train.py started on each host
 # (test_a_failed_node_restarts_and_all_nodes_resume_to_the_clean_result: the same start of each node, against
-# one_host("ddp", *RESTARTED) at the same 1e-5) and the user's own torchrun on each host (test_torchrun_...); FSDP is
-# test_slurm.py's srun -N2 (its DeviceMesh over two hosts); ZeRO-2 DeepSpeed's hostfile below; Horovod horovodrun.
-
-
-def test_torchrun_on_each_host_trains_the_same(hosts, one_host, tmp_path):
-    """The user's own torchrun on each node (c10d rendezvous), every worker composing train.py's config."""
-    procs = []
-    for i in range(2):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
-               "--rdzv-backend=c10d", f"--rdzv-endpoint={hosts.addrs[0]}:29474",
-               f"--rdzv-conf=is_host={str(i == 0).lower()}", f"--local-addr={hosts.addrs[i]}",
-               str(ROOT / "train.py"), f"hydra.run.dir={tmp_path / 'run'}", *STEPS, "backend=ddp",
-               f"launch.socket_ifname={hosts.ifname}", "launch.timeout_s=60"]
-        procs.append(hosts.popen(i, cmd, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, text=True,
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    nodes = collect(procs, 300)
-    assert [code for code, _ in nodes] == [0, 0], "\n\n".join(out[-4000:] for _, out in nodes)
-    b = losses(tmp_path / "run")
-    assert max(abs(x - y) / abs(y) for x, y in zip(b, one_host("ddp"))) <= 1e-5
+# one_host("ddp", *RESTARTED) at the same 1e-5); FSDP is test_slurm.py's submitit_slurm sweep (its backend=fsdp job
+# on 2 Slurm nodes x 1 task); ZeRO-2 DeepSpeed's hostfile below; Horovod horovodrun. The user's own torchrun on
+# each host has no test of its own (it was test_torchrun_on_each_host_trains_the_same): torchrun itself is
+# tests/e2e/test_train_py.py::test_every_launcher_runs_the_same_job (bit for bit with our launcher and srun-style
+# ranks), and a launcher's RANK/WORLD_SIZE/LOCAL_* read on two hosts (dist_env.detect's "elastic" branch, torchrun's
+# too) is DeepSpeed's hostfile run below: deepspeed.launcher.launch sets RANK, LOCAL_RANK, WORLD_SIZE and
+# LOCAL_SIZE on each node, and that run asserts "1/node x 2 nodes".
 
 
 def test_a_node_without_the_run_dir_of_node_0_says_so(tmp_path):
@@ -99,11 +87,11 @@ def test_multi_node_user_errors_name_the_key(args, key, tmp_path):
     assert key in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
 
 
-@pytest.mark.parametrize("how", ["kill", "cable"])
-def test_losing_a_node_stops_the_other_naming_it(how, hosts, tmp_path):
-    """Node 1 killed (kill -9 of everything on it) or unplugged (its link down: no reset ever arrives): node 0
-    exits 1 naming it, and does not hang (the wait's timeout). How long it takes against ``launch.timeout_s``
-    is measured, not asserted: ``python bench/failure_detection.py``."""
+def test_losing_a_node_stops_the_other_naming_it(hosts, tmp_path):
+    """Node 1 unplugged (its link down: no reset ever arrives): node 0 exits 1 naming it, and does not hang (the
+    wait's timeout). How long it takes against ``launch.timeout_s`` is measured, not asserted: ``python
+    bench/failure_detection.py``. A peer killed outright (its connections reset at once) is named by the surviving
+    worker in test_a_failed_node_restarts_... (one run for what was a second case here: issue 55's suite time)."""
     import re
     import time
 
@@ -120,16 +108,11 @@ def test_losing_a_node_stops_the_other_naming_it(how, hosts, tmp_path):
         while not re.search(r"step +10/", (tmp_path / "node0.log").read_text()):
             assert time.monotonic() < deadline and procs[0].poll() is None, (tmp_path / "node0.log").read_text()[-3000:]
             time.sleep(0.2)
-        if how == "kill":
-            for pid in subprocess.run(["ip", "netns", "pids", hosts.names[1]], capture_output=True,
-                                      text=True).stdout.split():
-                os.kill(int(pid), 9)
-        else:
-            hosts.link(1, up=False)
+        hosts.link(1, up=False)
         try:  # a hang guard, not a latency bound (bench/failure_detection.py measures how soon node 0 exits)
             code = procs[0].wait(timeout=600)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"hang guard: node 0 had not exited 600 s after node 1 was {how} (how soon it "
+            raise AssertionError("hang guard: node 0 had not exited 600 s after node 1 was unplugged (how soon it "
                                  "exits is measured, never asserted: python bench/failure_detection.py)") from None
     finally:
         hosts.link(1, up=True)
@@ -137,8 +120,7 @@ def test_losing_a_node_stops_the_other_naming_it(how, hosts, tmp_path):
             p.kill()
     out = (tmp_path / "node0.log").read_text()
     assert code == 1, (code, out[-3000:])
-    said = "lost its connection to rank 1 at " if how == "kill" else f"heard nothing from {hosts.addrs[1]}"
-    assert said in out and "(node 0 of 2) failed" in out, out[-3000:]
+    assert f"heard nothing from {hosts.addrs[1]}" in out and "(node 0 of 2) failed" in out, out[-3000:]
 
 
 def test_a_failed_node_restarts_and_all_nodes_resume_to_the_clean_result(hosts, one_host, tmp_path):
@@ -169,6 +151,9 @@ def test_a_failed_node_restarts_and_all_nodes_resume_to_the_clean_result(hosts, 
     nodes = collect(procs, 300)
     assert [code for code, _ in nodes] == [0, 0], "\n\n".join(out[-4000:] for _, out in nodes)
     assert_two_nodes_started_as_one_run(nodes[0][1], nodes[1][1])  # (the plain two-host start's claims)
+    # Node 0's worker, in a collective with the killed one, names the peer it lost (its connection reset) before
+    # its agent restarts it: what a node killed outright leaves its peers to say.
+    assert "lost its connection to rank 1 at " in nodes[0][1], nodes[0][1][-3000:]
     # Rank 0 (node 0) names the checkpoint it resumed from: one of the restart's step-10/20/30 checkpoints.
     assert re.search(r"resumed from \S+/step-0*[1-3]0\b", nodes[0][1]), nodes[0][1][-3000:]
     assert close(losses(run_dir), one_host("ddp", *RESTARTED)), (losses(run_dir), one_host("ddp", *RESTARTED))
@@ -226,6 +211,8 @@ def test_deepspeed_hostfile_across_hosts_trains_as_one_host(hosts, ssh, one_host
                                             "DS_ENV_FILE": str(ds_env), "DS_ACCELERATOR": "cpu"},
                      capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # dist_env.detect's "elastic" branch (RANK/WORLD_SIZE/LOCAL_SIZE from each node's launcher) laying out two
+    # hosts: also the claim of the user's torchrun on each host (see the note above test_a_node_without_...)
     assert "world size 2 (1/node x 2 nodes" in proc.stdout, proc.stdout[-2000:]
     # against the shared single-host DDP run at the engine matrix's 1e-4, as horovodrun's above
     assert close(losses(tmp_path / "run"), one_host("ddp"), 1e-4), (losses(tmp_path / "run"), one_host("ddp"))

@@ -1,7 +1,8 @@
 """A real Slurm (``slurm.py``: slurmctld + two slurmd on this host, from Debian's slurm-wlm): ``srun`` of
-``train.py`` maps SLURM_* onto ranks on one node and across two; ``shardyard sbatch`` writes a script that
-runs to completion and, requeued by ``scontrol requeue``, resumes from its last checkpoint; Hydra's submitit
-launcher runs a sweep of two-task jobs. Every run is compared with the single-host 2-worker run of its engine.
+``train.py`` maps SLURM_* onto ranks on one node, and across two inside the script ``shardyard sbatch`` writes,
+which runs to completion and, requeued by ``scontrol requeue``, resumes from its last checkpoint; Hydra's
+submitit launcher runs a sweep of two-task jobs (on Slurm a ddp job and an fsdp job, each on two nodes). Every
+run is compared with the single-host 2-worker DDP run.
 Skipped, with the reason, where Slurm is not installed or this is not root."""
 
 import os
@@ -31,18 +32,15 @@ def srun(cluster, layout, run_dir, *overrides, timeout=300):
                        f"hydra.run.dir={run_dir}", *STEPS, *overrides, cwd=ROOT, timeout=timeout)
 
 
-# -N2 is FSDP2 across two hosts (its process groups over the second host's interface); ZeRO-2 across hosts is
-# test_multinode.py's DeepSpeed hostfile run.
-@pytest.mark.parametrize("layout,engine", [(["-N1", "-n2"], "ddp"), (["-N2", "--ntasks-per-node=1"], "fsdp")])
-def test_srun_tasks_train_as_one_host_with_two_workers(layout, engine, cluster, one_host, tmp_path):
-    proc = srun(cluster, layout, tmp_path / "run", f"backend={engine}")
+# srun's tasks on one node here. Across two nodes: srun -N2 with 1 task per node is the srun of shardyard sbatch's
+# script in test_sbatch_script_runs_and_a_requeued_job_resumes_to_the_clean_result (SLURM_* read as "1/node x 2
+# nodes"); FSDP2 on two Slurm nodes is the fsdp job of the submitit_slurm sweep below (it was a -N2 fsdp case of
+# this test); ZeRO-2 across hosts is test_multinode.py's DeepSpeed hostfile run.
+def test_srun_tasks_train_as_one_host_with_two_workers(cluster, one_host, tmp_path):
+    proc = srun(cluster, ["-N1", "-n2"], tmp_path / "run", "backend=ddp")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
-    nodes = "1/node x 2 nodes" if "-N2" in layout else "2/node"
-    assert f"world size 2 ({nodes}" in proc.stdout, proc.stdout[-2000:]
-    # against the shared single-host DDP run, at the engine matrix's 1e-4 for FSDP (the engines are equal there: a
-    # rank that trained on the wrong shard is ~1e-2 off)
-    rtol = 1e-5 if engine == "ddp" else 1e-4
-    assert close(losses(tmp_path / "run"), one_host("ddp"), rtol), (losses(tmp_path / "run"), one_host("ddp"))
+    assert "world size 2 (2/node" in proc.stdout, proc.stdout[-2000:]
+    assert close(losses(tmp_path / "run"), one_host("ddp")), (losses(tmp_path / "run"), one_host("ddp"))
 
 
 def test_sbatch_script_runs_and_a_requeued_job_resumes_to_the_clean_result(cluster, one_host, tmp_path):
@@ -81,6 +79,8 @@ def test_sbatch_script_runs_and_a_requeued_job_resumes_to_the_clean_result(clust
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", (info, log[-4000:])
     stopped = re.search(r"preempted \(SIGUSR1\) after step (\d+): its checkpoint is published", log)
     both_ends = log[:4000] + "\n[...]\n" + log[-2000:]  # each line below is looked for in the whole log
+    # the script's srun over its 2 nodes x 1 task: SLURM_* read across two nodes (srun -N2's own test once)
+    assert "world size 2 (1/node x 2 nodes" in log, both_ends
     assert stopped, both_ends
     assert "requeueing job" in log, both_ends
     assert "start 2, run dir" in log, both_ends
@@ -195,33 +195,45 @@ def test_sbatch_script_passes_sigusr1_on_and_requeues_on_exit_75(tmp_path, monke
 
 @pytest.mark.parametrize("launcher", ["submitit_slurm", "submitit_local"])
 def test_hydra_submitit_launcher_runs_a_sweep_of_two_task_jobs(launcher, request, one_host, tmp_path):
-    """``python train.py -m hydra/launcher=submitit_* optim.lr=1e-3,3e-3``: a 2-job sweep whose jobs have 2
-    tasks each; each task runs train.py's task function and is one worker. The Slurm executor's jobs span
-    2 nodes x 1 task and read SLURM_*, the local executor's (1 node x 2 tasks) SUBMITIT_LOCAL_*. Every job
-    equals the single-host 2-worker run of its learning rate, and the sweep ends with its summary. The local
-    executor runs the sweep of one job (1e-3): a sweep of several jobs, its ranking and its best are the Slurm
-    executor's here and the basic launcher's and joblib's in tests/e2e/test_sweep.py (the same sweeper)."""
+    """``python train.py -m hydra/launcher=submitit_* backend=ddp,fsdp``: a 2-job sweep whose jobs have 2 tasks
+    each; each task runs train.py's task function and is one worker. The Slurm executor's jobs span 2 nodes x 1
+    task and read SLURM_*, the local executor's (1 node x 2 tasks) SUBMITIT_LOCAL_*. Every job equals the
+    single-host 2-worker DDP run (ddp at 1e-5, fsdp at the engine matrix's 1e-4: the engines are equal there, a
+    rank that trained on the wrong shard is ~1e-2 off), runs the engine its name says (its config.yaml), and the
+    sweep ends with its summary. The Slurm executor's fsdp job is FSDP2 on two Slurm nodes (once the -N2 case of
+    test_srun_tasks_...). The local executor runs the sweep of one job (ddp): a sweep of several jobs, its ranking
+    and its best are the Slurm executor's here and the basic launcher's and joblib's in tests/e2e/test_sweep.py
+    (the same sweeper), which also sweeps optim.lr (jobs named lr=..., the learning rate taking)."""
     import glob
     import json
+
+    from omegaconf import OmegaConf
 
     if launcher == "submitit_slurm":
         cluster = request.getfixturevalue("cluster")
         layout, env, run = ["hydra.launcher.nodes=2", "hydra.launcher.tasks_per_node=1"], cluster.env, cluster.run
     else:
         layout, env, run = ["hydra.launcher.tasks_per_node=2"], None, None
-    lrs = "1e-3,3e-3" if env else "1e-3"
+    backends = "ddp,fsdp" if env else "ddp"
     cmd = [sys.executable, str(ROOT / "train.py"), "-m", f"hydra/launcher={launcher}", *layout,
-           "hydra.launcher.timeout_min=10", f"hydra.sweep.dir={tmp_path}", *STEPS, "backend=ddp", f"optim.lr={lrs}"]
+           "hydra.launcher.timeout_min=10", f"hydra.sweep.dir={tmp_path}", *STEPS, f"backend={backends}",
+           "optim.lr=1e-3"]
     proc = run(*cmd, cwd=ROOT, timeout=300) if run else subprocess.run(
         cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    logs = "\n".join(open(f).read()[-2000:] for f in sorted(glob.glob(f"{tmp_path}/.submitit/*/*log.*")))
+    texts = [open(f).read() for f in sorted(glob.glob(f"{tmp_path}/.submitit/*/*log.*"))]
+    logs = "\n".join(t[-2000:] for t in texts)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:] + logs
-    assert "(workers started by submitit)" in logs and ("1/node x 2 nodes" if env else "(2/node on") in logs, logs
+    world = "world size 2 (1/node x 2 nodes" if env else "world size 2 (2/node on"
+    # job dir -> (its engine, rtol against one_host("ddp")); a name shows what varies
+    jobs = {"0_backend=ddp": ("ddp", 1e-5), "1_backend=fsdp": ("fsdp", 1e-4)} if env else {"0": ("ddp", 1e-5)}
     summary = json.load(open(tmp_path / "sweep_summary.json"))
-    jobs = {"0_lr=1e-3": (), "1_lr=3e-3": ("optim.lr=3e-3",)} if env else {"0": ()}  # a name shows what varies
     assert sorted(r["job"] for r in summary["jobs"]) == sorted(jobs), summary
     assert all(r["status"] == "finished" for r in summary["jobs"]), summary
     assert summary["best"]["job"] == min(summary["jobs"], key=lambda r: r["objective"])["job"]
-    for job, extra in jobs.items():
+    for job, (engine, rtol) in jobs.items():
+        # its rank 0's log (submitit's, one per task) names its run dir and the world it laid out
+        said = [t for t in texts if f"/{job} (workers started by submitit)" in t]
+        assert len(said) == 1 and world in said[0], (job, logs)
+        assert OmegaConf.load(tmp_path / job / "config.yaml").backend.name == engine
         assert json.load(open(tmp_path / job / "summary.json"))["world_size"] == 2
-        assert close(losses(tmp_path / job), one_host("ddp", *extra)), (job, losses(tmp_path / job))
+        assert close(losses(tmp_path / job), one_host("ddp"), rtol), (job, losses(tmp_path / job))

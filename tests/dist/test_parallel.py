@@ -43,7 +43,9 @@ def world4(tmp_path_factory):
     """Every 4-rank run in one set of 4 processes (each run with its own process group and run dir)."""
     d = tmp_path_factory.mktemp("w4")
     tp = [*STEPS, "backend=fsdp_tp", "backend.tp=2"]
-    jobs = {("tp", 1): [*tp, ACCUM[1], SAVE, EXPORT], ("tp", 2): [*tp, ACCUM[2]]}
+    # Tensor parallel at accumulation 2 (its step's FSDP2 sync skipped on the first micro-batch), saving and
+    # exporting; at accumulation 1 as HSDP's copies x tp 2 below (one run for what were two: issue 55's time).
+    jobs = {("tp", 2): [*tp, ACCUM[2], SAVE, EXPORT]}
     def pp(schedule):
         return [*STEPS, "backend=pipeline", "backend.stages=2", f"backend.schedule={schedule}", "backend.microbatches=2"]
 
@@ -53,10 +55,10 @@ def world4(tmp_path_factory):
     for s in SCHEDULES:
         jobs[(s, 2)] = [*pp(s), ACCUM[2]]
     # Resumed from step 3: in the same layout (bit for bit), and the tp checkpoint in plain FSDP over 4 ranks.
-    jobs[("tp", "resume")] = [*tp, ACCUM[1], f"checkpoint.resume={d}/tp-1/checkpoints/step-00000003"]
+    jobs[("tp", "resume")] = [*tp, ACCUM[2], f"checkpoint.resume={d}/tp-2/checkpoints/step-00000003"]
     jobs[("1f1b", "resume")] = [*pp("1f1b"), ACCUM[1], f"checkpoint.resume={d}/1f1b-1/checkpoints/step-00000003"]
     jobs[("fsdp", "from-tp")] = [*STEPS, "backend=fsdp", "train.micro_batch_size=2",
-                                 f"checkpoint.resume={d}/tp-1/checkpoints/step-00000003"]
+                                 f"checkpoint.resume={d}/tp-2/checkpoints/step-00000003"]
     # HSDP (issue 57): 2 copies x tp 2 from step 1, its step-3 checkpoint resumed by FSDP over 4 ranks (copies and
     # tp to neither); 2 copies of each stage resumed from the stages' step 3 without copies
     hsdp = "backend.replicate=2"
@@ -70,7 +72,7 @@ def world4(tmp_path_factory):
     return {**dict(zip(keys, results)), "dir": d}
 
 
-@pytest.mark.parametrize("engine,accum", [("tp", 1), ("tp", 2), ("1f1b", 1), *((s, 2) for s in SCHEDULES),
+@pytest.mark.parametrize("engine,accum", [("tp", 2), ("1f1b", 1), *((s, 2) for s in SCHEDULES),
                                           ("tp", "hsdp")])
 def test_matches_single_process(engine, accum, reference, world4):
     for r in world4[(engine, accum)]:  # every rank reports the same numbers: its pipeline's, all-reduced over dp
@@ -82,8 +84,8 @@ def test_matches_single_process(engine, accum, reference, world4):
 def test_each_rank_holds_its_part_only(world4):
     """Tensor parallel: a quarter of every block's q_proj per rank (2 x 2 shards); pipeline: rank r holds the
     layers of stage r // 2 only, the embedding on stage 0 and the head on stage 1."""
-    tp = world4[("tp", 1)][0]["local"]
-    full = world4[("tp", 1)][0]["full"]
+    tp = world4[("tp", 2)][0]["local"]
+    full = world4[("tp", 2)][0]["full"]
     q = "model.layers.0.self_attn.q_proj.weight"
     assert tp[q].numel() * 4 == full[q].numel()
     for rank, r in enumerate(world4[("1f1b", 1)]):
@@ -104,7 +106,7 @@ def test_hsdp_copies_hold_the_same_part_beside_tp_and_stages(world4, reference):
     copies, and train them as the single process does."""
     q = "model.layers.0.self_attn.q_proj.weight"
     tp = world4[("tp", "hsdp")]
-    assert tp[0]["local"][q].numel() * 2 == tp[0]["full"][q].numel() == world4[("tp", 1)][0]["local"][q].numel() * 4
+    assert tp[0]["local"][q].numel() * 2 == tp[0]["full"][q].numel() == world4[("tp", 2)][0]["local"][q].numel() * 4
     for copies in ((tp[0], tp[2]), (tp[1], tp[3])):
         assert copies[0]["local"].keys() == copies[1]["local"].keys()
         assert all(copies[0]["local"][k].equal(copies[1]["local"][k]) for k in copies[0]["local"])
@@ -120,9 +122,9 @@ def test_hsdp_copies_hold_the_same_part_beside_tp_and_stages(world4, reference):
     assert pp[0]["local"]["model.embed_tokens.weight"].numel() == 2 * one
 
 
-@pytest.mark.parametrize("engine", ["tp", "1f1b"])
-def test_resume_is_bitwise_exact(engine, world4):
-    full, again = world4[(engine, 1)], world4[(engine, "resume")]
+@pytest.mark.parametrize("engine,accum", [("tp", 2), ("1f1b", 1)])
+def test_resume_is_bitwise_exact(engine, accum, world4):
+    full, again = world4[(engine, accum)], world4[(engine, "resume")]
     assert [s for s, _ in again[0]["summary"]["train_losses"]] == [1, 2, 3, 4, 5, 6]
     assert len(again[0]["summary"]["step_wall_s"]) == 3  # steps 4-6 trained again
     assert curve(again[0]) == curve(full[0]) and curve(again[0], "grad_norms") == curve(full[0], "grad_norms")
@@ -142,9 +144,10 @@ def test_tensor_parallel_checkpoint_resumes_in_plain_fsdp_at_another_data_parall
         assert_close(curve(moved), curve(reference), 1e-4, f"fsdp x4 {source} checkpoint, loss")
 
 
-@pytest.mark.parametrize("engine,backend", [("tp", "fsdp_tp"), ("1f1b", "pipeline")])
-def test_export_gives_the_engines_eval_loss(engine, backend, world4):
-    res = world4[(engine, 1)][0]
+@pytest.mark.parametrize("engine,backend,accum", [("tp", "fsdp_tp", 2), ("1f1b", "pipeline", 1)])
+def test_export_gives_the_engines_eval_loss(engine, backend, accum, world4):
+    res = world4[(engine, accum)][0]
     engine_loss = res["summary"]["eval_losses"][-1][1]
-    got = hf_eval_loss(str(world4["dir"] / f"{engine}-1" / "hf"), compose([*STEPS, f"backend={backend}", ACCUM[1]]), 2)
+    got = hf_eval_loss(str(world4["dir"] / f"{engine}-{accum}" / "hf"),
+                       compose([*STEPS, f"backend={backend}", ACCUM[accum]]), 2)
     assert abs(got - engine_loss) <= 1e-4 * abs(engine_loss), (got, engine_loss)

@@ -156,12 +156,19 @@ def test_max_restarts_survives_a_crash_with_the_clean_final_loss(tmp_path):
 
 DRILL = [*TINY, "train.eval_every_n_steps=0", "train.global_batch_size=8", "checkpoint.every_n_steps=1",
          "checkpoint.keep_last=2", "checkpoint.save_final=true"]
-DRILLS = {"single": 8, "fsdp": 6, "zero2": 3}
-"""Kill moments per engine: 17 in all. Each engine's drill is one chain in one run dir (killed, resumed and
-killed again), so a moment costs one start of the job. ZeRO-2 draws three (engine_written, before_hash,
-before_meta: where its own files are written and hashed); the points after them are rank 0's publishing, the
-same code for every engine, which the single and fsdp chains kill at (before_fsync, before_rename,
-before_latest, before_prune)."""
+PLACED = {"zero2": [("engine_written", 1, 0), ("before_hash", 2, 0)]}
+"""Kill moments chosen rather than drawn (point, step, rank). ZeRO-2's two are where its own files are written
+(engine_written: rank 0's engine files, nothing hashed) and where every rank's files are there, hashed by their
+ranks, without meta.json (before_hash). It drew before_meta too (a start of the job of its own), and dropped it:
+between before_hash and before_meta rank 0 only hashes and fsyncs, in place, the files no rank claimed and builds
+meta.json's dict in memory (the part-rank<r>.json handoffs are removed before before_hash), so a kill -9 at
+either leaves the same directory (``left_by`` asserts the same of both), and before_meta is rank 0's publishing,
+the same code for every engine, which the single chain kills at (step 6)."""
+DRILLS = {"single": 8, "fsdp": 6, "zero2": len(PLACED["zero2"])}
+"""Kill moments per engine: 16 in all. Each engine's drill is one chain in one run dir (killed, resumed and
+killed again), so a moment costs one start of the job. ZeRO-2's are placed (``PLACED``); the points after them
+are rank 0's publishing, the same code for every engine, which the single and fsdp chains kill at (before_meta,
+before_fsync, before_rename, before_latest, before_prune)."""
 
 
 def left_by(ck, point: str, step: int, rank: int, world: int, files: list[str]) -> str | None:
@@ -194,9 +201,11 @@ def left_by(ck, point: str, step: int, rank: int, world: int, files: list[str]) 
 
 
 def moments(engine: str, world: int) -> list[tuple[str, int, int]]:
-    """Seeded (point, step, rank) kills at steps 1, 2, ...: a kill after the rename leaves that step's
-    checkpoint published, so the next moment must come later. Each engine draws distinct points; points
-    before the barrier fire on a random rank, the rest of the save is rank 0's."""
+    """Seeded (point, step, rank) kills at steps 1, 2, ... (``PLACED`` where they are chosen): a kill after the
+    rename leaves that step's checkpoint published, so the next moment must come later. Each engine draws
+    distinct points; points before the barrier fire on a random rank, the rest of the save is rank 0's."""
+    if engine in PLACED:
+        return PLACED[engine]
     rng = random.Random(f"shardyard-drill-{engine}")
     points = rng.sample(SAVE_POINTS, DRILLS[engine])
     return [(p, step, rng.randrange(world) if p in ("begin", "engine_written", "rank_written") else 0)
@@ -205,12 +214,12 @@ def moments(engine: str, world: int) -> list[tuple[str, int, int]]:
 
 @pytest.mark.parametrize("engine,world,background", [("single", 1, False), ("fsdp", 2, True), ("zero2", 2, False)])
 def test_kill_9_inside_saves_then_resume_auto_is_bitwise_exact(engine, world, background, tmp_path):
-    """The job is killed by SIGKILL at seeded moments inside checkpoint saves (one rank reaches a named point
-    of the save and kills every process of the job); each time the directory holds what that point implies
-    (``left_by``: the step's files in its .tmp directory, meta.json or not, published or not, ``latest``), every
-    published checkpoint still verifies, the next start removes the unfinished save and resumes from the newest
-    published one, and resume=auto finishes with weights equal to an uninterrupted run's, byte for byte. This is
-    also the kill-during-a-save test of a plain job: no sleep places a kill. FSDP saves in the
+    """The job is killed by SIGKILL at seeded (ZeRO-2: placed) moments inside checkpoint saves (one rank reaches
+    a named point of the save and kills every process of the job); each time the directory holds what that point
+    implies (``left_by``: the step's files in its .tmp directory, meta.json or not, published or not, ``latest``),
+    every published checkpoint still verifies, the next start removes the unfinished save and resumes from the
+    newest published one, and resume=auto finishes with weights equal to an uninterrupted run's, byte for byte.
+    This is also the kill-during-a-save test of a plain job: no sleep places a kill. FSDP saves in the
     background (``checkpoint.async_save``): the points after the state is staged are reached in the save's
     thread while training goes on."""
     args = [*DRILL, f"backend={engine}", f"launch.nproc_per_node={world}", f"train.steps={DRILLS[engine] + 1}",

@@ -33,6 +33,18 @@ DRY_RUN_ELSEWHERE = {
                         "1's activations 16% low (open findings, docs/long_context.md), which this test would "
                         "report as the disagreement it is; its plan is held to its header by "
                         "test_header_command_and_plan_on_its_hardware",
+    "sweep_optuna_lr": "sweep_lr_warmup's dry run is the same simulation: every key it reads is equal "
+                       "(test_dry_run_twins_are_one_simulation), and so is the plan it is held against",
+    "deepseek_tiny_fsdp2": "tests/unit/test_dryrun.py's test_a_plan_broken_on_purpose_exits_1 runs this dry run "
+                           "in-process (dryrun.main on the same config, key for key: "
+                           "test_dry_runs_elsewhere_in_unit_tests_are_the_headers) and asserts exit 0 and every "
+                           "figure within 10% before it breaks the plan; train.py's path to a dry run, and that it "
+                           "writes nothing, are every other recipe's here",
+    "deepseek_tiny_zero3": "tests/unit/test_dryrun.py's test_a_zero_dry_run_measures_the_activations runs this dry "
+                           "run in-process (dryrun.main on the same config, key for key: "
+                           "test_dry_runs_elsewhere_in_unit_tests_are_the_headers) and asserts exit 0, every figure "
+                           "within 10% but those ZeRO's dry run does not compare, and the activations measured; "
+                           "train.py's path to a ZeRO dry run is deepseek_tiny_zero2's and the 7B ZeRO recipes' here",
 }
 """Recipes whose dry run at the header's size another test's runs carry (a V3 dry run costs 3-7 minutes here)."""
 SMOKE_ELSEWHERE = {
@@ -64,6 +76,16 @@ DRY_RUN_RECIPE_DEPTH = {"deepseek7b_horovod": 8}
 2, 4 and 8 blocks, 2,048 and 4,096 tokens, vocabularies of 32,000 and 102,400; not at width 256, where the plan
 holds to 0.2%: docs/plan.md's open findings), a constant beside the blocks: -10.1% of the activations at 4
 blocks, -8.2% at 8, ~-3% at the recipe's 30."""
+
+
+def dry_run_overrides(recipe) -> list[str]:
+    """What test_dry_run_at_the_headers_size_agrees_with_the_plan adds to a recipe's header command: the dry run
+    at its header's hardware and node count, at DRY_RUN_DEPTH's (or DRY_RUN_RECIPE_DEPTH's) blocks."""
+    blocks = DRY_RUN_RECIPE_DEPTH.get(recipe.name, DRY_RUN_DEPTH.get(recipe.model))
+    return ["plan.dry_run=true", f"plan.hardware={recipe.hardware}", f"plan.nodes={recipe.nodes}",
+            *([f"model.num_layers={blocks}"] if blocks else [])]
+
+
 DRY_RUN_TIMEOUT = 1800
 """A recipe's dry run at its header's size (a V3 one ~3 min alone here) beside the suite's other worker on a loaded
 machine: the limit is for a hang, not for a slow machine."""
@@ -112,10 +134,7 @@ def test_dry_run_at_the_headers_size_agrees_with_the_plan(recipe, tmp_path):
     rank role per process on a fake process group and fake tensors (``plan.dry_run=true``): every figure within 10%
     of the plan and exit 0, and never the real parameters in this
     process (a 7B replica would be 100 GiB)."""
-    blocks = DRY_RUN_RECIPE_DEPTH.get(recipe.name, DRY_RUN_DEPTH.get(recipe.model))
-    depth = [f"model.num_layers={blocks}"] if blocks else []
-    proc = train_py(*recipe.argv, "plan.dry_run=true", f"plan.hardware={recipe.hardware}",
-                    f"plan.nodes={recipe.nodes}", *depth, run_dir=tmp_path, timeout=DRY_RUN_TIMEOUT)
+    proc = train_py(*recipe.argv, *dry_run_overrides(recipe), run_dir=tmp_path, timeout=DRY_RUN_TIMEOUT)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     assert figures_off(proc.stdout) == set(), proc.stdout[-6000:]
@@ -127,7 +146,7 @@ def test_dry_run_at_the_headers_size_agrees_with_the_plan(recipe, tmp_path):
     assert not list(Path(tmp_path).iterdir()), "a dry run writes nothing"
 
 
-DRY_RUN_TWINS = {"deepseek7b_sft_zero2": "deepseek7b_zero2"}
+DRY_RUN_TWINS = {"deepseek7b_sft_zero2": "deepseek7b_zero2", "sweep_optuna_lr": "sweep_lr_warmup"}
 """Recipe -> the recipe whose dry run at the header's size is the same simulation (DRY_RUN_ELSEWHERE)."""
 
 
@@ -161,6 +180,38 @@ def test_dry_run_twins_are_one_simulation(twin):
     book = {r.name: r for r in BOOK}
     assert twin in DRY_RUN_ELSEWHERE and DRY_RUN_TWINS[twin] not in DRY_RUN_ELSEWHERE
     ours, theirs = dry_run_inputs(book[twin]), dry_run_inputs(book[DRY_RUN_TWINS[twin]])
+    assert ours == theirs, {k: (ours.get(k), theirs.get(k)) for k in ours.keys() | theirs.keys()
+                            if ours.get(k) != theirs.get(k)}
+
+
+DRY_RUN_IN_UNIT_TESTS = {"deepseek_tiny_fsdp2": ("test_a_plan_broken_on_purpose_exits_1", "TINY"),
+                         "deepseek_tiny_zero3": ("test_a_zero_dry_run_measures_the_activations", "ZERO_TINY")}
+"""Recipe -> the test of tests/unit/test_dryrun.py that runs its dry run at the header's size in-process, and the
+name of the override list it composes (DRY_RUN_ELSEWHERE)."""
+
+
+@pytest.mark.parametrize("recipe", sorted(DRY_RUN_IN_UNIT_TESTS))
+def test_dry_runs_elsewhere_in_unit_tests_are_the_headers(recipe):
+    """What lets test_dry_run_at_the_headers_size_agrees_with_the_plan skip a recipe whose dry run a unit test runs
+    in-process: that test composes its list, and the list composes the config this file's dry run would run, every
+    key but the run dir (a placeholder in both)."""
+    import importlib.util
+    import inspect
+
+    from omegaconf import OmegaConf
+
+    from shardyard.testing import compose
+
+    test, name = DRY_RUN_IN_UNIT_TESTS[recipe]
+    assert recipe in DRY_RUN_ELSEWHERE and test in DRY_RUN_ELSEWHERE[recipe]
+    spec = importlib.util.spec_from_file_location("unit_test_dryrun", ROOT / "tests" / "unit" / "test_dryrun.py")
+    unit = importlib.util.module_from_spec(spec)  # by path: tests/unit is not on sys.path from here
+    spec.loader.exec_module(unit)
+    assert f"compose({name})" in inspect.getsource(getattr(unit, test)), f"{test} no longer dry-runs {name}"
+    r = {b.name: b for b in BOOK}[recipe]
+    ours, theirs = (OmegaConf.to_container(cfg, resolve=False)
+                    for cfg in (recipes.compose(r, dry_run_overrides(r)), compose(getattr(unit, name))))
+    ours.pop("run_dir"), theirs.pop("run_dir")
     assert ours == theirs, {k: (ours.get(k), theirs.get(k)) for k in ours.keys() | theirs.keys()
                             if ours.get(k) != theirs.get(k)}
 

@@ -1,6 +1,7 @@
 """The dry run (``plan.dry_run=true``, issue 40): the engine's own prepare and a step on a fake process group and
-fake tensors, set beside the plan. What each recipe's dry run says is tests/e2e/test_recipes.py's; the simulation
-against a real 4-rank gloo run is tests/dist/test_model_states.py's. Here: that it can fail, and its refusals."""
+fake tensors, set beside the plan. What each recipe's dry run says is tests/e2e/test_recipes.py's (but the two run
+here: ZERO_TINY); the simulation against a real 4-rank gloo run is tests/dist/test_model_states.py's. Here: that it
+can fail, and its refusals."""
 
 import pytest
 from omegaconf import open_dict
@@ -14,11 +15,42 @@ from shardyard.testing import compose
 from shardyard.planning.validate import validate
 
 TINY = ["recipe=deepseek_tiny_fsdp2", "plan.dry_run=true", "plan.hardware=2xcpu"]
+ZERO_TINY = ["recipe=deepseek_tiny_zero3", "plan.dry_run=true", "plan.hardware=2xcpu"]
+"""The dry runs of deepseek_tiny_fsdp2 and deepseek_tiny_zero3 at their headers' size: tests/e2e/test_recipes.py leaves
+those recipes' dry runs to the two tests here that run them (and holds these lists to their headers)."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def simulated_once():
+    """Each simulation this module asks for again is run once: TINY's rank 0 (the plan's two verdicts, and FSDP's
+    alike shards), the HSDP rank that test's ``dryrun.main`` simulates after the test itself. ``simulate`` reads its
+    arguments alone (the config, the batch made from it, the role's rank, its flags), never the plan the tests
+    break on purpose: a repeat measures the same figures. A test that replaces ``simulate`` replaces this too."""
+    import inspect
+
+    from omegaconf import OmegaConf
+
+    real, seen = simulation.simulate, {}
+    signature = inspect.signature(real)
+
+    def memo(cfg, batch, role, *args, **kwargs):
+        bound = signature.bind(cfg, batch, role, *args, **kwargs)
+        bound.apply_defaults()  # `replica=False` said or not: one simulation
+        flags = tuple((k, v) for k, v in bound.arguments.items() if k not in ("cfg", "batch", "role"))
+        key = (OmegaConf.to_yaml(cfg), repr(batch), role.rank, role.kind, flags)
+        if key not in seen:
+            seen[key] = real(cfg, batch, role, *args, **kwargs)
+        return dict(seen[key])  # the caller's own copy
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(simulation, "simulate", memo)
+        yield
 
 
 def test_a_plan_broken_on_purpose_exits_1(monkeypatch, capsys):
     """The same dry run agrees (0) with the plan as it is and disagrees (1) once the plan's optimizer-state factor
-    is wrong by half: the comparison is what decides, not the run finishing."""
+    is wrong by half: the comparison is what decides, not the run finishing (both verdicts on one simulation,
+    ``simulated_once``: it reads nothing of the plan)."""
     cfg = compose(TINY)
     batch = validate(cfg, None)
     assert dryrun.main(cfg, batch) == 0
@@ -99,7 +131,7 @@ def test_a_zero_dry_run_measures_the_activations(monkeypatch, capsys):
     run's micro-batch and checkpointing) under fake tensors: the activations are measured and compared, and the
     figures it cannot measure are marked as not compared. With the plan's activations halved it exits 1, the
     activations named; as the plan is, 0."""
-    cfg = compose(["recipe=deepseek_tiny_zero3", "plan.dry_run=true", "plan.hardware=2xcpu"])
+    cfg = compose(ZERO_TINY)
     batch = validate(cfg, None)
     real, seen = simulation.simulate, {}
 
