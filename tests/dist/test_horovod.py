@@ -1,4 +1,5 @@
-"""2 Horovod workers equal the single-process run: under the Gloo controller (our launcher, ``horovodrun --gloo``)
+"""2 Horovod workers equal the single-process run: under the Gloo controller (our launcher, which on CPU forks the
+workers beside Horovod's rendezvous server; ``horovodrun --gloo`` across hosts is tests/cluster/test_multinode.py's)
 and under MPI (our launcher with ``backend.controller=mpi``, the user's own ``mpirun`` and ``horovodrun --mpi``)."""
 
 import json
@@ -74,8 +75,9 @@ def allreduces(events, pid):
 
 def test_horovod_matches_single_process_resumes_bit_for_bit_and_times_every_gradient(reference, tmp_path):
     """Our launcher's Gloo controller at accumulation 2 (micro batch 2 of 4 per worker; MPI's: the user's own mpirun
-    below) equals the single process; its checkpoint of step 3 resumes to the same losses bit for bit (steps 4-5
-    trained again, 1-3 read from it); and its timeline (``backend.timeline``) holds, for every parameter of the
+    below) equals the single process; the same run preempted in step 3 (SIGUSR1 to ``python train.py``, passed on
+    to the workers it forks on CPU) saves that step and exits 75, and resumes to the same losses bit for bit (steps
+    4-5 trained again, 1-3 read from the checkpoint); and its timeline (``backend.timeline``) holds, for every parameter of the
     exported model, one allreduce of its gradient per optimizer step with the tensor's shape: accumulation
     allreduces once a step (``backward_passes_per_step``). Accumulation 1 (micro 4) equals the single process too,
     under this Gloo controller in tests/dist/test_finetune.py (LoRA: loss and grad norm 1e-4), test_post_training.py
@@ -108,8 +110,14 @@ def test_horovod_matches_single_process_resumes_bit_for_bit_and_times_every_grad
     for name, p in model.named_parameters():
         assert allreduces(events, pids[f"allreduce.{name}"]) == [str(list(p.shape))] * steps, name
 
-    resumed = run_horovod(tmp_path / "b", "train.micro_batch_size=2",
-                          f"checkpoint.resume={tmp_path}/a/checkpoints/step-00000003")
+    # Preempted in step 3 (rank 1 sends SIGUSR1 to python train.py, as Slurm signals a job: our launcher passes it
+    # on to its forked workers, which save step 3 and exit 75, and so does the job); resume=auto trains steps 4-5
+    # to run a's losses bit for bit.
+    stopped = train_py(*STEPS, "backend=horovod", "launch.nproc_per_node=2", "train.micro_batch_size=2",
+                       run_dir=tmp_path / "b", env={"SHARDYARD_TEST_SIGNAL_AT_STEP": "3:1=USR1"})
+    assert stopped.returncode == 75, stopped.stdout[-3000:] + stopped.stderr[-3000:]
+    assert "preempted (SIGUSR1) after step 3: its checkpoint is published" in stopped.stdout + stopped.stderr
+    resumed = run_horovod(tmp_path / "b", "train.micro_batch_size=2", "checkpoint.resume=auto")
     la = json.load(open(tmp_path / "a/summary.json"))["train_losses"]
     lb = json.load(open(tmp_path / "b/summary.json"))["train_losses"]
     assert lb == la and [s for s, _ in lb] == [1, 2, 3, 4, 5] and resumed == got  # 1-3 read back, 4-5 bit for bit

@@ -135,14 +135,16 @@ def test_bad_input_exits_2_with_one_paragraph(overrides, expect, tmp_path):
     assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
 
 
-def test_a_worker_that_raises_shows_its_traceback_once(tmp_path):
+@pytest.mark.parametrize("engine", ["ddp", "horovod"])
+def test_a_worker_that_raises_shows_its_traceback_once(engine, tmp_path):
     """A bug in a worker (an exception, not a user error) ends the job with exit 1 at once, and its traceback
     reaches the user once: a forked CPU worker's exception reached only the launcher and was lost (issue 42's EP +
     selective checkpointing crash showed nothing but an exit code), and the raising rank then waited in its
     teardown's barrier for peers that were in another collective (the job hung until the group's timeout). The
     launcher names the rank that raised, not rank 0, which fails too on losing its peer (torch's agent reports the
-    first dead worker it polls, in rank order: rank 0 was named 3 runs in 3 before the lost peer's wait)."""
-    proc = train_py(*TINY, "backend=ddp", "launch.nproc_per_node=2", "train.steps=3", "train.eval_every_n_steps=0",
+    first dead worker it polls, in rank order: rank 0 was named 3 runs in 3 before the lost peer's wait). Horovod's
+    CPU workers, forked by our launcher, alike (its rank 0 fails with "Horovod has been shut down")."""
+    proc = train_py(*TINY, f"backend={engine}", "launch.nproc_per_node=2", "train.steps=3", "train.eval_every_n_steps=0",
                     "train.global_batch_size=8", run_dir=tmp_path, timeout=300,
                     env={"SHARDYARD_TEST_CRASH_AT_STEP": "1:1=raise"})
     assert proc.returncode == 1, (proc.returncode, proc.stderr[-3000:])

@@ -13,7 +13,7 @@
 * ``SHARDYARD_TEST_SIGNAL_AT_STEP=STEP[:RANK][=SIGNAL]``: during that step (after its forward and backward,
   before the optimizer step) that rank (default 0) sends SIGNAL (default ``TERM``; ``USR1``) to the job, as Slurm
   or a user would: to the launcher that started it (its parent under torch's elastic agent: ``python train.py``
-  or torchrun), which passes it on to every worker, and to itself at once, so that the run stops after exactly
+  or torchrun; under our Horovod launcher on CPU: ``python train.py``), which passes it on to every worker, and to itself at once, so that the run stops after exactly
   that step (the copy passed on arrives whenever it does). First attempt only, as the crash.
 """
 
@@ -56,8 +56,8 @@ def signal_in_step(step: int, rank: int) -> None:
     sig = getattr(signal, "SIG" + (name or "TERM").upper().removeprefix("SIG"))
     print(f"shardyard | SHARDYARD_TEST_SIGNAL_AT_STEP: rank {rank} sends {sig.name} to the job in step {step}",
           file=sys.stderr, flush=True)
-    if "TORCHELASTIC_RUN_ID" in os.environ:  # the elastic agent started this worker: the job's launcher
-        os.kill(os.getppid(), sig)
+    if "TORCHELASTIC_RUN_ID" in os.environ or os.environ.get("SHARDYARD_FORKED_HOROVOD") == "1":
+        os.kill(os.getppid(), sig)  # the elastic agent, or our Horovod launcher, started this worker: the job's
     os.kill(os.getpid(), sig)
 
 

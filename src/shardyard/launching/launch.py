@@ -157,10 +157,13 @@ def _without_child_failure_reports(record: logging.LogRecord) -> bool:
 def horovod(run_dir: str, plan: Plan, cfg: DictConfig) -> None:
     """``horovodrun -np N --gloo`` (or ``--mpi`` with ``backend.controller=mpi``): Horovod's own runner starts
     and watches the workers. Under ``--mpi`` it runs ``mpirun --allow-run-as-root --tag-output``, so each output
-    line carries its rank (``[1,0]<stdout>:``)."""
+    line carries its rank (``[1,0]<stdout>:``). On CPU under Gloo the workers fork from this process instead
+    (``_horovod_gloo_forked``), as the elastic launcher's do."""
     import subprocess
 
     n = plan.nproc_per_node
+    if plan.device_type == "cpu" and cfg.backend.controller != "mpi":
+        return _horovod_gloo_forked(run_dir, n, cfg)
     runner = [sys.executable, "-c", "import sys; from horovod.runner.launch import run_commandline; "
               "sys.argv[0] = 'horovodrun'; run_commandline()"]
     if cfg.backend.controller == "mpi":
@@ -179,6 +182,110 @@ def horovod(run_dir: str, plan: Plan, cfg: DictConfig) -> None:
         print(f"shardyard: horovodrun exited with code {code} (a worker failed; its output is above). "
               f"Run dir: {run_dir}", file=sys.stderr, flush=True)
         sys.exit(2 if code == 2 else 1)
+
+
+def _horovod_gloo_forked(run_dir: str, n: int, cfg: DictConfig) -> None:
+    """What ``horovodrun -np N -H localhost:N --gloo`` does, with workers forked from this process, which has
+    imported torch and transformers already: horovodrun starts each worker as a fresh interpreter (about 5 s of
+    imports each, 7 s of a short CPU job's start on 2 cores, and its own interpreter's on top).
+
+    1. Horovod's own rendezvous server (``RendezvousServer``, as ``gloo_run.launch_gloo`` starts it) with the
+       slots ``get_host_assignments`` gives N processes on one host.
+    2. Each worker: the run env horovodrun exports (``create_run_env_vars``: the server's address, the Gloo
+       controller and CPU operations, the interface) and its slot's (``create_slot_env_vars``: rank, size, local
+       and cross ranks), ``--gloo-timeout-seconds`` as ``HOROVOD_GLOO_TIMEOUT_SECONDS``; then the worker's
+       ``from_run_dir``, whose ``hvd.init`` reads them. Forked with the heap frozen (``elastic``'s reason). A worker
+       that fails only because a peer went away waits before it exits, so that the first to fail is named
+       (``SHARDYARD_FORKED_HOROVOD``: ``worker._let_the_first_failure_be_seen``).
+    3. Watched as horovodrun watches them: the first to fail ends the others (SIGTERM, then SIGKILL after
+       ``launch.timeout_s``); the job exits 1 naming it (2 where every failure was a user error's 2).
+    4. A preemption signal (SIGTERM, SIGUSR1) to this process goes on to every worker, which save at their next
+       step and exit 75; then this process exits 75 (horovodrun ends its workers without a save).
+
+    Not for GPUs (no CUDA context may exist before a fork: horovodrun's fresh interpreters) nor MPI (mpirun)."""
+    import gc
+    import multiprocessing
+    import multiprocessing.connection
+    import signal
+
+    from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
+    from horovod.runner.gloo_run import create_run_env_vars, create_slot_env_vars
+    from horovod.runner.http.http_server import RendezvousServer
+
+    from shardyard.core.errors import EXIT_REQUEUE
+    from shardyard.training.loop import PREEMPTION_SIGNALS
+
+    slots = get_host_assignments(parse_hosts(f"localhost:{n}"), n)  # 1
+    server = RendezvousServer(verbose=0)
+    port = server.start()
+    server.init(slots)
+    env = {**{k: str(v) for k, v in create_run_env_vars("127.0.0.1", ["lo"], port).items()},
+           "HOROVOD_GLOO_TIMEOUT_SECONDS": str(cfg.launch.timeout_s), "SHARDYARD_FORKED_HOROVOD": "1"}
+    if "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // n))
+    gc.collect()
+    gc.freeze()
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_horovod_worker, args=(run_dir, {**env, **create_slot_env_vars(slot)}),
+                         name=f"shardyard-horovod-rank{slot.rank}") for slot in slots]  # 2
+    preempted: list[int] = []
+
+    def pass_on(signum: int, _frame: Any) -> None:  # 4
+        preempted.append(signum)
+        for p in procs:
+            if p.pid is not None and p.exitcode is None:
+                os.kill(p.pid, signum)
+
+    for p in procs:
+        p.start()
+    old = {sig: signal.signal(sig, pass_on) for sig in PREEMPTION_SIGNALS}  # (after the forks: not theirs)
+    try:
+        failed: dict[int, int] = {}
+        running = list(procs)
+        while running:  # 3
+            multiprocessing.connection.wait([p.sentinel for p in running])
+            for rank, p in enumerate(procs):
+                if p in running and p.exitcode is not None:
+                    running.remove(p)
+                    if p.exitcode not in (0, EXIT_REQUEUE) and not preempted:  # 75: saved on a signal of its own
+                        failed.setdefault(rank, p.exitcode)
+            if failed and running:
+                for p in running:
+                    p.terminate()
+                for p in running:
+                    p.join(cfg.launch.timeout_s)
+                    if p.exitcode is None:
+                        p.kill()
+                        p.join()
+                running = []
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+        server.stop()
+    codes = [p.exitcode for p in procs]
+    if all(c == EXIT_REQUEUE for c in codes):
+        print(f"shardyard: the workers stopped on a preemption signal after saving; exit {EXIT_REQUEUE}: requeue "
+              f"the job, or run the same command with checkpoint.resume=auto. Run dir: {run_dir}",
+              file=sys.stderr, flush=True)
+        sys.exit(EXIT_REQUEUE)
+    real = {r: c for r, c in enumerate(codes) if c and c > 0} or {r: c for r, c in enumerate(codes) if c}
+    if real:
+        first = min(failed or real)
+        global LAST_FAILURE
+        LAST_FAILURE = f"horovod worker rank {first} failed with exit code {codes[first]} (exit codes: {codes})"
+        print(f"shardyard: {LAST_FAILURE}; its output is above. Run dir: {run_dir}", file=sys.stderr, flush=True)
+        sys.exit(2 if set(real.values()) == {2} else 1)
+
+
+def _horovod_worker(run_dir: str, env: dict[str, str]) -> None:
+    """One forked Horovod worker (``_horovod_gloo_forked``): its slot's environment, then the run."""
+    os.environ.update(env)
+    from shardyard.training.worker import from_run_dir
+
+    try:
+        from_run_dir(run_dir)
+    except Exception:
+        sys.exit(1)  # its traceback is printed already (from_run_dir); multiprocessing would print it again
 
 
 LAUNCHERS: dict[str, Callable[[str, Plan, DictConfig], None]] = {"elastic": elastic, "horovod": horovod}

@@ -370,7 +370,7 @@ def from_run_dir(run_dir: str) -> None:
 
             traceback.print_exc()
         else:
-            print(f"shardyard | rank {os.environ.get('RANK', '?')} lost a peer ({type(lost).__name__}: "
+            print(f"shardyard | rank {_rank_name()} lost a peer ({type(lost).__name__}: "
                   f"{' '.join(str(lost).split())[:300]}): another rank failed first, its error is above or below",
                   file=sys.stderr, flush=True)
             _let_the_first_failure_be_seen()
@@ -378,8 +378,14 @@ def from_run_dir(run_dir: str) -> None:
         raise
 
 
-LOST_PEER_MARKS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
-"""What gloo's (and the TCP store's) error says when the process at the other end of a connection has gone."""
+def _rank_name() -> str:
+    """This worker's rank as its launcher set it (torch's RANK; Horovod's HOROVOD_RANK), for a line it prints."""
+    return os.environ.get("RANK") or os.environ.get("HOROVOD_RANK") or "?"
+
+
+LOST_PEER_MARKS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Horovod has been shut down")
+"""What gloo's (and the TCP store's) error says when the process at the other end of a connection has gone, and
+Horovod's once its background loop has stopped on such an error."""
 
 PEER_LOST_GRACE_S = 5.0
 """How long a worker that failed only because a peer went away waits before it exits (its launcher ends it sooner)."""
@@ -407,10 +413,13 @@ def _let_the_first_failure_be_seen() -> None:
     sweep's summary in CI). So a worker whose error is a lost peer waits ``PEER_LOST_GRACE_S`` (under the
     elastic agent only, which ends it as soon as it has seen the rank that failed first). Not a node's only
     worker (``LOCAL_WORLD_SIZE`` 1): its agent has no other rank to name, and the peer it lost is on another node,
-    whose own agent reports it; the wait would only hold this node's report back."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ or os.environ.get("LOCAL_WORLD_SIZE") == "1":
+    whose own agent reports it; the wait would only hold this node's report back. Horovod's CPU workers forked by
+    our launcher (``launch._horovod_gloo_forked``, which sets ``SHARDYARD_FORKED_HOROVOD``) wait too: it ends them
+    once it has seen the first to fail."""
+    forked_horovod = os.environ.get("SHARDYARD_FORKED_HOROVOD") == "1"
+    if not forked_horovod and ("TORCHELASTIC_RUN_ID" not in os.environ or os.environ.get("LOCAL_WORLD_SIZE") == "1"):
         return
-    print(f"shardyard | rank {os.environ.get('RANK', '?')} waits {PEER_LOST_GRACE_S:.0f} s so that the launcher "
+    print(f"shardyard | rank {_rank_name()} waits {PEER_LOST_GRACE_S:.0f} s so that the launcher "
           "names the rank that failed first", file=sys.stderr, flush=True)
     import time
 
