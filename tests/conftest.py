@@ -46,6 +46,18 @@ def train_py(*overrides: str, run_dir: Path, timeout: int = 600, env: dict | Non
     return run_python([str(ROOT / "train.py"), f"hydra.run.dir={run_dir}", *overrides], str(ROOT), full_env, timeout)
 
 
+def shardyard_cli(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    """``python -m shardyard ARGS`` in the checkout, forked warm as ``train_py``: a script that runs the package's
+    ``__main__`` as ``-m`` does (runpy), so the same CLI code runs. A warning printed at import time is the fork
+    server's, not seen here."""
+    import tempfile
+
+    shim = Path(tempfile.gettempdir()) / f"shardyard-python-m-{os.getpid()}.py"
+    if not shim.exists():
+        shim.write_text('import runpy\n\nrunpy.run_module("shardyard", run_name="__main__", alter_sys=True)\n')
+    return run_python([str(shim), *args], str(ROOT), {**os.environ, "PYTHONUNBUFFERED": "1"}, timeout)
+
+
 def gpu_env() -> dict:
     """This session's environment with the machine's own CUDA_VISIBLE_DEVICES: what the GPU tier's runs see."""
     env = dict(os.environ)

@@ -4,14 +4,12 @@ and an optimizer factory, plus its own config group files (``hydra.searchpath``)
 fsdp and zero2 (2 ranks) and every engine reproduces the single-process losses; the HF model's export loads."""
 
 import json
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import train_py
 from shardyard.testing import TINY, run_many
 
 PACKAGE = '''
@@ -147,10 +145,11 @@ def test_user_plugins_train_identically_on_every_engine(trained, model):
 
 
 def test_user_project_through_train_py_with_hf_export(project, tmp_path):
-    """The user's command line, exactly: their config dir on the search path, their package on PYTHONPATH."""
-    proc = subprocess.run([sys.executable, "train.py", f"hydra.run.dir={tmp_path}", "launch.nproc_per_node=2",
-                           *user_overrides(project, "user_gpt2"), "checkpoint.save_final=true"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    """The user's command line, exactly: their config dir on the search path, their package on PYTHONPATH (forked
+    warm as every train_py run: the server has not imported the user's package, which the run imports from
+    PYTHONPATH as a fresh interpreter would)."""
+    proc = train_py("launch.nproc_per_node=2", *user_overrides(project, "user_gpt2"), "checkpoint.save_final=true",
+                    run_dir=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     from transformers import AutoModelForCausalLM
 

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, TINY, train_py
+from conftest import ROOT, TINY, run_python, train_py
 from readers import csv_by_step, jsonl_by_step, tensorboard_scalars, wandb_offline_run
 
 RUN = [*TINY, "backend=single", "backend.device=cpu", "train.steps=6", "train.log_every_n_steps=2", "train.eval_every_n_steps=3",
@@ -24,8 +24,8 @@ RUN = [*TINY, "backend=single", "backend.device=cpu", "train.steps=6", "train.lo
 def run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("monitored")
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
-    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={run_dir}", *RUN], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600, env={**env, "NETRC": str(run_dir / "no-netrc")})
+    proc = run_python([str(ROOT / "train.py"), f"hydra.run.dir={run_dir}", *RUN], str(ROOT),
+                      {**env, "NETRC": str(run_dir / "no-netrc")}, 600)  # forked warm, as train_py
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir, proc
 

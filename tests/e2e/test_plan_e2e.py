@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from conftest import run_python, train_py
+from conftest import train_py
 
 V3_TIMEOUT = 1800
 """A V3 dry run takes ~3 min alone on 2 cores; beside the suite's other worker, on a loaded machine, several times
@@ -43,17 +43,11 @@ def test_plan_only_for_8xh100(tmp_path):
 
 
 def test_shardyard_plan_is_train_py_plan_only(tmp_path):
-    """`python -m shardyard plan ...`, forked warm as train_py (a cold interpreter cost ~13 s of imports here): a
-    script that runs the package's ``__main__`` as ``-m`` does, so the same CLI code runs. Its stderr is then free
-    of WARNINGs from the run; one printed at import time (the fork server imported torch and the CLI) is not seen."""
-    import os
+    """`python -m shardyard plan ...`, forked warm (``shardyard_cli``; a cold interpreter cost ~13 s of imports
+    here). Its stderr is then free of WARNINGs from the run; one printed at import time is not seen."""
+    from conftest import shardyard_cli
 
-    from conftest import ROOT
-
-    shim = tmp_path / "python_m_shardyard.py"
-    shim.write_text('import runpy\n\nrunpy.run_module("shardyard", run_name="__main__", alter_sys=True)\n')
-    proc = run_python([str(shim), "plan", "launch.nproc_per_node=2"], str(ROOT),
-                      {**os.environ, "PYTHONUNBUFFERED": "1"}, 120)
+    proc = shardyard_cli("plan", "launch.nproc_per_node=2")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "plan for this machine" in proc.stdout and "2 rank(s)" in proc.stdout
     assert proc.stdout.splitlines()[3].split()[0] == "ddp" and "zero3" in proc.stdout and "WARNING" not in proc.stderr

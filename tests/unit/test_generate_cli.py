@@ -5,8 +5,6 @@ bad inputs (a prompt file's bad line, an existing out file, a path that is nothi
 
 import io
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -122,15 +120,15 @@ def test_out_file_is_never_overwritten(trained, export, tmp_path):
 
 
 def test_cli_generates_and_refuses_a_path_that_is_nothing_loadable(export, tmp_path):
-    """Two subprocesses of the command: a completion printed; a directory that is no run dir, checkpoint or
-    export exits 2 with one paragraph naming it."""
-    ok = subprocess.run([sys.executable, "-m", "shardyard", "generate", export, "prompt=def main(",
-                         "max_new_tokens=5", "prompt=import os"], capture_output=True, text=True, timeout=120)
+    """Two runs of the command (``python -m shardyard generate``, forked warm as train_py runs are): a completion
+    printed; a directory that is no run dir, checkpoint or export exits 2 with one paragraph naming it."""
+    from conftest import shardyard_cli
+
+    ok = shardyard_cli("generate", export, "prompt=def main(", "max_new_tokens=5", "prompt=import os")
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert [json.loads(line)["tokens"] for line in ok.stdout.splitlines()] == [5, 5]
     (tmp_path / "notes.txt").write_text("x")
-    bad = subprocess.run([sys.executable, "-m", "shardyard", "generate", str(tmp_path), "prompt=x"],
-                         capture_output=True, text=True, timeout=120)
+    bad = shardyard_cli("generate", str(tmp_path), "prompt=x")
     assert bad.returncode == 2, bad.stderr[-2000:]
     assert "error in `path`" in bad.stderr and str(tmp_path) in bad.stderr and "Traceback" not in bad.stderr
 
