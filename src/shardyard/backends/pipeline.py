@@ -251,7 +251,7 @@ class PipelineBackend:
         head, another count of layers or of MoE layers); of stages alike, the first, which has the most
         micro-batches in flight. Every rank of a stage holds the same shapes (its experts and shards are even
         splits), so one data-parallel rank stands for its stage. A middle stage with no more layers and no more
-        MoE layers than an earlier middle one is not simulated: every figure of it is that stage's, over fewer
+        MoE layers (nor dense ones) than an earlier middle one is not simulated: every figure of it is that stage's, over fewer
         of the same blocks with fewer micro-batches in flight (DeepSeek-V3 at 8 stages: stage 5's 7 layers
         beside stage 1's 8, a sixth of its dry run)."""
         from shardyard.models.build import shape_model
@@ -270,7 +270,8 @@ class PipelineBackend:
             kind = (s == 0, s == int(b.stages) - 1, sum(hi - lo for lo, hi in mine),
                     sum(sum(is_moe[lo:hi]) for lo, hi in mine))
             middle = not (kind[0] or kind[1])
-            bounded = middle and any(not (k[0] or k[1]) and k[2] >= kind[2] and k[3] >= kind[3] for k in seen)
+            bounded = middle and any(not (k[0] or k[1]) and k[2] >= kind[2] and k[3] >= kind[3]
+                                     and k[2] - k[3] >= kind[2] - kind[3] for k in seen)  # layers, MoE, dense
             if not bounded:  # the first of a kind has the most micro-batches in flight
                 seen.add(kind)
                 layers, moe = kind[2], kind[3]

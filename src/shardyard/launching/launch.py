@@ -236,10 +236,28 @@ def _horovod_gloo_forked(run_dir: str, n: int, cfg: DictConfig) -> None:
             if p.pid is not None and p.exitcode is None:
                 os.kill(p.pid, signum)
 
-    for p in procs:
-        p.start()
-    old = {sig: signal.signal(sig, pass_on) for sig in PREEMPTION_SIGNALS}  # (after the forks: not theirs)
+    def stop(signum: int, _frame: Any) -> None:  # SIGHUP, SIGQUIT: end the workers with this process (below)
+        raise SystemExit(128 + signum)
+
+    def end(running: list) -> None:  # SIGTERM, then SIGKILL once launch.timeout_s has passed for them all
+        import time
+
+        for p in running:
+            p.terminate()
+        deadline = time.monotonic() + cfg.launch.timeout_s
+        for p in running:
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.exitcode is None:
+                p.kill()
+                p.join()
+
+    old: dict = {}
     try:
+        for p in procs:
+            p.start()
+        # (after the forks: the workers keep the default handlers until the loop installs its own)
+        old.update({sig: signal.signal(sig, pass_on) for sig in PREEMPTION_SIGNALS})
+        old.update({sig: signal.signal(sig, stop) for sig in (signal.SIGHUP, signal.SIGQUIT)})
         failed: dict[int, int] = {}
         running = list(procs)
         while running:  # 3
@@ -250,36 +268,36 @@ def _horovod_gloo_forked(run_dir: str, n: int, cfg: DictConfig) -> None:
                     if p.exitcode not in (0, EXIT_REQUEUE) and not preempted:  # 75: saved on a signal of its own
                         failed.setdefault(rank, p.exitcode)
             if failed and running:
-                for p in running:
-                    p.terminate()
-                for p in running:
-                    p.join(cfg.launch.timeout_s)
-                    if p.exitcode is None:
-                        p.kill()
-                        p.join()
+                end(running)
                 running = []
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
+        end([p for p in procs if p.pid is not None and p.exitcode is None])  # an interrupt: none left behind
         server.stop()
     codes = [p.exitcode for p in procs]
-    if all(c == EXIT_REQUEUE for c in codes):
+    # Preempted: every worker saved (75), finished, or was ended by the signal before the loop could catch it (in its
+    # start-up or export): requeue, as the elastic launcher does; resume=auto takes the newest checkpoint there is.
+    signalled = {EXIT_REQUEUE, 0, *(-int(sig) for sig in PREEMPTION_SIGNALS)}
+    if all(c == EXIT_REQUEUE for c in codes) or (preempted and all(c in signalled for c in codes)):
         print(f"shardyard: the workers stopped on a preemption signal after saving; exit {EXIT_REQUEUE}: requeue "
               f"the job, or run the same command with checkpoint.resume=auto. Run dir: {run_dir}",
               file=sys.stderr, flush=True)
         sys.exit(EXIT_REQUEUE)
     real = {r: c for r, c in enumerate(codes) if c and c > 0} or {r: c for r, c in enumerate(codes) if c}
     if real:
-        first = min(failed or real)
+        blamed = failed or real  # the first to fail (ranks ended after it may exit 1 on the peer they lost)
+        first = min(blamed)
         global LAST_FAILURE
         LAST_FAILURE = f"horovod worker rank {first} failed with exit code {codes[first]} (exit codes: {codes})"
         print(f"shardyard: {LAST_FAILURE}; its output is above. Run dir: {run_dir}", file=sys.stderr, flush=True)
-        sys.exit(2 if set(real.values()) == {2} else 1)
+        sys.exit(2 if set(blamed.values()) == {2} else 1)
 
 
 def _horovod_worker(run_dir: str, env: dict[str, str]) -> None:
     """One forked Horovod worker (``_horovod_gloo_forked``): its slot's environment, then the run."""
     os.environ.update(env)
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]  # horovodrun's workers: PYTHONUNBUFFERED
     from shardyard.training.worker import from_run_dir
 
     try:

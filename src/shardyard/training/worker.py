@@ -370,9 +370,12 @@ def from_run_dir(run_dir: str) -> None:
 
             traceback.print_exc()
         else:
+            # Horovod's "shut down" also follows a collective another rank never made (no rank raised): said so
+            why = ("Horovod stopped: another rank failed (its error is above or below) or did not make a collective "
+                   "this one made" if "Horovod has been shut down" in str(lost)
+                   else "another rank failed first, its error is above or below")
             print(f"shardyard | rank {_rank_name()} lost a peer ({type(lost).__name__}: "
-                  f"{' '.join(str(lost).split())[:300]}): another rank failed first, its error is above or below",
-                  file=sys.stderr, flush=True)
+                  f"{' '.join(str(lost).split())[:300]}): {why}", file=sys.stderr, flush=True)
             _let_the_first_failure_be_seen()
         sys.stderr.flush()
         raise
