@@ -12,7 +12,7 @@ import os
 import socket
 import sys
 import uuid
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import hydra.utils
 from omegaconf import DictConfig
@@ -131,10 +131,7 @@ def elastic(run_dir: str, plan: Plan, cfg: DictConfig) -> None:
     except ChildFailedError as e:
         codes = {rank: f.exitcode for rank, f in e.failures.items()}
         if set(codes.values()) == {EXIT_REQUEUE}:  # preempted: every worker saved and stopped (a signal of its own)
-            print(f"shardyard: the workers stopped on a preemption signal after saving; exit {EXIT_REQUEUE}: requeue "
-                  f"the job, or run the same command with checkpoint.resume=auto. Run dir: {run_dir}",
-                  file=sys.stderr, flush=True)
-            sys.exit(EXIT_REQUEUE)
+            _exit_requeue(run_dir)
         # Ranks the agent terminated after the first failure show a negative (signal) code; blame and
         # exit with the ranks that really failed (exit 2 stays 2: a user error such as a bad resume path).
         real = {r: c for r, c in codes.items() if c > 0} or codes
@@ -144,6 +141,16 @@ def elastic(run_dir: str, plan: Plan, cfg: DictConfig) -> None:
         LAST_FAILURE = f"worker rank {first}{node} failed with exit code {real[first]} (failed ranks and codes: {codes})"
         print(f"shardyard: {LAST_FAILURE}; its output is above. Run dir: {run_dir}", file=sys.stderr, flush=True)
         sys.exit(2 if set(real.values()) == {2} else 1)
+
+
+def _exit_requeue(run_dir: str) -> NoReturn:
+    """Every worker stopped on a preemption signal after saving: say so and exit 75 (a launcher's last word)."""
+    from shardyard.core.errors import EXIT_REQUEUE
+
+    print(f"shardyard: the workers stopped on a preemption signal after saving; exit {EXIT_REQUEUE}: requeue "
+          f"the job, or run the same command with checkpoint.resume=auto. Run dir: {run_dir}", file=sys.stderr,
+          flush=True)
+    sys.exit(EXIT_REQUEUE)
 
 
 LAST_FAILURE: str | None = None
@@ -280,10 +287,7 @@ def _horovod_gloo_forked(run_dir: str, n: int, cfg: DictConfig) -> None:
     # start-up or export): requeue, as the elastic launcher does; resume=auto takes the newest checkpoint there is.
     signalled = {EXIT_REQUEUE, 0, *(-int(sig) for sig in PREEMPTION_SIGNALS)}
     if all(c == EXIT_REQUEUE for c in codes) or (preempted and all(c in signalled for c in codes)):
-        print(f"shardyard: the workers stopped on a preemption signal after saving; exit {EXIT_REQUEUE}: requeue "
-              f"the job, or run the same command with checkpoint.resume=auto. Run dir: {run_dir}",
-              file=sys.stderr, flush=True)
-        sys.exit(EXIT_REQUEUE)
+        _exit_requeue(run_dir)
     real = {r: c for r, c in enumerate(codes) if c and c > 0} or {r: c for r, c in enumerate(codes) if c}
     if real:
         blamed = failed or real  # the first to fail (ranks ended after it may exit 1 on the peer they lost)
