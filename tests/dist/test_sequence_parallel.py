@@ -11,7 +11,8 @@ training whole sequences:
 * DeepSeek's MLA and MoE (deepseek_moe_tiny, its router's bias balancing on, its sequence-wise balance loss and
   one MTP depth as below), causal (no documents: context parallelism's lower-right causal chunks, no mask tensor)
   under ZeRO-2 at sp 2 and at cp 2;
-* FSDP2 at sp 2 and DDP at cp 4 with tiled MLPs (``model.mlp_tiles=3``: each rank's own positions in 3 tiles);
+* FSDP2 at sp 2 and DDP at cp 4 with tiled MLPs (``model.mlp_tiles=3``: each rank's own positions in 3 tiles),
+  the FSDP2 run under full checkpointing with its block inputs offloaded (``model.activation_offload``);
 * MLA and MoE with expert parallelism (FSDP2 at ep 4 x sp 2: each EP group spans both sequence groups; and at
   ep 2 x cp 2: each is one), DeepSeek's sequence-wise balance loss on (``model.balance.seq_aux_alpha``: each
   sequence's expert loads and affinities summed over its shares) and DeepSeek-V3's multi-token prediction (one
@@ -43,6 +44,12 @@ TILES = "model.mlp_tiles=3"
 has none, so they compose exactly with the split or those runs fail."""
 
 
+OFFLOAD = ["model.activation_checkpointing=full", "model.activation_offload=true"]
+"""Full checkpointing whose kept block inputs are copied to host RAM and back (``model.activation_offload``), in
+the FSDP2 sp 2 run: on CPU the copy is in the same RAM, but the path is the one a GPU takes (the copy out, the
+recompute from the copy, the gradient handed back through it), so a wrong gradient there fails the equality."""
+
+
 def curve(result, key):
     return [v for _, v in result["summary"][key]]
 
@@ -55,7 +62,7 @@ def runs(tmp_path_factory):
     two = {"ddp sp2": [*DENSE, "backend=ddp", "backend.sp=2"], "zero2 sp2": [*BALANCED, "backend=zero2", "backend.sp=2"],
            "ddp cp2": [*DENSE, "backend=ddp", "backend.cp=2"], "zero2 cp2": [*BALANCED, "backend=zero2", "backend.cp=2"]}
     four = {"ddp sp4": [*DENSE, "backend=ddp", "backend.sp=4"],
-            "fsdp sp2": [*DENSE, "backend=fsdp", "backend.sp=2", TILES],
+            "fsdp sp2": [*DENSE, "backend=fsdp", "backend.sp=2", TILES, *OFFLOAD],
             "ddp cp4": [*DENSE, "backend=ddp", "backend.cp=4", TILES], "hsdp cp2": [*DENSE, "backend=fsdp", "backend.cp=2", "backend.replicate=2"],
             "ep4 sp2": [*BALANCED, "backend=fsdp", "backend.ep=4", "backend.sp=2"],
             "ep2 cp2": [*BALANCED, "backend=fsdp", "backend.ep=2", "backend.cp=2"]}
@@ -136,3 +143,12 @@ def test_the_tiled_runs_computed_their_mlps_in_tiles(runs):
     for name, micro in (("fsdp sp2", 1), ("ddp cp4", 2)):
         assert [r["summary"]["speed_options"]["mlp_tiles"] for r in runs[name]] == [2 * 3 * micro] * 4, name
     assert runs["ddp sp4"][0]["summary"]["speed_options"]["mlp_tiles"] is None
+
+
+def test_the_offloaded_run_copied_every_block_input_out(runs):
+    """The FSDP2 sp 2 run with OFFLOAD copied each of its 2 blocks' inputs out at its first step, on every rank:
+    its share of the 2,048 positions (1,024) x 2 rows x 64 hidden x 4 bytes (fp32 parameters under the fsdp
+    engine's fp32 precision), once per block and micro-batch (one at dp 2)."""
+    for r in runs["fsdp sp2"]:
+        assert r["summary"]["speed_options"]["offloaded_bytes"] == 2 * 1024 * 2 * 64 * 4
+    assert runs["ddp cp4"][0]["summary"]["speed_options"]["offloaded_bytes"] is None

@@ -168,6 +168,12 @@ def test_keys_no_schema_or_plugin_reads_are_refused(overrides, key):
     (["model.mlp_tiles=4", "peft=lora"], "model.mlp_tiles"),
     (["backend=fsdp_tp", "launch.nproc_per_node=2", "model.mlp_tiles=4"], "model.mlp_tiles"),
     (["backend=pipeline", "launch.nproc_per_node=2", "model.mlp_tiles=4"], "model.mlp_tiles"),
+    (["model.activation_offload=true"], "model.activation_offload"),  # no checkpointing: nothing kept to offload
+    (["model.activation_offload=true", "model.activation_checkpointing=selective"], "model.activation_offload"),
+    (["model.activation_offload=true", "model.activation_checkpointing=full", "model.activation_checkpointing_every=2"],
+     "model.activation_offload"),
+    (["backend=pipeline", "launch.nproc_per_node=2", "model.activation_offload=true",
+      "model.activation_checkpointing=full"], "model.activation_offload"),
     # HSDP (issue 57): copies that do not divide the world or the data-parallel ranks tp / stages leave, none, and
     # expert parallelism over more than one copy's shards
     (["backend=fsdp", "backend.replicate=3", "launch.nproc_per_node=4"], "backend.replicate"),

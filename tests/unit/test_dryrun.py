@@ -294,3 +294,29 @@ def test_hsdp_while_accumulating_holds_a_second_gradient_shard_as_the_plan_says(
     once, twice = peaks("train.global_batch_size=4"), peaks("train.global_batch_size=8")
     grown, planned = twice[0] - once[0], twice[1] - once[1]
     assert grown > 0.1 * once[0] and planned == pytest.approx(grown, rel=0.05), (once, twice)
+
+
+def test_offloaded_activations_leave_the_device_as_the_plan_says():
+    """``model.activation_offload`` (issue 56) on a GPU plan: the simulated rank's offloaded block inputs, parked on
+    the meta device (``prepare.offload_to``), are the plan's host figure (every block's input of the rank's tokens
+    in bf16), and its device activations fall by that much against full checkpointing alone, as the plan's do
+    (bf16 FSDP2 at 2 x 8,192 positions: the kept inputs are the activations' larger part)."""
+    def measured(*over: str):
+        cfg = compose(["recipe=deepseek_tiny_fsdp2", "plan.dry_run=true", "plan.hardware=2xH100-80GB",
+                       "precision=bf16", "model.activation_checkpointing=full", "data.seq_len=8192",
+                       "model.max_position_embeddings=8192", "train.micro_batch_size=2",
+                       "train.global_batch_size=4", *over])
+        batch = validate(cfg, None)
+        hw = plan_hardware.hardware(cfg, batch)
+        return simulation.simulate(cfg, batch, simulation.Role(0, "first shard")), \
+            dryrun.planned(memory_plan.estimate_kinds(cfg, batch, hw)[0], hw), batch
+
+    kept, kept_plan, batch = measured()
+    moved, moved_plan, _ = measured("model.activation_offload=true")
+    shape = batch.facts.shape
+    inputs = shape["blocks"] * 2 * 8192 * shape["hidden"] * 2  # blocks x rows x positions x hidden x bf16
+    assert moved["offloaded"] == moved_plan["offloaded"] == inputs and kept["offloaded"] == 0
+    assert kept["activations"] - moved["activations"] == pytest.approx(inputs, rel=0.02)
+    assert kept_plan["activations"] - moved_plan["activations"] == pytest.approx(inputs, rel=0.02)
+    for f in ("activations", "peak"):
+        assert dryrun.agrees(moved[f], moved_plan[f], moved_plan["peak"]), (f, moved[f], moved_plan[f])

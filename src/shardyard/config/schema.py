@@ -453,6 +453,14 @@ class ModelConfig:
     ~200k bytes per token in bf16). Routed-expert (MoE) blocks are not tiled. With ``activation_checkpointing``
     ``none`` or ``full`` (not selective, which keeps the MLP's matmul outputs), not with ``compile``, ``peft`` or
     fp8; not on fsdp_tp or pipeline. The plan counts it."""
+    activation_offload: bool = False
+    """With ``activation_checkpointing=full``: each checkpointed block's input (what full checkpointing keeps of
+    it until its backward, the residual stream: hidden x 2 bytes per token in bf16) is copied to host RAM as the
+    block's forward ends, and back to the GPU for its recompute (ALST's offload of the checkpointed hidden states),
+    so the GPU no longer holds every block's input at once: at 512K tokens per GPU those of DeepSeek-7B's 30
+    blocks are 120 GiB. Costs 4 copies of each block's input per micro-batch over the host link (its gradient
+    crosses too) and that much host RAM per GPU; both counted by the plan (host column) and the step-time model.
+    An HF model; not with ``compile``; not on fsdp_tp or pipeline. On CPU the copy is in the same RAM (no gain)."""
     init_device: InitDevice = InitDevice.auto
     """Where parameters are first created: ``auto`` (meta above 1B parameters or when ``weights`` are loaded),
     ``cpu`` or ``meta``."""

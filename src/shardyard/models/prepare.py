@@ -74,6 +74,79 @@ def apply_activation_checkpointing(model: Any, m: DictConfig) -> None:
     wrap(model, checkpoint_wrapper_fn=partial(checkpoint_wrapper, **kwargs), check_fn=lambda mod: id(mod) in chosen)
 
 
+_OFFLOAD: dict[str, Any] = {"host": None}  # the dry run's stand-in for host RAM ("meta": ``offload_to``)
+
+
+class _ToHost(torch.autograd.Function):
+    """A copy of a block's input in host RAM (``apply_activation_offload``); its backward copies the gradient back
+    to the input's device. Into pinned memory from a GPU, on the compute stream and without a host sync: the
+    copy is ordered before any later kernel that reuses the input's memory (the caching allocator's stream order)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, host: Any) -> torch.Tensor:
+        ctx.device = x.device
+        out = torch.empty(x.shape, dtype=x.dtype, device=host, pin_memory=x.is_cuda and str(host) == "cpu")
+        out.copy_(x, non_blocking=x.is_cuda)
+        if torch._C._current_graph_task_id() == -1:  # a training forward (not a recompute inside one)
+            _PROBED["offloaded_bytes"] += out.numel() * out.element_size()
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad.to(ctx.device, non_blocking=True), None
+
+
+def _offloaded_checkpoint(function: Any, hidden: torch.Tensor, *args: Any, checkpoint: Any) -> Any:
+    """``checkpoint`` (the block's own non-reentrant one) of ``function`` whose saved input is ``hidden``'s copy
+    in host RAM: the checkpoint holds what its recompute will read, so it holds the copy, and the device's is
+    freed with the previous block's output. The recompute brings it back to the device first (inside the
+    checkpoint: that copy is recomputed, not kept)."""
+    device = hidden.device
+
+    def again(parked: torch.Tensor, *rest: Any) -> Any:
+        return function(parked.to(device, non_blocking=True), *rest)
+
+    return checkpoint(again, _ToHost.apply(hidden, _OFFLOAD["host"] or "cpu"), *args)
+
+
+def apply_activation_offload(model: Any, m: DictConfig) -> None:
+    """``model.activation_offload``: what ``full`` activation checkpointing keeps of each checkpointed block (its
+    input, the residual stream) lives in host RAM until the block's backward (ALST's offload of the checkpointed
+    hidden states), so the device holds no block's input between its forward and its backward.
+
+    1. Each checkpointed HF block's checkpoint function (``_gradient_checkpointing_func``, which transformers
+       calls with the block's forward and its hidden states first) is wrapped by ``_offloaded_checkpoint``.
+    2. Per block and micro-batch 4 copies of its input's bytes cross the host link: the input out and back, and
+       its gradient back and out (autograd returns a host tensor's gradient on the host); the step-time model
+       counts them. On CPU the copy stays in the same RAM (the path is the same, nothing is saved).
+    3. Validation asks for ``full`` checkpointing of an HF model (``validate_speed_options``)."""
+    if not m.get("activation_offload"):
+        return
+    from functools import partial
+
+    blocks = [b for b in transformer_blocks(_bare(model)) if getattr(b, "gradient_checkpointing", False)]
+    if not blocks:
+        raise UserError("model.activation_offload", True, f"This model ({type(_bare(model)).__name__}) has no "
+                        "checkpointed transformer block whose input could move to host RAM.",
+                        "Use model.activation_offload=false, or model.activation_checkpointing=full on an HF model.")
+    for block in blocks:  # 1
+        block._gradient_checkpointing_func = partial(_offloaded_checkpoint, checkpoint=block._gradient_checkpointing_func)
+
+
+class offload_to:
+    """The dry run's host RAM for ``model.activation_offload``: the meta device, so the memory tracker counts the
+    offloaded inputs apart from the fake device's (``planning.simulation``)."""
+
+    def __init__(self, host: str) -> None:
+        self.host = host
+
+    def __enter__(self) -> None:
+        self.saved, _OFFLOAD["host"] = _OFFLOAD["host"], self.host
+
+    def __exit__(self, *exc: Any) -> None:
+        _OFFLOAD["host"] = self.saved
+
+
 def apply_compile(model: Any, m: DictConfig) -> None:
     # Per block, not the whole model: blocks are identical, so one compiled graph serves them all, and
     # sharding/DDP hooks stay outside the compiled regions.
@@ -108,8 +181,8 @@ def float8_linears(model: torch.nn.Module) -> int:
     return sum(type(mod).__name__ == "Float8Linear" for mod in model.modules())
 
 
-_PROBED = {"loss_chunks": 0, "mlp_tiles": 0}  # chunks the chunked heads, tiles the tiled MLPs of this process
-#                                             computed in training forwards (SpeedProbe reads the step's)
+_PROBED = {"loss_chunks": 0, "mlp_tiles": 0, "offloaded_bytes": 0}  # chunks the chunked heads, tiles the tiled
+#    MLPs, bytes the offloaded blocks copied to host RAM, of this process's training forwards (SpeedProbe: the step's)
 
 
 def apply_mlp_tiles(model: Any, m: DictConfig) -> None:
@@ -214,6 +287,8 @@ class SpeedProbe:
       option is off).
     * ``mlp_tiles``: the tiles the ``model.mlp_tiles`` MLPs computed in the step's training forwards
       (micro-batches x dense blocks x mlp_tiles; not their recompute in backward); null when the option is off.
+    * ``offloaded_bytes``: the bytes of block inputs ``model.activation_offload`` copied to host RAM in the step's
+      training forwards (micro-batches x checkpointed blocks x the input's bytes); null when the option is off.
     * ``compiled_calls``: the times the step entered compiled code (``model.compile``): dynamo's cached graphs
       that passed their guards, and the graphs it compiled then. Each block's forward once per micro-batch
       (a pipeline stage's blocks once per pipeline micro-batch); 0: the blocks ran eagerly; null when off.
@@ -231,6 +306,7 @@ class SpeedProbe:
 
     def __enter__(self) -> SpeedProbe:
         self.chunks0, self.tiles0, self.hits = _PROBED["loss_chunks"], _PROBED["mlp_tiles"], 0
+        self.offloaded0 = _PROBED["offloaded_bytes"]
         self.mode = _KeptBytes(self.blocks).__enter__() if self.measure and not self.m.compile else None
         if self.m.compile:  # dynamo is imported only by runs that compile (about a second of start-up otherwise)
             from torch._C._dynamo.eval_frame import set_guard_complete_hook
@@ -258,6 +334,7 @@ class SpeedProbe:
         self.record = {
             "loss_chunks": _PROBED["loss_chunks"] - self.chunks0 if int(self.m.get("loss_chunk", 0)) > 0 else None,
             "mlp_tiles": _PROBED["mlp_tiles"] - self.tiles0 if int(self.m.get("mlp_tiles", 0)) > 1 else None,
+            "offloaded_bytes": _PROBED["offloaded_bytes"] - self.offloaded0 if self.m.get("activation_offload") else None,
             "compiled_calls": compiled,
             "kept_bytes": mode.kept if mode else None, "block_kept_bytes": mode.block_kept if mode else None}
 
@@ -324,12 +401,13 @@ def _storages(t: Any) -> list[Any]:
 
 def prepare_model(model: Any, cfg: DictConfig, device: torch.device) -> None:
     """The options that change how a built model computes, in the order every engine applies them before
-    it wraps or shards the model: float8 linears -> tiled MLPs -> activation checkpointing -> regional compile ->
-    chunked loss head. Float8 first, so checkpointing recomputes and compile traces the float8 layers; the
+    it wraps or shards the model: float8 linears -> tiled MLPs -> activation checkpointing (and its offload) ->
+    regional compile -> chunked loss head. Float8 first, so checkpointing recomputes and compile traces the float8 layers; the
     MLPs tiled inside the blocks checkpointing wraps; the loss head last, outside the compiled blocks."""
     apply_float8(model, cfg.precision, device)
     apply_mlp_tiles(model, cfg.model)
     apply_activation_checkpointing(model, cfg.model)
+    apply_activation_offload(model, cfg.model)
     apply_compile(model, cfg.model)
     apply_chunked_loss(model, cfg.model)
 

@@ -118,6 +118,14 @@ def main(cfg: DictConfig, batch: Plan) -> int:
                              f"are CUDA-only); its NF4 parameters are the plan's arithmetic, {nf4 / GiB:.2f} GiB")
                 unchecked["params"] = "the NF4 base's bytes (the plan's arithmetic)"
     agree, text = report(rows, kinds, hw, tuple(unchecked))
+    if cfg.model.get("activation_offload"):  # measured apart from the device's figures (the meta device)
+        for role, got in rows:
+            plan = planned(kinds[role.kind], hw)["offloaded"]
+            good = agrees(got.get("offloaded", 0.0), plan, plan)
+            agree = agree and good
+            notes.append(f"{'' if good else 'DISAGREES: '}activations in host RAM (model.activation_offload), rank "
+                         f"{role.rank}: {got.get('offloaded', 0.0) / GiB:.2f} GiB measured beside the plan's "
+                         f"{plan / GiB:.2f}{'' if good else ' (marked !)'}")
     for n in notes:
         agree = agree and not n.startswith("DISAGREES")
     if unchecked:
@@ -197,11 +205,13 @@ def planned(e: Any, hw: Any) -> dict[str, float]:
     """The plan's figures for one rank in the dry run's terms (``e``: ``plan.Estimate``): on a CPU plan the
     worker's own runtime is not a tensor, so it is left out of the peak."""
     d = {k: e.device.get(k, 0.0) + e.host.get(k, 0.0) for k in {*e.device, *e.host}}  # offload: fake tensors
-    # live in one pool, so what the plan puts in host RAM is counted with the device's
+    # live in one pool, so what the plan puts in host RAM is counted with the device's; but for the activations
+    # model.activation_offload moves, which the simulation parks on the meta device and measures apart
+    offloaded = e.host.get("activations", 0.0)
     return {"params": d.get("params", 0.0) + d.get("reference", 0.0), "grads": d.get("grads", 0.0),
             "optimizer": d.get("optimizer", 0.0) + d.get("master", 0.0), "buffers": d.get("buffers", 0.0),
-            "activations": d.get("activations", 0.0),
-            "peak": e.device_peak + e.host_peak - d.get("runtime", 0.0)}
+            "activations": d.get("activations", 0.0) - offloaded,
+            "peak": e.device_peak + e.host_peak - offloaded - d.get("runtime", 0.0), "offloaded": offloaded}
 
 
 def agrees(measured: float, plan: float, peak: float) -> bool:

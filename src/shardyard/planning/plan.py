@@ -184,6 +184,10 @@ def _one_rank(cfg: DictConfig, batch: Plan, hw: Hardware, states: Any, accum: in
     kept, transient, loss, copies = _activation_parts(shape, states.regime, per_rank, mode, fraction,
                                                       int(cfg.model.get("loss_chunk", 0)),
                                                       int(cfg.model.get("mlp_tiles", 0)))
+    # model.activation_offload: what full checkpointing keeps of every block (its input) is in host RAM, not on
+    # the device, from the block's forward to its backward (the recomputed block brings its own back: ``transient``)
+    offloaded = offloaded_bytes(cfg, shape, states.regime, per_rank)
+    kept -= offloaded if hw.device != "cpu" else 0.0  # one pool on CPU: the copy is in the same RAM
     gathered = 0.0
     if dims.cp > 1:  # all-gather context parallelism: each block's attention keeps the other ranks' keys and values
         # (gathered in the compute dtype) for its backward: every block's not checkpointed, the recomputed one's
@@ -243,6 +247,8 @@ def _one_rank(cfg: DictConfig, batch: Plan, hw: Hardware, states: Any, accum: in
         host = dict(states.host)
         if staged:
             host[STAGING] = staged
+        if offloaded:
+            host["activations"] = offloaded * fk
     tokens = per_rank * accum / mp  # a tensor-parallel or pipeline rank computes its part of each token
     recompute = {"none": 0.0, "full": 1 / 3, "selective": 1 / 30}[mode] * fraction  # a block's forward is 1/3 of its
     # training FLOPs; selective recomputes only the ops between matmuls (a few % of them)
@@ -272,6 +278,14 @@ def _one_rank(cfg: DictConfig, batch: Plan, hw: Hardware, states: Any, accum: in
                  comm_bytes / bw if N > 1 else 0.0, notes, overlap)
     _check_fit(e, hw, cfg.plan.headroom)
     return e
+
+
+def offloaded_bytes(cfg: DictConfig, shape: dict, regime: str, tokens: float) -> float:
+    """``model.activation_offload``: the bytes of one micro-batch of ``tokens`` in host RAM per rank, every block's
+    input (full checkpointing of every block: validation), 0 without it."""
+    if not cfg.model.get("activation_offload") or checkpointing_mode(cfg.model) != "full":
+        return 0.0
+    return shape["blocks"] * shape["activation_bytes_per_token"][regime]["ckpt_per_block"] * tokens
 
 
 def kv_width(model: DictConfig, shape: dict) -> float:
@@ -366,6 +380,13 @@ def _activation_parts(shape: dict, regime: str, tokens: int, mode: str = "none",
         if tiled:  # full only (validation refuses tiles beside selective)
             transient = max(b - m * (1 - 1 / mlp_tiles) for b, m in zip(a["block_list"], a["mlp_list"]))
     transient += a.get("max_block_backward", 0.0)  # the backward of the largest block, beside its activations
+    if loss_chunk and regime == "half" and tokens > loss_chunk:
+        # The chunked loss under half parameters, beside the head's input and one chunk's logits (measured by the dry
+        # run of deepseek7b, FSDP2 bf16, 16,384 tokens per rank, chunks of 4,096: 1.16 GiB more than the terms above):
+        # the final norm's fp32 upcast and bf16 cast beside its output, and the whole-length gradient each chunk's
+        # slice hands back (6 x hidden bytes per token more than ``loss_hidden``'s 4); and while the chunks' head
+        # gradients accumulate, one more of the head's weight gradient (vocab x hidden in bf16)
+        loss += 6 * shape["hidden"] * tokens + 2 * shape["vocab"] * shape["hidden"]
     # autocast casts each weight to bf16 once per forward and caches the copy until the forward's autocast region
     # ends, checkpointed blocks' too: every block's and the head's are alive at the loss (the dry run measured
     # 18.5 GiB of activations for deepseek7b under DDP/Horovod where counting one block's copies said 7.9)
@@ -400,7 +421,9 @@ def _check_fit(e: Estimate, hw: Hardware, headroom: float) -> None:
                          f"{headroom:.0%} of its {hw.device_bytes / GiB:.1f} GiB is {have / GiB:.1f} GiB")
         host_need = e.host_peak * hw.ranks_per_node
         if host_need > hw.host_bytes * headroom:
-            what = " and ".join(w for w, on in [("offloaded state", set(e.host) - {STAGING}),
+            what = " and ".join(w for w, on in [("offloaded state", set(e.host) - {STAGING, "activations"}),
+                                                ("offloaded activations (model.activation_offload)",
+                                                 "activations" in e.host),
                                                 (f"a background save's host copy ({e.host.get(STAGING, 0) / GiB:.1f} "
                                                  "GiB per rank, checkpoint.async_save)", STAGING in e.host)] if on)
             short.append(f"{host_need / GiB:.1f} GiB of host RAM per node for {what}, and {headroom:.0%} of "
@@ -459,7 +482,8 @@ def measured_fit(e: Estimate, hw: Hardware, peak: float, headroom: float) -> Est
     if hw.device == "cpu":
         device = {"measured": peak, "runtime": CPU_RUNTIME_BYTES + CPU_ALLOCATOR_SLACK * peak}
     else:
-        device = {"measured": max(peak - e.host_peak, 0.0)}
+        # (the offloaded activations are not in it: the dry run parks them on the meta device, ``prepare.offload_to``)
+        device = {"measured": max(peak - (e.host_peak - e.host.get("activations", 0.0)), 0.0)}
     m = dataclasses.replace(e, device=device, overlap=0.0, notes=[])
     _check_fit(m, hw, headroom)
     return m

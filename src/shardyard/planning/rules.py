@@ -494,6 +494,19 @@ def validate_speed_options(cfg: DictConfig) -> None:
             if on:
                 raise UserError("model.mlp_tiles", m.mlp_tiles, f"Tiled MLPs are not taken with {clash}: {why}.",
                                 f"Use model.mlp_tiles=0, or leave {clash.split('=')[0]} at its default.")
+    if m.get("activation_offload"):
+        for clash, on, why in (
+                (f"model.activation_checkpointing={checkpointing_mode(m)}", checkpointing_mode(m) != "full",
+                 "it offloads what full checkpointing keeps of each block, its input"),
+                ("model.activation_checkpointing_every", int(m.get("activation_checkpointing_every", 1)) != 1,
+                 "the blocks not checkpointed keep every activation on the GPU (not counted with offload)"),
+                ("model.compile=true", bool(m.get("compile")),
+                 "the compiled blocks would trace its host copies (not tried on torch 2.13)")):
+            if on:
+                raise UserError("model.activation_offload", True, f"Offloading the checkpointed activations is not "
+                                f"taken with {clash}: {why}.",
+                                "Use model.activation_checkpointing=full (every block, no compile) with it, or "
+                                "model.activation_offload=false.")
     if cfg.precision.name == "fp8" and cfg.peft.name != "none":
         raise UserError("precision", "fp8", f"Float8 linears replace the blocks' nn.Linear layers, which peft="
                         f"{cfg.peft.name} wraps with its adapters (and QLoRA quantizes to 4 bits).",

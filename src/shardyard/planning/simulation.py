@@ -78,6 +78,7 @@ def simulate(cfg: DictConfig, batch: Plan, role: Role, replica: bool = False,
     from shardyard.backends.expert_parallel import assume_uniform_routing
     from shardyard.backends.torch_step import COMPUTE_DTYPES
     from shardyard.models.build import build_model, materialized_in
+    from shardyard.models.prepare import offload_to  # model.activation_offload's host RAM: the meta device
 
     batch_cfg = cfg  # the run's own engine (a replica is simulated on ``single``)
     cfg = _simulated_config(cfg, replica)
@@ -113,7 +114,7 @@ def simulate(cfg: DictConfig, batch: Plan, role: Role, replica: bool = False,
         if in_compute_dtype:  # the parameters are in the compute dtype already: no autocast (DeepSpeed has none)
             backend.stepper.autocast_on = False
         gpu = plan_hardware.hardware(batch_cfg, batch).device == "cuda"  # the hardware simulated, not this machine
-        with mode, assume_uniform_routing(), fp32_grouped_gemms(), unpacked_rows(), \
+        with mode, assume_uniform_routing(), fp32_grouped_gemms(), unpacked_rows(), offload_to("meta"), \
                 (gpu_attention() if gpu else contextlib.nullcontext()):
             # An engine whose schedule talks to its peers to run (the pipeline's shape handshake) plays its part
             # of a step alone here.
@@ -330,10 +331,15 @@ class _Tracker:
         self.root_params = [p for m in roots for g in m._get_fsdp_state()._fsdp_param_groups for p in g.fsdp_params]
         self.most: dict[str, float] = {}
         self.settled: dict[str, float] = {}
+        self.offloaded = 0.0  # the most bytes model.activation_offload held in host RAM (the meta device's)
+
         def update(state: Any) -> None:
             # Every change of the tracked memory passes here. The tracker's own per-module peaks (a walk over
             # every module at every op: minutes on a model with adapters) are not read, so not kept.
-            for snap in self.inner._curr_mem_snap.values():
+            for device, snap in self.inner._curr_mem_snap.items():
+                if str(device) == "meta":  # host RAM (``prepare.offload_to``), not the device's
+                    self.offloaded = max(self.offloaded, float(snap.get("Total", 0)))
+                    continue
                 named = self._named(snap)
                 for figure, cats in CATEGORIES.items():
                     v = float(sum(named.get(c, 0) for c in cats))
@@ -435,7 +441,9 @@ class _Tracker:
 
     def settle(self, figure: str) -> None:
         """``figure`` as it is now (what the engine holds), in place of its largest value."""
-        for snap in self.inner._curr_mem_snap.values():
+        for device, snap in self.inner._curr_mem_snap.items():
+            if str(device) == "meta":
+                continue
             named = self._named(snap)
             self.settled[figure] = float(sum(named.get(c, 0) for c in CATEGORIES[figure]))
 
@@ -443,4 +451,4 @@ class _Tracker:
         """Each figure's largest value; the gradients as the backward left them and the optimizer's state as
         the step did: what they hold, not the temporaries of adding to them (those count in the peak)."""
         self.settle("optimizer")
-        return {f: self.settled.get(f, self.most.get(f, 0.0)) for f in CATEGORIES}
+        return {**{f: self.settled.get(f, self.most.get(f, 0.0)) for f in CATEGORIES}, "offloaded": self.offloaded}

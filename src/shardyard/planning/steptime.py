@@ -118,8 +118,8 @@ def predict(cfg: DictConfig, batch: Plan, hw: Hardware, accum: int) -> StepTime 
                                               optimizer_bytes_per_param(cfg.optim))
     micro = micro_compute_s(cfg, batch, hw, dims, states)
     compute = accum * micro
-    comm, parts = exposed_comm_s([*states.collectives, *sequence_exchanges(cfg, batch, dims, states)], dims, hw, micro,
-                                 accum)
+    comm, parts = exposed_comm_s([*states.collectives, *sequence_exchanges(cfg, batch, dims, states),
+                                  *offload_copies(cfg, batch, dims, states)], dims, hw, micro, accum)
     return StepTime(compute, compute * states.bubble, comm, optimizer_s(states, hw), batch.global_batch_size *
                     batch.tokens_per_sample, hw.world, batch.facts.flops_per_token, hw.peak_flops, parts)
 
@@ -207,6 +207,19 @@ def sequence_exchanges(cfg: DictConfig, batch: Plan, dims: ParallelDims, states:
     tokens = batch.micro_batch_size * batch.tokens_per_sample / dims.sp
     leaving = 8 * blocks * tokens * shape["hidden"] * width * (dims.sp - 1) / dims.sp
     return [Collective("all-to-all", leaving, "sp", calls=8 * blocks)]
+
+
+def offload_copies(cfg: DictConfig, batch: Plan, dims: ParallelDims, states: Any) -> list:
+    """``model.activation_offload``: per micro-batch each block's input out to host RAM and back, and its gradient
+    back and out (``prepare.apply_activation_offload`` 2): 4 copies of the offloaded bytes over the host link, on
+    the compute stream (the critical path)."""
+    from shardyard.backends import Collective
+    from shardyard.planning.plan import offloaded_bytes
+
+    tokens = batch.micro_batch_size * batch.tokens_per_sample / (dims.sp * dims.cp)
+    moved = offloaded_bytes(cfg, batch.facts.shape, states.regime, tokens)
+    blocks = max(int(batch.facts.shape["blocks"]), 1)
+    return [Collective("host", 4 * moved, "host", calls=4 * blocks)] if moved else []
 
 
 LAYOUT_ORDER = ("tp", "dp_shard", "dp_replicate", "pp")
