@@ -44,9 +44,9 @@ TILES = "model.mlp_tiles=3"
 has none, so they compose exactly with the split or those runs fail."""
 
 
-OFFLOAD = ["model.activation_checkpointing=full", "model.activation_offload=true"]
-"""Full checkpointing whose kept block inputs are copied to host RAM and back (``model.activation_offload``), in
-the FSDP2 sp 2 run: on CPU the copy is in the same RAM, but the path is the one a GPU takes (the copy out, the
+OFFLOAD = ["model.activation_checkpointing=full", "model.activation_offload=true", "model.norm_tiles=2"]
+"""Full checkpointing whose kept block inputs are copied to host RAM and back (``model.activation_offload``), and the
+blocks' norms in 2 tiles (``model.norm_tiles``), in the FSDP2 sp 2 run: on CPU the copy is in the same RAM, but the path is the one a GPU takes (the copy out, the
 recompute from the copy, the gradient handed back through it), so a wrong gradient there fails the equality."""
 
 
@@ -145,10 +145,11 @@ def test_the_tiled_runs_computed_their_mlps_in_tiles(runs):
     assert runs["ddp sp4"][0]["summary"]["speed_options"]["mlp_tiles"] is None
 
 
-def test_the_offloaded_run_copied_every_block_input_out(runs):
+def test_the_offloaded_run_copied_every_block_input_out_and_tiled_its_norms(runs):
     """The FSDP2 sp 2 run with OFFLOAD copied each of its 2 blocks' inputs out at its first step, on every rank:
     its share of the 2,048 positions (1,024) x 2 rows x 64 hidden x 4 bytes (fp32 parameters under the fsdp
     engine's fp32 precision), once per block and micro-batch (one at dp 2)."""
     for r in runs["fsdp sp2"]:
         assert r["summary"]["speed_options"]["offloaded_bytes"] == 2 * 1024 * 2 * 64 * 4
+        assert r["summary"]["speed_options"]["norm_tiles"] == 2 * 2 * 2  # blocks x their 2 norms x 2 tiles
     assert runs["ddp cp4"][0]["summary"]["speed_options"]["offloaded_bytes"] is None

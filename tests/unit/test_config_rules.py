@@ -168,6 +168,10 @@ def test_keys_no_schema_or_plugin_reads_are_refused(overrides, key):
     (["model.mlp_tiles=4", "peft=lora"], "model.mlp_tiles"),
     (["backend=fsdp_tp", "launch.nproc_per_node=2", "model.mlp_tiles=4"], "model.mlp_tiles"),
     (["backend=pipeline", "launch.nproc_per_node=2", "model.mlp_tiles=4"], "model.mlp_tiles"),
+    (["model.norm_tiles=-1"], "model.norm_tiles"),
+    (["model.norm_tiles=4", "model.activation_checkpointing=selective"], "model.norm_tiles"),
+    (["model.norm_tiles=4", "model.compile=true"], "model.norm_tiles"),
+    (["backend=fsdp_tp", "launch.nproc_per_node=2", "model.norm_tiles=4"], "model.norm_tiles"),
     (["model.activation_offload=true"], "model.activation_offload"),  # no checkpointing: nothing kept to offload
     (["model.activation_offload=true", "model.activation_checkpointing=selective"], "model.activation_offload"),
     (["model.activation_offload=true", "model.activation_checkpointing=full", "model.activation_checkpointing_every=2"],

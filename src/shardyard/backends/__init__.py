@@ -206,7 +206,8 @@ def refuse_speed_options(cfg: DictConfig, engine_name: str, why: dict[str, str])
     """An engine's refusal of the speed options it cannot take (``why``: option -> the engine's reason), each
     set option named with its key and value: ``fp8`` (``precision=fp8``), ``loss_chunk``
     (``model.loss_chunk``), ``compile`` (``model.compile``), ``mlp_tiles`` (``model.mlp_tiles``), ``selective``
-    (``model.activation_checkpointing=selective``), ``activation_offload`` (``model.activation_offload``)."""
+    (``model.activation_checkpointing=selective``), ``norm_tiles`` (``model.norm_tiles``), ``activation_offload``
+    (``model.activation_offload``)."""
     from shardyard.core.errors import UserError
 
     m = cfg.model
@@ -218,6 +219,8 @@ def refuse_speed_options(cfg: DictConfig, engine_name: str, why: dict[str, str])
                           "Use model.mlp_tiles=0."),
             "selective": ("model.activation_checkpointing", "selective", checkpointing_mode(m) == "selective",
                           "Use model.activation_checkpointing=full."),
+            "norm_tiles": ("model.norm_tiles", m.get("norm_tiles", 0), int(m.get("norm_tiles", 0)) > 1,
+                           "Use model.norm_tiles=0."),
             "activation_offload": ("model.activation_offload", True, bool(m.get("activation_offload")),
                                    "Use model.activation_offload=false.")}
     for option, reason in why.items():

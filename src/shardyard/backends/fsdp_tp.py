@@ -166,6 +166,7 @@ class FSDPTPBackend:
             "loss_chunk": "the LM head is split over the tensor-parallel ranks (vocab-parallel logits).",
             "mlp_tiles": "its MLPs are split over the tensor-parallel ranks already (the tiles are not tried on "
                          "their DTensors).",
+            "norm_tiles": "its norms run on the tensor-parallel blocks' sequence shards (the tiles are not tried there).",
             "activation_offload": "its blocks are checkpointed without the host copies here.",
             "compile": "inductor's code for the tensor-parallel blocks (DTensor) trains differently from eager on "
                        "torch 2.13 (measured: 4e-4 apart after 4 steps, where every other engine agrees to 1e-6)."})

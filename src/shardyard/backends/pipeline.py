@@ -313,6 +313,7 @@ class PipelineBackend:
             "fp8": "the stages are not built with float8 linears here.",
             "loss_chunk": "the last stage's loss function receives the logits from the schedule.",
             "mlp_tiles": "the stages are built without the tiled MLPs here.",
+            "norm_tiles": "the stages are built without the tiled norms here.",
             "activation_offload": "the stages are checkpointed without the host copies here."})
         if int(transformers.__version__.split(".")[0]) < 5:  # Stage.forward builds the mask as transformers 5 does
             raise UserError("backend", "pipeline", f"The pipeline stages call transformers 5's masking API, and "

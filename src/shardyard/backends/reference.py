@@ -26,8 +26,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 
 def options(cfg: DictConfig) -> DictConfig:
-    """``cfg`` for building the reference with an engine's own function: activation checkpointing, compile, the
-    tiled MLPs and the chunked loss head off (1); the objective's ``reference_weights`` as ``model.weights`` when it names
+    """``cfg`` for building the reference with an engine's own function: activation checkpointing (and its offload), compile, the
+    tiled MLPs and norms and the chunked loss head off (1); the objective's ``reference_weights`` as ``model.weights`` when it names
     some (validation checked them against the policy's shapes); everything else, the precision included, as the
     policy's."""
     ref = copy.deepcopy(cfg)
@@ -37,6 +37,8 @@ def options(cfg: DictConfig) -> DictConfig:
         ref.model.compile = False
         ref.model.loss_chunk = 0
         ref.model.mlp_tiles = 0
+        ref.model.norm_tiles = 0
+        ref.model.activation_offload = False  # nothing checkpointed to offload
         weights = OmegaConf.select(cfg, "objective.reference_weights", default=None)
         if weights:
             ref.model.weights = weights

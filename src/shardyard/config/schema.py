@@ -453,6 +453,14 @@ class ModelConfig:
     ~200k bytes per token in bf16). Routed-expert (MoE) blocks are not tiled. With ``activation_checkpointing``
     ``none`` or ``full`` (not selective, which keeps the MLP's matmul outputs), not with ``compile``, ``peft`` or
     fp8; not on fsdp_tp or pipeline. The plan counts it."""
+    norm_tiles: int = 0
+    """Tiled norms: each transformer block's own norms (``input_layernorm``, ``post_attention_layernorm``) compute
+    their tokens in this many tiles, each recomputed in backward (as ``mlp_tiles`` does for the MLP), so RMSNorm's
+    fp32 intermediates and their gradients (its upcast, square, scale: hidden x 4 bytes per token each) exist for
+    one tile at a time. 0 or 1 = off. At long sequences under full checkpointing they are most of what a recomputed
+    block's backward holds (DeepSeek-7B in bf16: 28 of 44 x hidden bytes per token, by the dry run). Exact within
+    rounding; with ``activation_checkpointing`` ``none`` or ``full``, not with ``compile``; not on fsdp_tp or
+    pipeline. The plan counts it."""
     activation_offload: bool = False
     """With ``activation_checkpointing=full``: each checkpointed block's input (what full checkpointing keeps of
     it until its backward, the residual stream: hidden x 2 bytes per token in bf16) is copied to host RAM as the

@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 from shardyard.config import checkpointing_mode
 from shardyard.core.errors import UserError
 from shardyard.models.build import _FAKE_STORAGE, materialize
-from shardyard.models.shape import _bare, dense_mlp, is_hf, transformer_blocks
+from shardyard.models.shape import _bare, block_norms, dense_mlp, is_hf, transformer_blocks
 
 
 def _saved_ops() -> set:
@@ -181,46 +181,70 @@ def float8_linears(model: torch.nn.Module) -> int:
     return sum(type(mod).__name__ == "Float8Linear" for mod in model.modules())
 
 
-_PROBED = {"loss_chunks": 0, "mlp_tiles": 0, "offloaded_bytes": 0}  # chunks the chunked heads, tiles the tiled
+_PROBED = {"loss_chunks": 0, "mlp_tiles": 0, "norm_tiles": 0, "offloaded_bytes": 0}  # chunks the chunked heads, tiles the tiled
 #    MLPs, bytes the offloaded blocks copied to host RAM, of this process's training forwards (SpeedProbe: the step's)
 
 
-def apply_mlp_tiles(model: Any, m: DictConfig) -> None:
-    """``model.mlp_tiles``: each dense block's MLP computes its tokens in ``mlp_tiles`` tiles (ALST's TiledMLP).
+def _tiled(plain: Any, tiles: int, probe: str) -> Any:
+    """``plain`` (a module's forward of one tensor, position by position) run over its tokens in ``tiles`` tiles,
+    each inside a non-reentrant checkpoint (the forward of ``apply_mlp_tiles`` and ``apply_norm_tiles``):
 
-    1. Inside the MLP's own forward (the instance's ``forward`` replaced): its parameter names and the engine's
-       hooks on it and on its linears (ZeRO-3's gathers) are unchanged; a block's FSDP unit holds it unsharded.
-    2. The tokens, flattened over the batch (an MLP mixes no positions), are split into ``mlp_tiles`` near-equal
-       tiles (``tensor_split``: views of a contiguous input; never more tiles than tokens); each tile runs inside
-       a non-reentrant checkpoint, which keeps only its input (a view of the block's normalised hidden states, which the block keeps anyway): backward
-       recomputes one tile's intermediates at a time. Nested inside ``full`` checkpointing's recompute alike.
-    3. Per token the same ops: the output and gradients equal the untiled MLP's within rounding.
-    4. Without gradients (evaluation, generation) the plain MLP runs: nothing is kept to save.
-    Only dense MLPs (``shape.dense_mlp``): routed experts' routing and balancing counts run once per call."""
+    1. The tokens, flattened over the batch (nothing here mixes positions), are split into near-equal tiles
+       (``tensor_split``: views of a contiguous input; never more tiles than tokens).
+    2. Each tile's checkpoint keeps only its input (a view of the module's input): backward recomputes one tile's
+       intermediates at a time. Nested inside ``full`` checkpointing's recompute alike.
+    3. Per token the same ops: the output and gradients equal the untiled module's within rounding.
+    4. Without gradients (evaluation, generation) the plain forward runs: nothing is kept to save.
+    ``probe``: the ``_PROBED`` count of tiles computed in training forwards (not recomputes) that it adds to."""
+    from torch.utils.checkpoint import checkpoint
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():  # 4
+            return plain(x)
+        flat = x.reshape(-1, x.size(-1))  # 1
+        outs = [checkpoint(plain, tile, use_reentrant=False)  # 2
+                for tile in flat.tensor_split(min(tiles, max(flat.size(0), 1)))]  # no empty tiles
+        if torch._C._current_graph_task_id() == -1:  # a training forward, not full checkpointing's recompute
+            _PROBED[probe] += len(outs)
+        out = torch.cat(outs)
+        return out.reshape(*x.shape[:-1], out.size(-1))
+
+    return forward
+
+
+def apply_mlp_tiles(model: Any, m: DictConfig) -> None:
+    """``model.mlp_tiles``: each dense block's MLP computes its tokens in ``mlp_tiles`` tiles (ALST's TiledMLP;
+    ``_tiled``), inside the MLP's own forward (the instance's ``forward`` replaced): its parameter names and the
+    engine's hooks on it and on its linears (ZeRO-3's gathers) are unchanged; a block's FSDP unit holds it
+    unsharded. Only dense MLPs (``shape.dense_mlp``): routed experts' routing and balancing counts run once per
+    call."""
     tiles = int(m.get("mlp_tiles", 0))
     if tiles <= 1:
         return
-    from torch.utils.checkpoint import checkpoint
-
     mlps = [mlp for mlp in map(dense_mlp, transformer_blocks(_bare(model))) if mlp is not None]
     if not mlps:
         raise UserError("model.mlp_tiles", tiles, f"This model ({type(_bare(model)).__name__}) has no dense MLP in its "
                         "transformer blocks (a block's `mlp` without routed experts) to tile.", "Use model.mlp_tiles=0.")
     for mlp in mlps:
-        plain = mlp.forward  # 1
+        mlp.forward = _tiled(mlp.forward, tiles, "mlp_tiles")
 
-        def forward(x: torch.Tensor, plain: Any = plain) -> torch.Tensor:
-            if not torch.is_grad_enabled():  # 4
-                return plain(x)
-            flat = x.reshape(-1, x.size(-1))  # 2
-            outs = [checkpoint(plain, tile, use_reentrant=False)
-                    for tile in flat.tensor_split(min(tiles, max(flat.size(0), 1)))]  # no empty tiles
-            if torch._C._current_graph_task_id() == -1:  # a training forward, not full checkpointing's recompute
-                _PROBED["mlp_tiles"] += len(outs)
-            out = torch.cat(outs)
-            return out.reshape(*x.shape[:-1], out.size(-1))
 
-        mlp.forward = forward
+def apply_norm_tiles(model: Any, m: DictConfig) -> None:
+    """``model.norm_tiles``: each block's own norms (``shape.block_norms``: RMSNorm's fp32 upcast, its square, mean,
+    scale and their gradients, each hidden x 4 bytes per token) compute their tokens in ``norm_tiles`` tiles
+    (``_tiled``), inside the norm's own forward: at long sequences a recomputed block's backward holds most of its
+    bytes in these fp32 intermediates (DeepSeek-7B at 131,072 tokens per rank: 28 of 44 x hidden per token,
+    measured by the dry run), and the tiles hold one tile's at a time."""
+    tiles = int(m.get("norm_tiles", 0))
+    if tiles <= 1:
+        return
+    norms = [n for block in transformer_blocks(_bare(model)) for n in block_norms(block)]
+    if not norms:
+        raise UserError("model.norm_tiles", tiles, f"This model ({type(_bare(model)).__name__}) has no norm among its "
+                        "transformer blocks' children (`input_layernorm`, `post_attention_layernorm`) to tile.",
+                        "Use model.norm_tiles=0.")
+    for norm in norms:
+        norm.forward = _tiled(norm.forward, tiles, "norm_tiles")
 
 
 def apply_chunked_loss(model: Any, m: DictConfig) -> None:
@@ -287,6 +311,8 @@ class SpeedProbe:
       option is off).
     * ``mlp_tiles``: the tiles the ``model.mlp_tiles`` MLPs computed in the step's training forwards
       (micro-batches x dense blocks x mlp_tiles; not their recompute in backward); null when the option is off.
+    * ``norm_tiles``: the tiles the ``model.norm_tiles`` norms computed in the step's training forwards
+      (micro-batches x blocks x their norms x norm_tiles); null when the option is off.
     * ``offloaded_bytes``: the bytes of block inputs ``model.activation_offload`` copied to host RAM in the step's
       training forwards (micro-batches x checkpointed blocks x the input's bytes); null when the option is off.
     * ``compiled_calls``: the times the step entered compiled code (``model.compile``): dynamo's cached graphs
@@ -306,7 +332,7 @@ class SpeedProbe:
 
     def __enter__(self) -> SpeedProbe:
         self.chunks0, self.tiles0, self.hits = _PROBED["loss_chunks"], _PROBED["mlp_tiles"], 0
-        self.offloaded0 = _PROBED["offloaded_bytes"]
+        self.offloaded0, self.norms0 = _PROBED["offloaded_bytes"], _PROBED["norm_tiles"]
         self.mode = _KeptBytes(self.blocks).__enter__() if self.measure and not self.m.compile else None
         if self.m.compile:  # dynamo is imported only by runs that compile (about a second of start-up otherwise)
             from torch._C._dynamo.eval_frame import set_guard_complete_hook
@@ -334,6 +360,7 @@ class SpeedProbe:
         self.record = {
             "loss_chunks": _PROBED["loss_chunks"] - self.chunks0 if int(self.m.get("loss_chunk", 0)) > 0 else None,
             "mlp_tiles": _PROBED["mlp_tiles"] - self.tiles0 if int(self.m.get("mlp_tiles", 0)) > 1 else None,
+            "norm_tiles": _PROBED["norm_tiles"] - self.norms0 if int(self.m.get("norm_tiles", 0)) > 1 else None,
             "offloaded_bytes": _PROBED["offloaded_bytes"] - self.offloaded0 if self.m.get("activation_offload") else None,
             "compiled_calls": compiled,
             "kept_bytes": mode.kept if mode else None, "block_kept_bytes": mode.block_kept if mode else None}
@@ -401,11 +428,12 @@ def _storages(t: Any) -> list[Any]:
 
 def prepare_model(model: Any, cfg: DictConfig, device: torch.device) -> None:
     """The options that change how a built model computes, in the order every engine applies them before
-    it wraps or shards the model: float8 linears -> tiled MLPs -> activation checkpointing (and its offload) ->
+    it wraps or shards the model: float8 linears -> tiled MLPs and norms -> activation checkpointing (and its offload) ->
     regional compile -> chunked loss head. Float8 first, so checkpointing recomputes and compile traces the float8 layers; the
     MLPs tiled inside the blocks checkpointing wraps; the loss head last, outside the compiled blocks."""
     apply_float8(model, cfg.precision, device)
     apply_mlp_tiles(model, cfg.model)
+    apply_norm_tiles(model, cfg.model)
     apply_activation_checkpointing(model, cfg.model)
     apply_activation_offload(model, cfg.model)
     apply_compile(model, cfg.model)

@@ -74,6 +74,13 @@ def dense_mlp(block: torch.nn.Module) -> torch.nn.Module | None:
     return mlp if isinstance(mlp, torch.nn.Module) and not hasattr(mlp, "experts") else None
 
 
+def block_norms(block: torch.nn.Module) -> list[torch.nn.Module]:
+    """A transformer block's own norms over the hidden size (its direct children named ``*norm``: LLaMA's and
+    DeepSeek's ``input_layernorm`` and ``post_attention_layernorm``), what ``model.norm_tiles`` tiles
+    (``prepare.apply_norm_tiles``); not the norms inside attention (MLA's latent norms)."""
+    return [m for name, m in block.named_children() if name.endswith("norm")]
+
+
 def is_hf(model: torch.nn.Module) -> bool:
     return hasattr(model, "save_pretrained") and hasattr(model, "config")
 
@@ -154,6 +161,14 @@ def model_shape(model: Any) -> dict:
                        # its activations, the experts' grouped GEMM inputs): 0 where the fit above holds it
                        "max_block_backward": max(b.get("backward_" + regime, b.get("backward", 0.0)) * b[regime]
                                                  for b in per_block),
+                       # with model.norm_tiles: a LLaMA block's backward keeps only its MLP's gradients beside its
+                       # activations (half of the MLP's bytes, one tile's with model.mlp_tiles: ``mlp``); other
+                       # blocks' is as above (not measured with tiled norms)
+                       "norm_tiled_backward": {
+                           "mlp": max((0.5 * b["mlp_" + regime] for b in per_block if "backward_half" in b),
+                                      default=0.0),
+                           "other": max((b.get("backward", 0.0) * b[regime] for b in per_block
+                                         if "backward_half" not in b), default=0.0)},
                        # what the blocks do not save when their base is frozen (``peft``; the adapters' own
                        # activations are ``adapters.activation_bytes_per_token``)
                        "frozen_blocks": sum(b["frozen_" + regime] for b in per_block),
@@ -207,6 +222,9 @@ def _llama_bytes(h: int, i: int, hkv: int, heads: int) -> dict:
     # deepseek7b (FSDP2, bf16, full checkpointing, 131,072 tokens per rank): 30.29 GiB where the block alone is 22.77,
     # at sp 4 and sp 8 alike; with model.mlp_tiles=8, 22.33 beside 13.36 + 0.33 x 22.77 (-7%). Not measured for fp32
     # or autocast (0: the fit above holds it where the loss, not the block, is the peak).
+    # With model.norm_tiles (RMSNorm's fp32 intermediates one tile at a time) what is left beside them is the MLP's
+    # gradients, about half its bytes (``norm_tiled_backward``; the same dry run: 26.29 GiB untiled, 45.5 + 7 x hidden
+    # per token; with 8 and 32 MLP tiles 13.22 and 13.27, the block's attention part).
     return mlp | {"backward_half": 0.33} | {"frozen_" + k: v for k, v in frozen.items()} | {
             "fp32": 32 * h + 16 * i + 8 * hkv + 4 * heads + 8,
             "autocast": 30 * h + 8 * i + 4 * hkv + 4 * heads,  # + the bf16 weight copies (``autocast_copies``)

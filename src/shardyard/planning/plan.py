@@ -183,7 +183,8 @@ def _one_rank(cfg: DictConfig, batch: Plan, hw: Hardware, states: Any, accum: in
     per_rank = mbs * batch.tokens_per_sample / (dims.sp * dims.cp)
     kept, transient, loss, copies = _activation_parts(shape, states.regime, per_rank, mode, fraction,
                                                       int(cfg.model.get("loss_chunk", 0)),
-                                                      int(cfg.model.get("mlp_tiles", 0)))
+                                                      int(cfg.model.get("mlp_tiles", 0)),
+                                                      int(cfg.model.get("norm_tiles", 0)))
     # model.activation_offload: what full checkpointing keeps of every block (its input) is in host RAM, not on
     # the device, from the block's forward to its backward (the recomputed block brings its own back: ``transient``)
     offloaded = offloaded_bytes(cfg, shape, states.regime, per_rank)
@@ -357,7 +358,7 @@ def _activations(shape: dict, regime: str, tokens: int, mode: str = "none", frac
 
 
 def _activation_parts(shape: dict, regime: str, tokens: int, mode: str = "none", fraction: float = 0.0,
-                      loss_chunk: int = 0, mlp_tiles: int = 0) -> tuple[float, float, float, float]:
+                      loss_chunk: int = 0, mlp_tiles: int = 0, norm_tiles: int = 0) -> tuple[float, float, float, float]:
     """``_activations`` as its parts: what the blocks keep until backward, the one block recomputed at a time,
     the loss (logits), autocast's weight copies."""
     a = shape["activation_bytes_per_token"][regime]
@@ -379,7 +380,11 @@ def _activation_parts(shape: dict, regime: str, tokens: int, mode: str = "none",
         transient = a["max_block"] - (0.0 if mode == "full" else a["max_selective_block"])
         if tiled:  # full only (validation refuses tiles beside selective)
             transient = max(b - m * (1 - 1 / mlp_tiles) for b, m in zip(a["block_list"], a["mlp_list"]))
-    transient += a.get("max_block_backward", 0.0)  # the backward of the largest block, beside its activations
+    if norm_tiles > 1 and "norm_tiled_backward" in a:  # the norms' fp32 intermediates one tile at a time
+        nb = a["norm_tiled_backward"]
+        transient += max(nb["other"], nb["mlp"] / (mlp_tiles if tiled else 1))
+    else:
+        transient += a.get("max_block_backward", 0.0)  # the backward of the largest block, beside its activations
     if loss_chunk and regime == "half" and tokens > loss_chunk:
         # The chunked loss under half parameters, beside the head's input and one chunk's logits (measured by the dry
         # run of deepseek7b, FSDP2 bf16, 16,384 tokens per rank, chunks of 4,096: 1.16 GiB more than the terms above):

@@ -494,6 +494,16 @@ def validate_speed_options(cfg: DictConfig) -> None:
             if on:
                 raise UserError("model.mlp_tiles", m.mlp_tiles, f"Tiled MLPs are not taken with {clash}: {why}.",
                                 f"Use model.mlp_tiles=0, or leave {clash.split('=')[0]} at its default.")
+    at_least("model.norm_tiles", m.get("norm_tiles", 0), 0)
+    if int(m.get("norm_tiles", 0)) > 1:
+        for clash, on, why in (
+                ("model.activation_checkpointing=selective", checkpointing_mode(m) == "selective",
+                 "selective checkpointing's policy would save the tiles' outputs it is meant to recompute"),
+                ("model.compile=true", bool(m.get("compile")),
+                 "the compiled blocks would trace the tiles' checkpoints (not tried on torch 2.13)")):
+            if on:
+                raise UserError("model.norm_tiles", m.norm_tiles, f"Tiled norms are not taken with {clash}: {why}.",
+                                f"Use model.norm_tiles=0, or leave {clash.split('=')[0]} at its default.")
     if m.get("activation_offload"):
         for clash, on, why in (
                 (f"model.activation_checkpointing={checkpointing_mode(m)}", checkpointing_mode(m) != "full",
