@@ -275,9 +275,10 @@ def validate_sp(cfg: DictConfig, dims: ParallelDims) -> None:
                         "Use backend.cp=1 with backend.sp (heads that divide by it), or backend.sp=1 with backend.cp.")
     key, n, what = ("backend.sp", sp, "sequence") if sp > 1 else ("backend.cp", cp, "context")
     if key.split(".")[1] not in getattr(engine(b), "degree_keys", {}):
-        raise UserError(key, n, f"backend={b.name} does not split sequences.",
-                        f"Use backend=ddp, fsdp, fsdp_offload, zero1, zero2 or zero3 for {what} parallelism, or "
-                        f"{key}=1.")
+        engines = "ddp, fsdp, fsdp_offload, pipeline, zero1, zero2 or zero3" if cp > 1 else \
+            "ddp, fsdp, fsdp_offload, zero1, zero2 or zero3"
+        raise UserError(key, n, f"backend={b.name} does not split sequences{' with ' + key if cp > 1 else ''}.",
+                        f"Use backend={engines} for {what} parallelism, or {key}=1.")
     ok = [d for d in range(2, dims.world_size + 1) if dims.world_size % d == 0]
     heads = m.get("num_heads")
     if sp > 1 and heads and heads % sp:
