@@ -10,7 +10,9 @@ training whole sequences:
   (issue 57) at 2 copies x cp 2 (each copy's pair of context ranks shards it); the pipeline (2 stages, 1F1B) at
   cp 2 (each stage's pair of context ranks: the hidden states a rank sends the next stage are its share's, and its
   positions and the whole sequence's documents reach every stage's attention beside them), and at dp 2 with the
-  documents alone (their positions, and so transformers' packed-documents mask, on every stage);
+  documents alone (their positions, and so transformers' packed-documents mask, on every stage), and with MLA and
+  MoE (the sequence-wise balance loss on, no MTP depth) at ep 2 x cp 2 (the last stage's pair of context ranks
+  its EP group);
 * DeepSeek's MLA and MoE (deepseek_moe_tiny, its router's bias balancing on, its sequence-wise balance loss and
   one MTP depth as below), causal (no documents: context parallelism's lower-right causal chunks, no mask tensor)
   under ZeRO-2 at sp 2 and at cp 2;
@@ -43,6 +45,8 @@ BALANCED = [*MLA[:-1], "model.balance.seq_aux_alpha=1.0", "model.mtp.depth=1"]
 
 PIPELINE = ["backend=pipeline", "backend.stages=2", "backend.microbatches=2"]
 """Two stages of one layer each; each micro batch of 2 sequences in 2 pipeline micro-batches (1F1B)."""
+ROUTED = BALANCED[:-1]
+"""BALANCED without its MTP depth, which the pipeline does not take with context parallelism."""
 
 TILES = "model.mlp_tiles=3"
 """Tiled MLPs (point 5) on the rank's own positions, in two of the runs above (fsdp sp 2, ddp cp 4): the reference
@@ -78,8 +82,10 @@ def runs(tmp_path_factory):
 def pipeline_runs(tmp_path_factory):
     """The pipeline's runs, with a reference of their own: runnable without the other engines' (``runs``)."""
     d = tmp_path_factory.mktemp("pp")
-    jobs = {"pp2 cp2": [*DENSE, *PIPELINE, "backend.cp=2"], "pp2 dp2": [*DENSE, *PIPELINE]}
-    out = {"dense": run_many(1, [([*DENSE, "backend=single"], str(d / "dense"))])[0]}
+    jobs = {"pp2 cp2": [*DENSE, *PIPELINE, "backend.cp=2"], "pp2 dp2": [*DENSE, *PIPELINE],
+            "pp2 ep2 cp2": [*ROUTED, *PIPELINE, "backend.cp=2", "backend.ep=2"]}
+    refs = {"dense": [*DENSE, "backend=single"], "routed": [*ROUTED, "backend=single"]}
+    out = dict(zip(refs, run_many(1, [(refs[n], str(d / n)) for n in refs])))
     names = list(jobs)
     return {**out, **dict(zip(names, run_many(4, [(jobs[n], str(d / n.replace(" ", "-"))) for n in names])))}
 
@@ -97,15 +103,17 @@ def test_sequence_parallel_equals_one_process(runs, run, ref):
     assert_equal_to_one_process(runs, run, ref)
 
 
-@pytest.mark.parametrize("run", ["pp2 cp2", "pp2 dp2"])
-def test_the_pipeline_with_context_parallelism_equals_one_process(pipeline_runs, run):
+@pytest.mark.parametrize("run,ref", [("pp2 cp2", "dense"), ("pp2 dp2", "dense"), ("pp2 ep2 cp2", "routed")])
+def test_the_pipeline_with_context_parallelism_equals_one_process(pipeline_runs, run, ref):
     """As the other engines; at cp 2 the held-out loss too (the pipeline's evaluation runs its stages outside the
     schedule, each with the positions and documents of its share: ``PipelineBackend._run_chunks``; at dp 2 the ranks
     evaluate other rows as well, train.eval_batches being each data-parallel rank's). Measured: the losses within
-    1.2e-7 at cp 2, the grad norms 1.4e-5, the evaluations' 1.2e-7."""
-    assert_equal_to_one_process(pipeline_runs, run, "dense")
-    want = [v for _, v in pipeline_runs["dense"][0]["summary"]["eval_losses"]]
-    for r in pipeline_runs[run] if run == "pp2 cp2" else []:
+    1.2e-7 (0 with MoE), the grad norms 1.4e-5 (2.2e-5 with MoE), the evaluations' 1.2e-7. Broken by hand, the dense
+    cp 2 run fails: without the documents' mask on the stages (losses 1.9e-4 off), without the group (each share
+    attending within itself: 9.9e-4), without the share's position ids (the norms 2.3e-4)."""
+    assert_equal_to_one_process(pipeline_runs, run, ref)
+    want = [v for _, v in pipeline_runs[ref][0]["summary"]["eval_losses"]]
+    for r in pipeline_runs[run] if "cp2" in run else []:
         got = [v for _, v in r["summary"]["eval_losses"]]
         assert len(got) == len(want) == 2 and max(abs(a - b) / b for a, b in zip(got, want)) <= 1e-5, (got, want)
 
@@ -146,6 +154,14 @@ def test_the_mtp_depth_across_the_shares_edges_equals_one_process(runs, run):
 
     # (rolled per share, measured 1.0e-5 and 2.9e-5 off: tighter than the main loss's 1e-5)
     assert_close(mtp_losses(run), mtp_losses("balanced"), f"{run} MTP loss", rel=3e-6)
+
+
+def test_the_pipelines_expert_parallel_stage_dispatched_tokens_to_its_peer(pipeline_runs):
+    """pp 2 x ep 2 x cp 2: the last stage's ranks (2 and 3, the MoE layer's) form one EP group, its pair of context
+    ranks, and each sent token rows to the other; the first stage holds no MoE layer."""
+    for rank, r in enumerate(pipeline_runs["pp2 ep2 cp2"]):
+        rows = r["ep_rows_sent"].get("model.layers.1.mlp.experts")
+        assert (rows is None) if rank < 2 else (len(rows) == 2 and rows[1 - rank % 2] > 0), (rank, rows)
 
 
 def test_expert_parallel_runs_dispatched_tokens_to_their_peer(runs):
