@@ -422,9 +422,10 @@ class PipelineBackend:
         4. For the step-time model (``collectives``, ``bubble``): the stage's parameters gathered once per
            micro batch (they stay unsharded through the schedule), its gradients reduce-scattered after the
            schedule's last backward (on the critical path); each pipeline micro-batch's activations sent to the
-           next stage and their gradients back at every chunk's edge (c x tokens x hidden each way, on the
-           critical path); the bubble, (stages - 1) / (micro-batches x chunks per rank) of the compute (GPipe and
-           1F1B alike; interleaved divides it by its chunks, Megatron-LM's (p - 1) / (v m)).
+           next stage and their gradients back at every chunk's edge (c x tokens x hidden each way, a
+           context-parallel rank's share of the tokens, on the critical path); the bubble, (stages - 1) /
+           (micro-batches x chunks per rank) of the compute (GPipe and 1F1B alike; interleaved divides it by its
+           chunks, Megatron-LM's (p - 1) / (v m)).
         """
         b = cfg.backend
         pp, m = int(b.stages), int(b.microbatches)
@@ -477,7 +478,8 @@ class PipelineBackend:
                                       f"{len(mine)} layers, {in_flight} micro-batches in flight, FSDP over {dp} "
                                       "data-parallel ranks"]))
         v = int(b.virtual_stages) if b.schedule == "interleaved" else 1  # 4
-        tokens = float(cfg.train.micro_batch_size) * float(cfg.data.seq_len)
+        # a rank's share of the micro batch's positions (backend.cp: the hidden states it sends are its share's)
+        tokens = float(cfg.train.micro_batch_size) * float(cfg.data.seq_len) / int(b.get("cp", 1))
 
         def timed(k: ModelStates) -> ModelStates:
             gathered = [dataclasses.replace(x, bytes=x.bytes / 2, calls=max(x.calls // 2, 1)) if x.op == "all-gather"

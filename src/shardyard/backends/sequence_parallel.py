@@ -80,8 +80,8 @@ def groups(world: int, dims: Any, rank: int, simulated: bool = False) -> Shards 
     ranks each, on one node when the degree divides it (their exchanges are the chatty collectives); None when
     neither is above 1 (validation refuses both at once). On the pipeline a group is ranks of one stage: its mesh
     is (pp, dp) with a stage's world / pp data-parallel ranks consecutive, a multiple of the degree
-    (``ParallelDims.cp`` is a factor of it), so each group's ranks hold the same layers. ``simulated``: the dry run's rank ``rank`` of a group
-    without a process group (its exchanges allocate and send nothing)."""
+    (``ParallelDims.cp`` is a factor of it), so each group's ranks hold the same layers. ``simulated``: the dry
+    run's rank ``rank`` of a group without a process group (its exchanges allocate and send nothing)."""
     size, style = (dims.sp, ULYSSES) if dims.sp > 1 else (dims.cp, ALL_GATHER)
     if size <= 1:
         return None
