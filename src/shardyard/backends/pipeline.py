@@ -321,7 +321,7 @@ class PipelineBackend:
     @staticmethod
     def for_smoke(cfg: DictConfig, world: int) -> None:
         """``+scale=smoke``: as many stages as the smoke world fits, a layer per chunk, and the micro batch split
-        as often as there are stages."""
+        as often as there are stages; expert and context parallelism over what a stage's ranks leave."""
         b = cfg.backend
         b.stages = smoke_degree(b.stages, world)
         chunks = b.stages * (b.virtual_stages if b.schedule == "interleaved" else 1)
@@ -330,6 +330,8 @@ class PipelineBackend:
         b.microbatches = b.stages
         cfg.train.micro_batch_size = max(cfg.train.micro_batch_size, b.stages)
         b.ep = smoke_degree(b.ep, world // b.stages)  # over a stage's data-parallel ranks
+        if int(b.get("cp", 1)) > 1:  # and so is a stage's context-parallel group
+            b.cp = smoke_degree(b.cp, world // b.stages)
 
     def __init__(self, cfg: DictConfig, plan: Plan):
         self.cfg, self.plan, self.bcfg = cfg, plan, cfg.backend
