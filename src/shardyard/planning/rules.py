@@ -275,7 +275,7 @@ def validate_sp(cfg: DictConfig, dims: ParallelDims) -> None:
                         "Use backend.cp=1 with backend.sp (heads that divide by it), or backend.sp=1 with backend.cp.")
     key, n, what = ("backend.sp", sp, "sequence") if sp > 1 else ("backend.cp", cp, "context")
     if key.split(".")[1] not in getattr(engine(b), "degree_keys", {}):
-        engines = "ddp, fsdp, fsdp_offload, pipeline, zero1, zero2 or zero3" if cp > 1 else \
+        engines = "ddp, fsdp, fsdp_offload, fsdp_tp, pipeline, zero1, zero2 or zero3" if cp > 1 else \
             "ddp, fsdp, fsdp_offload, zero1, zero2 or zero3"
         raise UserError(key, n, f"backend={b.name} does not split sequences{' with ' + key if cp > 1 else ''}.",
                         f"Use backend={engines} for {what} parallelism, or {key}=1.")
