@@ -112,9 +112,10 @@ def test_context_parallelism_beside_stages_and_tp_equals_one_process(mesh_runs, 
     """As the other engines; at cp 2 the held-out loss too (the pipeline's evaluation runs its stages outside the
     schedule, each with the positions and documents of its share: ``PipelineBackend._run_chunks``; at dp 2 the ranks
     evaluate other rows as well, train.eval_batches being each data-parallel rank's). Measured: the losses within
-    1.2e-7 (0 with MoE), the grad norms 1.4e-5 (2.2e-5 with MoE), the evaluations' 1.2e-7. Broken by hand, the dense
-    cp 2 run fails: without the documents' mask on the stages (losses 1.9e-4 off), without the group (each share
-    attending within itself: 9.9e-4), without the share's position ids (the norms 2.3e-4)."""
+    1.2e-7 (0 with MoE), the grad norms 1.4e-5 (2.2e-5 with MoE, 2.1e-5 beside tp), the evaluations' 1.2e-7. Broken
+    by hand, the pipeline's dense cp 2 run fails: without the documents' mask on the stages (losses 1.9e-4 off),
+    without the group (each share attending within itself: 9.9e-4), without the share's position ids (the norms
+    2.3e-4); and tp 2 x cp 2 with consecutive ranks as its groups (a sequence's tp ranks on other positions): 8.7e-3."""
     assert_equal_to_one_process(mesh_runs, run, ref)
     want = [v for _, v in mesh_runs[ref][0]["summary"]["eval_losses"]]
     for r in mesh_runs[run] if "cp2" in run else []:
