@@ -7,7 +7,13 @@ training whole sequences:
   documents (``data.document_mask``: positions restart inside the window, so each share's attention must see the
   whole sequence's block-diagonal mask): DDP at sp 2 and sp 4 (key/value heads repeated: 2 do not divide by 4),
   FSDP2 at dp_shard 2 x sp 2; DDP at cp 2 and cp 4 (each rank two chunks of 2 cp, head and tail), FSDP2 as HSDP
-  (issue 57) at 2 copies x cp 2 (each copy's pair of context ranks shards it);
+  (issue 57) at 2 copies x cp 2 (each copy's pair of context ranks shards it); the pipeline (2 stages, 1F1B) at
+  cp 2 (each stage's pair of context ranks: the hidden states a rank sends the next stage are its share's, and its
+  positions and the whole sequence's documents reach every stage's attention beside them), and at dp 2 with the
+  documents alone (their positions, and so transformers' packed-documents mask, on every stage), and with MLA and
+  MoE (the sequence-wise balance loss on, no MTP depth) at ep 2 x cp 2 (the last stage's pair of context ranks
+  its EP group); fsdp_tp at tp 2 x cp 2 (a sequence group is the ranks of one tp index, so the tp ranks of a
+  sequence hold the same positions, each attending with its heads);
 * DeepSeek's MLA and MoE (deepseek_moe_tiny, its router's bias balancing on, its sequence-wise balance loss and
   one MTP depth as below), causal (no documents: context parallelism's lower-right causal chunks, no mask tensor)
   under ZeRO-2 at sp 2 and at cp 2;
@@ -38,6 +44,11 @@ MLA = [*TINY, *SEQ, "model=deepseek_moe_tiny", "model.hidden_size=64", "model.nu
 # with the sequence-wise balance loss, large enough that one taken over each share instead of the whole sequence
 # fails the losses' 1e-5 (measured: 8.8e-5 at ep 4 x sp 2, 8.0e-5 at ep 2 x cp 2, and the MTP losses 4e-5)
 BALANCED = [*MLA[:-1], "model.balance.seq_aux_alpha=1.0", "model.mtp.depth=1"]
+
+PIPELINE = ["backend=pipeline", "backend.stages=2", "backend.microbatches=2"]
+"""Two stages of one layer each; each micro batch of 2 sequences in 2 pipeline micro-batches (1F1B)."""
+ROUTED = BALANCED[:-1]
+"""BALANCED without its MTP depth, which the pipeline does not take with context parallelism."""
 
 TILES = "model.mlp_tiles=3"
 """Tiled MLPs (point 5) on the rank's own positions, in two of the runs above (fsdp sp 2, ddp cp 4): the reference
@@ -75,6 +86,20 @@ def runs(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def mesh_runs(tmp_path_factory):
+    """The runs of the engines whose mesh takes cp beside another dimension (the pipeline's stages, fsdp_tp's tp),
+    with references of their own: runnable without the other engines' (``runs``)."""
+    d = tmp_path_factory.mktemp("mesh")
+    jobs = {"pp2 cp2": [*DENSE, *PIPELINE, "backend.cp=2"], "pp2 dp2": [*DENSE, *PIPELINE],
+            "pp2 ep2 cp2": [*ROUTED, *PIPELINE, "backend.cp=2", "backend.ep=2"],
+            "tp2 cp2": [*DENSE, "backend=fsdp_tp", "backend.tp=2", "backend.cp=2"]}
+    refs = {"dense": [*DENSE, "backend=single"], "routed": [*ROUTED, "backend=single"]}
+    out = dict(zip(refs, run_many(1, [(refs[n], str(d / n)) for n in refs])))
+    names = list(jobs)
+    return {**out, **dict(zip(names, run_many(4, [(jobs[n], str(d / n.replace(" ", "-"))) for n in names])))}
+
+
 def assert_close(got, ref, what, rel=1e-5):
     worst = max(abs(a - b) / abs(b) for a, b in zip(got, ref))
     assert len(got) == len(ref) == 3 and worst <= rel, f"{what}: {worst:.2e}\n got {got}\n ref {ref}"
@@ -85,6 +110,27 @@ def assert_close(got, ref, what, rel=1e-5):
                                      ("hsdp cp2", "dense"), ("zero2 cp2", "balanced"), ("ep4 sp2", "balanced"),
                                      ("ep2 cp2", "balanced")])
 def test_sequence_parallel_equals_one_process(runs, run, ref):
+    assert_equal_to_one_process(runs, run, ref)
+
+
+@pytest.mark.parametrize("run,ref", [("pp2 cp2", "dense"), ("pp2 dp2", "dense"), ("pp2 ep2 cp2", "routed"),
+                                     ("tp2 cp2", "dense")])
+def test_context_parallelism_beside_stages_and_tp_equals_one_process(mesh_runs, run, ref):
+    """As the other engines; at cp 2 the held-out loss too (the pipeline's evaluation runs its stages outside the
+    schedule, each with the positions and documents of its share: ``PipelineBackend._run_chunks``; at dp 2 the ranks
+    evaluate other rows as well, train.eval_batches being each data-parallel rank's). Measured: the losses within
+    1.2e-7 (0 with MoE), the grad norms 1.4e-5 (2.2e-5 with MoE, 2.1e-5 beside tp), the evaluations' 1.2e-7. Broken
+    by hand, the pipeline's dense cp 2 run fails: without the documents' mask on the stages (losses 1.9e-4 off),
+    without the group (each share attending within itself: 9.9e-4), without the share's position ids (the norms
+    2.3e-4); and tp 2 x cp 2 with consecutive ranks as its groups (a sequence's tp ranks on other positions): 8.7e-3."""
+    assert_equal_to_one_process(mesh_runs, run, ref)
+    want = [v for _, v in mesh_runs[ref][0]["summary"]["eval_losses"]]
+    for r in mesh_runs[run] if "cp2" in run else []:
+        got = [v for _, v in r["summary"]["eval_losses"]]
+        assert len(got) == len(want) == 2 and max(abs(a - b) / b for a, b in zip(got, want)) <= 1e-5, (got, want)
+
+
+def assert_equal_to_one_process(runs, run, ref):
     want = runs[ref][0]
     for r in runs[run]:  # every rank: the same reduced numbers
         assert_close(curve(r, "train_losses"), curve(want, "train_losses"), f"{run} loss")
@@ -120,6 +166,24 @@ def test_the_mtp_depth_across_the_shares_edges_equals_one_process(runs, run):
 
     # (rolled per share, measured 1.0e-5 and 2.9e-5 off: tighter than the main loss's 1e-5)
     assert_close(mtp_losses(run), mtp_losses("balanced"), f"{run} MTP loss", rel=3e-6)
+
+
+def test_tensor_parallel_beside_context_parallelism_shards_over_both(mesh_runs):
+    """tp 2 x cp 2: a block's projections are split over tp and FSDP-sharded over the cp pair (each rank a quarter),
+    and the tp ranks of one sequence (ranks 0 and 1, 2 and 3: one tp index each in a cp group) held the same
+    positions, or the losses above could not be equal."""
+    ranks = mesh_runs["tp2 cp2"]
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight"):
+        full = ranks[0]["full"][name]
+        assert all(r["local"][name].numel() * 4 == full.numel() for r in ranks), name
+
+
+def test_the_pipelines_expert_parallel_stage_dispatched_tokens_to_its_peer(mesh_runs):
+    """pp 2 x ep 2 x cp 2: the last stage's ranks (2 and 3, the MoE layer's) form one EP group, its pair of context
+    ranks, and each sent token rows to the other; the first stage holds no MoE layer."""
+    for rank, r in enumerate(mesh_runs["pp2 ep2 cp2"]):
+        rows = r["ep_rows_sent"].get("model.layers.1.mlp.experts")
+        assert (rows is None) if rank < 2 else (len(rows) == 2 and rows[1 - rank % 2] > 0), (rank, rows)
 
 
 def test_expert_parallel_runs_dispatched_tokens_to_their_peer(runs):

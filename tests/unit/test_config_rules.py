@@ -188,7 +188,7 @@ def test_keys_no_schema_or_plugin_reads_are_refused(overrides, key):
      "backend.ep"),
     # Ulysses sequence parallelism (issue 56): an engine that does not split sequences, heads or a sequence length
     # it does not divide, a world it does not divide, and what it does not combine with yet
-    (["backend=pipeline", "launch.nproc_per_node=2", "backend.sp=2"], "backend.sp"),
+    (["backend=pipeline", "launch.nproc_per_node=2", "backend.sp=2"], "backend.sp"),  # cp only on the pipeline
     (["backend=ddp", "launch.nproc_per_node=3", "backend.sp=3", "data.seq_len=63"], "backend.sp"),  # 4 heads
     (["backend=ddp", "launch.nproc_per_node=2", "backend.sp=2", "data.seq_len=63"], "backend.sp"),
     (["backend=ddp", "launch.nproc_per_node=3", "backend.sp=2"], "backend.sp"),
@@ -196,14 +196,32 @@ def test_keys_no_schema_or_plugin_reads_are_refused(overrides, key):
     (["backend=ddp", "launch.nproc_per_node=2", "backend.sp=2", "objective=dpo", "data=preference"], "backend.sp"),
     # ... and all-gather context parallelism: both at once, an engine without it, 2 x cp not dividing the sequence
     (["backend=ddp", "launch.nproc_per_node=4", "backend.sp=2", "backend.cp=2"], "backend.cp"),
-    (["backend=fsdp_tp", "launch.nproc_per_node=2", "backend.cp=2"], "backend.cp"),
+    (["backend=fsdp_tp", "launch.nproc_per_node=4", "backend.sp=2"], "backend.sp"),  # cp only beside tp
+    (["backend=fsdp_tp", "launch.nproc_per_node=4", "backend.cp=2", "data.seq_len=66"], "backend.cp"),
     (["backend=ddp", "launch.nproc_per_node=2", "backend.cp=2", "data.seq_len=66"], "backend.cp"),
+    # the pipeline's context parallelism and documents: not with MTP depths, whose targets its last stage rolls
+    (["backend=pipeline", "launch.nproc_per_node=4", "backend.cp=2", "model=deepseek_moe_tiny", "model.mtp.depth=1"],
+     "backend.cp"),
+    (["backend=pipeline", "launch.nproc_per_node=2", "data.document_mask=true", "model=deepseek_moe_tiny",
+      "model.mtp.depth=1"], "data.document_mask"),
+    (["backend=pipeline", "launch.nproc_per_node=4", "backend.cp=2", "data.seq_len=66"], "backend.cp"),
 ])
 def test_bad_values_name_the_key(overrides, key):
     cfg = compose(overrides)
     with pytest.raises(UserError) as e:
         validate(cfg, None)
     assert e.value.key == key, e.value.paragraph()
+
+
+def test_the_pipeline_and_tensor_parallel_take_context_parallelism():
+    """``backend.cp`` is a mesh dimension of the pipeline (each stage's cp ranks among its data-parallel ones), whose
+    packed documents reach every stage, and of fsdp_tp (beside tp); tests/dist/test_sequence_parallel.py trains
+    them."""
+    for overrides in (["backend.cp=2"], ["backend.cp=2", "data.document_mask=true"], ["data.document_mask=true"]):
+        plan = validate(compose(["backend=pipeline", "launch.nproc_per_node=4", *overrides]), None)
+        assert plan.dims.pp == 2 and plan.dims.cp * plan.dims.dp == 2, (overrides, plan.dims)
+    plan = validate(compose(["backend=fsdp_tp", "backend.tp=2", "launch.nproc_per_node=4", "backend.cp=2"]), None)
+    assert plan.dims.describe() == "world 4 = cp 2 x tp 2", plan.dims.describe()  # and so is tensor parallel's
 
 
 def test_a_new_optimizer_is_one_yaml_file():

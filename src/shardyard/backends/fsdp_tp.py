@@ -131,12 +131,15 @@ class FSDPTPBackend:
     def read_model_state(path: str, model: torch.nn.Module, meta: dict) -> dict[str, torch.Tensor]:
         return read_dcp_model_state(path, model, meta)
 
-    degree_keys: ClassVar[dict[str, str]] = {"tp": "backend.tp", "dp_replicate": "backend.replicate"}
+    degree_keys: ClassVar[dict[str, str]] = {"tp": "backend.tp", "dp_replicate": "backend.replicate",
+                                             "cp": "backend.cp"}
 
     @staticmethod
     def degrees(b: DictConfig) -> dict[str, int | None]:
-        # FSDP over the world / tp replicas (HSDP: backend.replicate copies of world / (tp x replicate) shards each)
-        return {"tp": int(b.tp), "dp_replicate": int(b.get("replicate", 1)), "dp_shard": None}
+        # FSDP over the world / tp replicas (HSDP: backend.replicate copies of world / (tp x replicate) shards each);
+        # a sequence's context-parallel ranks (backend.cp) shard the parameters with the others
+        return {"tp": int(b.tp), "dp_replicate": int(b.get("replicate", 1)), "cp": int(b.get("cp", 1)),
+                "dp_shard": None}
 
     @staticmethod
     def dry_run_roles(cfg: DictConfig, dims) -> list[tuple[int, str, int]]:
@@ -154,7 +157,9 @@ class FSDPTPBackend:
         self.tp = plan.dims.tp
         # The mesh is (dp, tp), tp innermost: the tp ranks of a replica are consecutive, i.e. on one node,
         # where their per-block all-reduces use NVLink; only FSDP's traffic crosses nodes. HSDP: (replicate, dp, tp).
-        self.dp_rank, self.dp_size = self.rank // self.tp, plan.dims.dp
+        # Context parallelism (backend.cp): dp is the shards x cp, a sequence's cp ranks the same tp index in
+        # cp x tp consecutive ranks (``sequence_parallel.groups``): data-parallel ranks holding other positions.
+        self.dp_rank, self.dp_size = self.rank // self.tp, self.world_size // self.tp
 
     @staticmethod
     def validate(cfg: DictConfig, plan) -> None:
@@ -200,7 +205,8 @@ class FSDPTPBackend:
         # o_proj and down_proj) and 2 in backward (before q/k/v and gate/up), 2 more with full recompute, each of
         # the micro batch's tokens x hidden in the compute dtype, on the critical path.
         c = 4 if cfg.precision.name == "fp32" else 2
-        tokens = float(cfg.train.micro_batch_size) * float(cfg.data.seq_len)
+        # (a context-parallel rank's share of the tokens)
+        tokens = float(cfg.train.micro_batch_size) * float(cfg.data.seq_len) / int(cfg.backend.get("cp", 1))
         per_block = 6 if checkpointing_mode(cfg.model) == "full" else 4
         blocks = max(int(shape["blocks"]), 1)
         tp_reduce = Collective("all-reduce", per_block * blocks * tokens * shape["hidden"] * c, "tp", "micro",
@@ -218,7 +224,7 @@ class FSDPTPBackend:
         self.device = pick_device(self.plan, int(os.environ.get("LOCAL_RANK", 0)))
         init_process_group(self.cfg, self.device)
         dims = self.plan.dims
-        self.mesh = fsdp_mesh(self.device.type, {}, dims.dp_replicate, {"dp": dims.dp_shard}, {"tp": self.tp})
+        self.mesh = fsdp_mesh(self.device.type, {}, dims.dp_replicate, {"dp": dims.dp_shard * dims.cp}, {"tp": self.tp})
 
     def prepare(self, build, total_steps: int) -> None:
         self.model = parallelize_fsdp_tp(build(allow_meta=True), self.cfg, self.mesh, self.device)

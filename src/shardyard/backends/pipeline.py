@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -24,9 +24,11 @@ from shardyard.models.moe import expert_modules
 from shardyard.backends.forward import forward_to
 from shardyard.backends.fsdp import FSDPBackend, fsdp_mesh, with_copies
 from shardyard.backends.process_group import init_process_group, teardown
+from shardyard.backends.sequence_parallel import Batch, Shards
 from shardyard.backends.torch_step import COMPUTE_DTYPES, TorchStepper, pick_device, read_dcp_model_state
 from shardyard.core.errors import UserError
 from shardyard.models.build import materialize
+from shardyard.models.loss import SEQUENCE_SHARDS
 from shardyard.models.prepare import apply_activation_checkpointing, apply_compile
 from shardyard.models.shape import signature
 
@@ -90,7 +92,18 @@ class Stage(torch.nn.Module):
         meta = getattr(self.pipe, "_stage_meta", None) if self.pipe is not None else None
         return meta is not None and getattr(meta, "outputs", True) is None
 
-    def forward(self, x: torch.Tensor, emb: torch.Tensor | None = None) -> Any:
+    def forward(self, x: torch.Tensor, emb: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                segments: torch.Tensor | None = None, shards: Shards | None = None) -> Any:
+        """``x``: the token ids (first stage) or the hidden states received. The keyword arguments reach every
+        stage from the engine's own ``schedule.step`` call (``stage_inputs``: torch's schedules split their tensors
+        into the pipeline micro-batches along the rows and hand them to every stage, as they do not the hidden
+        states):
+
+        1. ``position_ids``: the positions of ``x``'s columns (packed documents restart them; a context-parallel
+           rank's are its two chunks'), for RoPE and transformers' packed-documents mask; None: 0..T-1.
+        2. ``shards`` (and ``segments``, the whole sequence's documents, ``sequence_parallel.Batch``): this rank's
+           context-parallel group; every attention of the stage then gathers the group's keys and values
+           (``sequence_parallel.attention``), and the mask transformers would build for the share is not built."""
         from transformers.masking_utils import create_causal_mask
 
         inner: Any = self._hf.model  # type: ignore[union-attr]  # set with object.__setattr__, not a submodule
@@ -98,13 +111,14 @@ class Stage(torch.nn.Module):
         carry = self.with_mtp
         if carry and self.first:
             emb = h
-        pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-        mask = create_causal_mask(config=inner.config, inputs_embeds=h, attention_mask=None, past_key_values=None,
-                                  position_ids=pos)
+        pos = position_ids if position_ids is not None else torch.arange(h.shape[1], device=h.device).unsqueeze(0)  # 1
+        split = {SEQUENCE_SHARDS: Batch(shards, segments)} if shards is not None else {}  # 2
+        mask = None if split else create_causal_mask(config=inner.config, inputs_embeds=h, attention_mask=None,
+                                                     past_key_values=None, position_ids=pos)
         rope = inner.rotary_emb(h, position_ids=pos)
         with moe.paused(self._hf) if self._infers_shapes() else contextlib.nullcontext():
             for layer in self.layers.values():
-                h = layer(h, attention_mask=mask, position_embeddings=rope, position_ids=pos)
+                h = layer(h, attention_mask=mask, position_embeddings=rope, position_ids=pos, **split)
             if self.last:
                 h = self.norm(h)
                 heads = [self.head(h)]
@@ -132,6 +146,29 @@ def _without_mtp(stages: list[Stage]):
     finally:
         for s, w in zip(stages, was):
             s.with_mtp = w
+
+
+def stage_inputs(inputs: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+    """A micro-batch as the loop hands it (token ids; or ``input_ids`` and ``position_ids`` of packed documents, and
+    with context parallelism this rank's share of them and its ``sequence_parallel.Batch``) as the first stage's
+    token ids and the keyword arguments of every stage (``Stage.forward``): the position ids, and the context-parallel
+    group with the whole sequence's documents. Tensors only, and the group, because torch's schedules split the
+    keyword arguments' tensors into the pipeline micro-batches by rows and hand anything else to each as it is: the
+    ``Batch`` (whose documents are the micro batch's rows) is made again per pipeline micro-batch by each stage."""
+    if not isinstance(inputs, dict):
+        return inputs, {}
+    batch = inputs.get(SEQUENCE_SHARDS)
+    kwargs: dict[str, Any] = {"position_ids": inputs["position_ids"]}
+    if batch is not None:
+        kwargs["shards"] = batch.shards
+        if batch.segments is not None:
+            kwargs["segments"] = batch.segments
+    return inputs["input_ids"], kwargs
+
+
+def _rows(kwargs: dict[str, Any], m: int) -> list[dict[str, Any]]:
+    """``stage_inputs``' keyword arguments of ``m`` pipeline micro-batches, split by rows as torch's schedules do."""
+    return [{k: v.chunk(m)[j] if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()} for j in range(m)]
 
 
 def layer_split(layers: int, chunks: int) -> list[tuple[int, int]]:
@@ -233,16 +270,18 @@ class PipelineBackend:
         return read_dcp_model_state(path, model, meta)
 
     degree_keys: ClassVar[dict[str, str]] = {"pp": "backend.stages", "ep": "backend.ep",
-                                             "dp_replicate": "backend.replicate"}
+                                             "dp_replicate": "backend.replicate", "cp": "backend.cp"}
     post_training: ClassVar[bool] = False
     """The post-training objectives (DPO, GRPO) need each sequence's log-probabilities from one forward of the
     whole model, and GRPO samples with it: a stage holds only its layers (``planning.rules.validate_objective``)."""
 
     @staticmethod
     def degrees(b: DictConfig) -> dict[str, int | None]:
-        # each stage FSDP over the world / stages replicas (HSDP: backend.replicate copies of their shards);
-        # expert parallelism borrows from the shards
-        return {"pp": int(b.stages), "dp_replicate": int(b.get("replicate", 1)), "dp_shard": None, "ep": int(b.ep)}
+        # each stage FSDP over the world / stages replicas (HSDP: backend.replicate copies of their shards); a
+        # stage's context-parallel ranks (backend.cp) shard it with the others, and expert parallelism borrows from
+        # the shards
+        return {"pp": int(b.stages), "dp_replicate": int(b.get("replicate", 1)), "cp": int(b.get("cp", 1)),
+                "dp_shard": None, "ep": int(b.ep)}
 
     @staticmethod
     def dry_run_roles(cfg: DictConfig, dims) -> list[tuple[int, str, int]]:
@@ -276,13 +315,13 @@ class PipelineBackend:
                 seen.add(kind)
                 layers, moe = kind[2], kind[3]
                 where = "first stage" if s == 0 else "last stage" if s == int(b.stages) - 1 else f"stage {s}"
-                roles.append((s * dims.dp, f"{where}: {layers} layers, {moe} MoE", s))
+                roles.append((s * (dims.world_size // dims.pp), f"{where}: {layers} layers, {moe} MoE", s))
         return roles
 
     @staticmethod
     def for_smoke(cfg: DictConfig, world: int) -> None:
         """``+scale=smoke``: as many stages as the smoke world fits, a layer per chunk, and the micro batch split
-        as often as there are stages."""
+        as often as there are stages; expert and context parallelism over what a stage's ranks leave."""
         b = cfg.backend
         b.stages = smoke_degree(b.stages, world)
         chunks = b.stages * (b.virtual_stages if b.schedule == "interleaved" else 1)
@@ -291,14 +330,18 @@ class PipelineBackend:
         b.microbatches = b.stages
         cfg.train.micro_batch_size = max(cfg.train.micro_batch_size, b.stages)
         b.ep = smoke_degree(b.ep, world // b.stages)  # over a stage's data-parallel ranks
+        if int(b.get("cp", 1)) > 1:  # and so is a stage's context-parallel group
+            b.cp = smoke_degree(b.cp, world // b.stages)
 
     def __init__(self, cfg: DictConfig, plan: Plan):
         self.cfg, self.plan, self.bcfg = cfg, plan, cfg.backend
         self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         self.pp = plan.dims.pp
         # The mesh is (pp, dp), dp innermost: a stage's FSDP replicas are consecutive ranks (within a node when
-        # they fit in one), and the stages' point-to-point activations cross between those groups.
-        self.dp_size = plan.dims.dp
+        # they fit in one), and the stages' point-to-point activations cross between those groups. A stage's
+        # context-parallel ranks (backend.cp) are among them: consecutive ranks of one stage
+        # (``sequence_parallel.groups``), data-parallel ranks holding different positions to FSDP and the loop.
+        self.dp_size = self.world_size // self.pp
         self.pp_rank, self.dp_rank = divmod(self.rank, self.dp_size)
         self.chunks = self.pp * (cfg.backend.virtual_stages if cfg.backend.schedule == "interleaved" else 1)
 
@@ -337,14 +380,21 @@ class PipelineBackend:
                             f"Use backend.microbatches={b.stages} (or a multiple), or backend.schedule=gpipe.")
         unsupported = [("backend.cpu_offload", True, b.cpu_offload, "CPU offload"),
                        ("peft", str(cfg.peft.name), cfg.peft.name != "none", "Adapters (peft)"),
-                       ("data", "sft", cfg.data._target_ == "shardyard.data.sft.SFTData", "Packed SFT rows (positions "
-                        "restarting per conversation travel beside the hidden states)"),
-                       ("data.document_mask", True, cfg.data.document_mask, "Document masking (positions restarting "
-                        "per document travel beside the hidden states)")]
+                       ("data", "sft", cfg.data._target_ == "shardyard.data.sft.SFTData", "Packed SFT rows (their "
+                        "positions reach every stage as data.document_mask's do, but no test trains them here)")]
         for key, value, on, what in unsupported:
             if on:
-                raise UserError(key, value, f"{what} with pipeline stages is not implemented: stages pass one tensor, "
-                                "the hidden states, between them.", "Use backend=fsdp (or fsdp_tp) for this run.")
+                raise UserError(key, value, f"{what} with pipeline stages is not implemented.",
+                                "Use backend=fsdp (or fsdp_tp) for this run.")
+        depth = int(OmegaConf.select(cfg, "model.mtp.depth") or 0)
+        split = [(k, v) for k, v, on in (("backend.cp", b.get("cp", 1), int(b.get("cp", 1)) > 1),
+                                         ("data.document_mask", True, bool(cfg.data.document_mask))) if on]
+        if depth and split:  # the last stage's MTP targets are rolled from its own rows (_scaled_loss)
+            key, value = split[0]
+            raise UserError(key, value, f"Multi-token prediction (model.mtp.depth={depth}) on the pipeline takes each "
+                            "depth's tokens and targets from the last stage's own positions, which with "
+                            f"{key} are not the whole sequence's (context parallelism's shares, or documents' "
+                            "edges).", f"Use model.mtp.depth=0 with {key} on the pipeline, or backend=fsdp.")
         if not b.reduce_every_micro_batch:
             raise UserError("backend.reduce_every_micro_batch", False, "The pipeline schedule decides when FSDP "
                             "reduces (at the last pipeline micro-batch of each micro batch).",
@@ -376,9 +426,10 @@ class PipelineBackend:
         4. For the step-time model (``collectives``, ``bubble``): the stage's parameters gathered once per
            micro batch (they stay unsharded through the schedule), its gradients reduce-scattered after the
            schedule's last backward (on the critical path); each pipeline micro-batch's activations sent to the
-           next stage and their gradients back at every chunk's edge (c x tokens x hidden each way, on the
-           critical path); the bubble, (stages - 1) / (micro-batches x chunks per rank) of the compute (GPipe and
-           1F1B alike; interleaved divides it by its chunks, Megatron-LM's (p - 1) / (v m)).
+           next stage and their gradients back at every chunk's edge (c x tokens x hidden each way, a
+           context-parallel rank's share of the tokens, on the critical path); the bubble, (stages - 1) /
+           (micro-batches x chunks per rank) of the compute (GPipe and 1F1B alike; interleaved divides it by its
+           chunks, Megatron-LM's (p - 1) / (v m)).
         """
         b = cfg.backend
         pp, m = int(b.stages), int(b.microbatches)
@@ -431,7 +482,8 @@ class PipelineBackend:
                                       f"{len(mine)} layers, {in_flight} micro-batches in flight, FSDP over {dp} "
                                       "data-parallel ranks"]))
         v = int(b.virtual_stages) if b.schedule == "interleaved" else 1  # 4
-        tokens = float(cfg.train.micro_batch_size) * float(cfg.data.seq_len)
+        # a rank's share of the micro batch's positions (backend.cp: the hidden states it sends are its share's)
+        tokens = float(cfg.train.micro_batch_size) * float(cfg.data.seq_len) / int(b.get("cp", 1))
 
         def timed(k: ModelStates) -> ModelStates:
             gathered = [dataclasses.replace(x, bytes=x.bytes / 2, calls=max(x.calls // 2, 1)) if x.op == "all-gather"
@@ -447,8 +499,9 @@ class PipelineBackend:
         self.device = pick_device(self.plan, int(os.environ.get("LOCAL_RANK", 0)))
         init_process_group(self.cfg, self.device)
         ep, dims = self.plan.dims.ep, self.plan.dims
+        shard = dims.dp_shard * dims.cp  # a stage's shard group: its context-parallel ranks too
         self.mesh = fsdp_mesh(self.device.type, {"pp": self.pp}, dims.dp_replicate,
-                              {"edp": dims.dp_shard // ep, "ep": ep} if ep > 1 else {"dp": dims.dp_shard}, {})
+                              {"edp": shard // ep, "ep": ep} if ep > 1 else {"dp": shard}, {})
         self.pp_group = self.mesh["pp"].get_group()
 
     def prepare(self, build, total_steps: int) -> None:
@@ -496,8 +549,9 @@ class PipelineBackend:
     def forward_backward(self, inputs, targets, is_last_micro: bool, weight: torch.Tensor) -> torch.Tensor:
         self._weight, self._terms = weight, []  # read and filled by _scaled_loss
         losses: list[torch.Tensor] = []
-        args = (inputs,) if 0 in self.mine else ()
-        self.schedule.step(*args, target=targets, losses=losses)
+        ids, kwargs = stage_inputs(inputs)  # positions and the context-parallel group: to every stage
+        args = (ids,) if 0 in self.mine else ()
+        self.schedule.step(*args, target=targets, losses=losses, **kwargs)
         # Only the last stage computed the loss: it sends the micro batch's summed cross-entropies (one per term) to
         # the others of its pipeline. The schedule's first step also calls the loss function once to infer the
         # backward's shapes, before the micro-batches: their terms are the last ones kept.
@@ -525,6 +579,8 @@ class PipelineBackend:
         in_flight = m if b.schedule == "gpipe" else min(self.pp - self.pp_rank, m)  # 1F1B: stage s, pp - s
         self._weight = weight
         dtype = COMPUTE_DTYPES[self.cfg.precision.name]
+        inputs, kwargs = stage_inputs(inputs)  # with backend.cp: this rank's share, its exchanges simulated
+        per_micro = _rows(kwargs, m)
         rows = inputs.shape[0] // m
         shape = (rows, inputs.shape[1], self.model.config.hidden_size)
 
@@ -542,7 +598,8 @@ class PipelineBackend:
 
             def forward() -> None:
                 j, (ids, tgt) = todo.pop(0)
-                outs.append((j, stage(ids) if inputs_of is None else stage(*inputs_of[j]), tgt))
+                outs.append((j, stage(ids, **per_micro[j]) if inputs_of is None else
+                             stage(*inputs_of[j], **per_micro[j]), tgt))
 
             for _ in range(in_flight):
                 forward()
@@ -587,15 +644,16 @@ class PipelineBackend:
         dist.broadcast(pair, group=self.pp_group, group_src=(self.chunks - 1) % self.pp)
         return pair[0] / pair[1]  # no label: 0 / 0, NaN, as the mean over none
 
-    def _run_chunks(self, ids: torch.Tensor) -> torch.Tensor | None:
-        """The whole model on ``ids`` outside the schedule: chunk by chunk, each computed by its stage's ranks
-        (FSDP over their dp) and its output sent point to point to the next chunk's stage, in the compute dtype
-        (the next stage casts its input to it anyway). The last chunk's output (the logits) on the last stage's
-        ranks; None elsewhere. The main model only: multi-token prediction is a training loss."""
+    def _run_chunks(self, inputs: Any) -> torch.Tensor | None:
+        """The whole model on ``inputs`` (token ids, or a micro-batch as ``stage_inputs`` takes it) outside the
+        schedule: chunk by chunk, each computed by its stage's ranks (FSDP over their dp; with backend.cp the
+        group's shares) and its output sent point to point to the next chunk's stage, in the compute dtype (the
+        next stage casts its input to it anyway). The last chunk's output (the logits) on the last stage's ranks;
+        None elsewhere. The main model only: multi-token prediction is a training loss."""
         with _without_mtp(self.stages):
-            return self._run_plain_chunks(ids)
+            return self._run_plain_chunks(*stage_inputs(inputs))
 
-    def _run_plain_chunks(self, ids: torch.Tensor) -> torch.Tensor | None:
+    def _run_plain_chunks(self, ids: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor | None:
         c = self.model.config
         dtype = COMPUTE_DTYPES[self.cfg.precision.name]
         h: torch.Tensor | None = ids
@@ -607,7 +665,7 @@ class PipelineBackend:
                 h = torch.empty(*ids.shape, c.hidden_size, dtype=dtype, device=self.device)
                 dist.recv(h, group=self.pp_group, group_src=prev)
             assert h is not None
-            h = self.stages[self.mine.index(chunk)](h)
+            h = self.stages[self.mine.index(chunk)](h, **kwargs)
             if chunk < self.chunks - 1 and (chunk + 1) % self.pp != self.pp_rank:
                 dist.send(h.to(dtype).contiguous(), group=self.pp_group, group_dst=(chunk + 1) % self.pp)
         return h if (self.chunks - 1) % self.pp == self.pp_rank else None
@@ -636,8 +694,6 @@ class PipelineBackend:
     def reference_model(self, build) -> torch.nn.Module:
         """Not offered: the objectives that need a reference run the whole model's forward on a rank, and a stage
         holds only its layers (validation refuses the objective on this engine before any rank starts)."""
-        from omegaconf import OmegaConf
-
         objective = OmegaConf.select(self.cfg, "objective.name", default=None) or "an objective with a reference"
         raise UserError("objective", objective, "It compares the policy with a frozen reference model run whole on "
                         "each rank, and backend=pipeline splits the model into stages across ranks.",

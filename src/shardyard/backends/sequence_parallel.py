@@ -76,21 +76,29 @@ class Shards:
 
 
 def groups(world: int, dims: Any, rank: int, simulated: bool = False) -> Shards | None:
-    """Every rank makes every sequence group (``new_group`` is collective): ``dims.sp`` (or ``dims.cp``) consecutive
-    ranks each, on one node when the degree divides it (their exchanges are the chatty collectives); None when
-    neither is above 1 (validation refuses both at once). ``simulated``: the dry run's rank ``rank`` of a group
-    without a process group (its exchanges allocate and send nothing)."""
+    """Every rank makes every sequence group (``new_group`` is collective): ``dims.sp`` (or ``dims.cp``) ranks each,
+    consecutive but for tensor parallel's (``dims.tp``, innermost in ``fsdp_tp``'s mesh): a group is the ranks of
+    one tp index in ``size x tp`` consecutive ranks, so the tp ranks of one sequence hold the same positions, each
+    its heads of them. On one node when ``size x tp`` divides it (their exchanges are the chatty collectives); None
+    when neither degree is above 1 (validation refuses both at once). On the pipeline a group is ranks of one stage:
+    its mesh is (pp, dp) with a stage's world / pp data-parallel ranks consecutive, a multiple of the degree
+    (``ParallelDims.cp`` is a factor of it), so each group's ranks hold the same layers. ``simulated``: the dry
+    run's rank ``rank`` of a group without a process group (its exchanges allocate and send nothing)."""
     size, style = (dims.sp, ULYSSES) if dims.sp > 1 else (dims.cp, ALL_GATHER)
     if size <= 1:
         return None
+    tp = max(int(getattr(dims, "tp", 1)), 1)
+    index = rank // tp % size
     if simulated:
-        return Shards(size, rank % size, None, style)
+        return Shards(size, index, None, style)
     mine = None
-    for start in range(0, world, size):
-        g = dist.new_group(list(range(start, start + size)))
-        if start <= rank < start + size:
-            mine = g
-    return Shards(size, rank % size, mine, style)
+    for start in range(0, world, size * tp):
+        for t in range(tp):
+            members = [start + j * tp + t for j in range(size)]
+            g = dist.new_group(members)
+            if rank in members:
+                mine = g
+    return Shards(size, index, mine, style)
 
 
 @dataclass

@@ -166,7 +166,8 @@ class BackendConfig:
     (their gradients reduce-scattered back) and the rank's queries attend to them. Any head count (where Ulysses'
     ``sp`` needs heads that divide), but a rank holds a layer's whole-sequence keys and values while it attends and
     until its backward (activation checkpointing bounds that to one layer). Exact, as ``sp``. It must divide the
-    world, and 2 x cp ``data.seq_len``; not with ``sp`` at once. Engines and objective: as ``sp``."""
+    world, and 2 x cp ``data.seq_len``; not with ``sp`` at once. Engines and objective: as ``sp``, and ``pipeline``
+    (each stage's cp ranks among its data-parallel ones) and ``fsdp_tp`` (beside tp: the ranks of one tp index)."""
 
 
 BACKEND_RANGES = {"ep": Range(1, becomes="the expert-parallel degree (ranks per expert group)"),

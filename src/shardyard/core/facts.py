@@ -185,9 +185,10 @@ class ParallelDims:
     a contiguous shard of its positions, trading them for shards of the heads around attention
     (``shardyard.backends.sequence_parallel``). Their gradients are averaged as data-parallel ranks' are."""
     cp: int = 1
-    """Context parallel, all-gather style (``backend.cp``): consecutive ranks that read the same batch and each hold
-    two chunks of its positions (head and tail), gathering every rank's keys and values around attention
-    (``shardyard.backends.sequence_parallel``). Their gradients are averaged as data-parallel ranks' are."""
+    """Context parallel, all-gather style (``backend.cp``): consecutive ranks (beside tensor parallel: those of one tp
+    index) that read the same batch and each hold two chunks of its positions (head and tail), gathering every rank's
+    keys and values around attention (``shardyard.backends.sequence_parallel``). Their gradients are averaged as
+    data-parallel ranks' are."""
     ep: int = 1
     """Expert parallel: ranks that split a mixture-of-experts layer's experts. As in torchtitan it borrows ranks
     from ``dp_shard x cp`` rather than multiplying the world, so it is not a factor of ``world_size`` (``fsdp``,

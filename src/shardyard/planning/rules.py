@@ -274,10 +274,16 @@ def validate_sp(cfg: DictConfig, dims: ParallelDims) -> None:
         raise UserError("backend.cp", cp, f"backend.sp={sp} splits the sequences already: one way at a time.",
                         "Use backend.cp=1 with backend.sp (heads that divide by it), or backend.sp=1 with backend.cp.")
     key, n, what = ("backend.sp", sp, "sequence") if sp > 1 else ("backend.cp", cp, "context")
-    if key.split(".")[1] not in getattr(engine(b), "degree_keys", {}):
+    keys = getattr(engine(b), "degree_keys", {})
+    if key.split(".")[1] not in keys:
+        engines = "ddp, fsdp, fsdp_offload, fsdp_tp, pipeline, zero1, zero2 or zero3" if cp > 1 else \
+            "ddp, fsdp, fsdp_offload, zero1, zero2 or zero3"
+        if "cp" in keys:  # the pipeline and fsdp_tp: all-gather context parallelism only
+            raise UserError(key, n, f"backend={b.name} splits sequences with backend.cp (all-gather context "
+                            "parallelism, any head count), not with Ulysses' all-to-all over the heads.",
+                            f"Use backend.cp={n} instead, or backend={engines} for {what} parallelism.")
         raise UserError(key, n, f"backend={b.name} does not split sequences.",
-                        f"Use backend=ddp, fsdp, fsdp_offload, zero1, zero2 or zero3 for {what} parallelism, or "
-                        f"{key}=1.")
+                        f"Use backend={engines} for {what} parallelism, or {key}=1.")
     ok = [d for d in range(2, dims.world_size + 1) if dims.world_size % d == 0]
     heads = m.get("num_heads")
     if sp > 1 and heads and heads % sp:
