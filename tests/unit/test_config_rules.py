@@ -183,7 +183,8 @@ def test_keys_no_schema_or_plugin_reads_are_refused(overrides, key):
     (["backend=ddp", "launch.nproc_per_node=2", "backend.sp=2", "data.seq_len=63"], "backend.sp"),
     (["backend=ddp", "launch.nproc_per_node=3", "backend.sp=2"], "backend.sp"),
     (["backend=ddp", "launch.nproc_per_node=2", "backend.sp=0"], "backend.sp"),
-    (["backend=ddp", "launch.nproc_per_node=2", "backend.sp=2", "objective=dpo", "data=preference"], "backend.sp"),
+    # (an objective other than lm that does not cut its own rows: DPO and GRPO do, objectives.splits_sequences)
+    (["backend=ddp", "launch.nproc_per_node=2", "backend.sp=2", "objective.name=mine"], "backend.sp"),
     # ... and all-gather context parallelism: both at once, an engine without it, 2 x cp not dividing the sequence
     (["backend=ddp", "launch.nproc_per_node=4", "backend.sp=2", "backend.cp=2"], "backend.cp"),
     (["backend=fsdp_tp", "launch.nproc_per_node=2", "backend.cp=2"], "backend.cp"),
@@ -194,6 +195,16 @@ def test_bad_values_name_the_key(overrides, key):
     with pytest.raises(UserError) as e:
         validate(cfg, None)
     assert e.value.key == key, e.value.paragraph()
+
+
+@pytest.mark.parametrize("overrides", [
+    ["backend=ddp", "backend.sp=2", "objective=dpo", "data=preference"],
+    ["backend=zero2", "backend.cp=2", "objective=dpo", "data=preference"],
+    ["backend=fsdp", "backend.sp=2", "objective=grpo", "data=prompts"],
+])
+def test_dpo_and_grpo_split_their_sequences(overrides):
+    """DPO's pairs and GRPO's rollouts are split as the LM's rows (issue 56 point 4): validated, not refused."""
+    validate(compose([*overrides, "launch.nproc_per_node=2"]), None)
 
 
 def test_a_new_optimizer_is_one_yaml_file():
