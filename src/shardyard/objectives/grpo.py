@@ -334,10 +334,10 @@ class GRPO:
 
     def loss_sum(self, model: Any, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
         x = inputs
-        lengths = None
-        split, y = (x, targets) if self.shards is None else self._split(x, targets)
-        if self.shards is not None:
-            lengths = (targets != -100).sum(-1)  # each completion's tokens, of the whole row
+        if self.shards is None:
+            split, y, lengths = x, targets, None
+        else:  # this rank's share of the positions; each completion's length is the whole row's
+            (split, y), lengths = self._split(x, targets), (targets != -100).sum(-1)
         logps = self._token_logps(model, split, y)
         mask = y != -100
         if "old_logps" not in x:  # the round's first step: the policy that sampled, as its own forward computed it
