@@ -22,6 +22,11 @@ different tokens), so their averaged gradients, with the loop's token-weighted l
 cross-entropy times accum x ranks / the step's label tokens), are exactly one rank's over the whole sequence. The
 data-parallel size, the ranks reading different sequences, is world / (sp x cp) (``ParallelDims.sp``, ``.cp``).
 
+DPO and GRPO cut their own rows with ``shard`` (``objectives.Objective.splits_sequences``): DPO's chosen and rejected
+rows, its per-sequence log-probabilities added over the group (``sequence_sum``); GRPO's prompt + completion rows,
+padded at their end to a length the split divides and their prompts' left padding masked over the whole row
+(``Batch.keys``), its completions sampled whole and made the group's first rank's (``from_first``).
+
 How it reaches attention: ``install`` registers ``attention`` in transformers' attention registry and makes it
 the model's implementation; it is plain SDPA unless the model's keyword arguments carry a ``Batch`` (under
 ``SEQUENCE_SHARDS``), which transformers passes through every decoder layer to the attention function. So only

@@ -53,7 +53,8 @@ class DPO:
     loss_falls = True
     """The loop's warnings on a flat or oscillating train loss apply: the preference loss falls as the margins grow."""
     splits_sequences = True
-    """Under ``backend.sp`` / ``backend.cp`` it cuts its own pairs into the rank's share of their positions (``_split``)."""
+    """Under ``backend.sp`` / ``backend.cp`` it cuts its own pairs into the rank's share of their positions
+    (``_split``)."""
 
     def __init__(self, name: str = "dpo", beta: float = 0.1, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
                  reference_weights: Optional[str] = None, precompute_ref_logps: bool = False):
