@@ -80,11 +80,13 @@ def test_every_engine_trains_to_the_single_process_weights(trained):
         assert got == pytest.approx(losses, abs=1e-5), (objective, engine)
 
 
-def test_grpo_resumes_bit_for_bit_inside_a_round(tmp_path):
-    """4 steps, 2 per round of rollouts, on 2 DDP ranks; the run resumed from step 1 (inside round 0: its rollouts
-    come from the checkpoint, not sampled again) ends with the uninterrupted run's weights and losses, bit for bit."""
+@pytest.mark.parametrize("split", [[], ["backend.sp=2"]], ids=["dp2", "sp2"])
+def test_grpo_resumes_bit_for_bit_inside_a_round(tmp_path, split):
+    """4 steps, 2 per round of rollouts, on 2 DDP ranks (data-parallel, or one sequence group at sp 2: each rank keeps
+    the log-probs of its share of the positions); the run resumed from step 1 (inside round 0: its rollouts come
+    from the checkpoint, not sampled again) ends with the uninterrupted run's weights and losses, bit for bit."""
     base = [*OBJECTIVES["grpo"], "backend=ddp", "train.micro_batch_size=2", "train.steps=4", "checkpoint.every_n_steps=1",
-            "checkpoint.keep_last=0"]
+            "checkpoint.keep_last=0", *split]
     a, b = run_many(2, [(base, str(tmp_path / "a")),
                         ([*base, f"checkpoint.resume={tmp_path}/a/checkpoints/step-00000001"], str(tmp_path / "b"))])
     assert os.path.isfile(tmp_path / "a/checkpoints/step-00000001/rollouts/rank1/rollouts.safetensors")

@@ -193,7 +193,8 @@ def test_keys_no_schema_or_plugin_reads_are_refused(overrides, key):
     (["backend=ddp", "launch.nproc_per_node=2", "backend.sp=2", "data.seq_len=63"], "backend.sp"),
     (["backend=ddp", "launch.nproc_per_node=3", "backend.sp=2"], "backend.sp"),
     (["backend=ddp", "launch.nproc_per_node=2", "backend.sp=0"], "backend.sp"),
-    (["backend=ddp", "launch.nproc_per_node=2", "backend.sp=2", "objective=dpo", "data=preference"], "backend.sp"),
+    # (an objective other than lm that does not cut its own rows: DPO and GRPO do, objectives.splits_sequences)
+    (["backend=ddp", "launch.nproc_per_node=2", "backend.sp=2", "objective.name=mine"], "backend.sp"),
     # ... and all-gather context parallelism: both at once, an engine without it, 2 x cp not dividing the sequence
     (["backend=ddp", "launch.nproc_per_node=4", "backend.sp=2", "backend.cp=2"], "backend.cp"),
     (["backend=fsdp_tp", "launch.nproc_per_node=4", "backend.sp=2"], "backend.sp"),  # cp only beside tp
@@ -222,6 +223,16 @@ def test_the_pipeline_and_tensor_parallel_take_context_parallelism():
         assert plan.dims.pp == 2 and plan.dims.cp * plan.dims.dp == 2, (overrides, plan.dims)
     plan = validate(compose(["backend=fsdp_tp", "backend.tp=2", "launch.nproc_per_node=4", "backend.cp=2"]), None)
     assert plan.dims.describe() == "world 4 = cp 2 x tp 2", plan.dims.describe()  # and so is tensor parallel's
+
+
+@pytest.mark.parametrize("overrides", [
+    ["backend=ddp", "backend.sp=2", "objective=dpo", "data=preference"],
+    ["backend=zero2", "backend.cp=2", "objective=dpo", "data=preference"],
+    ["backend=fsdp", "backend.sp=2", "objective=grpo", "data=prompts"],
+])
+def test_dpo_and_grpo_split_their_sequences(overrides):
+    """DPO's pairs and GRPO's rollouts are split as the LM's rows (issue 56 point 4): validated, not refused."""
+    validate(compose([*overrides, "launch.nproc_per_node=2"]), None)
 
 
 def test_a_new_optimizer_is_one_yaml_file():

@@ -22,6 +22,11 @@ different tokens), so their averaged gradients, with the loop's token-weighted l
 cross-entropy times accum x ranks / the step's label tokens), are exactly one rank's over the whole sequence. The
 data-parallel size, the ranks reading different sequences, is world / (sp x cp) (``ParallelDims.sp``, ``.cp``).
 
+DPO and GRPO cut their own rows with ``shard`` (``objectives.Objective.splits_sequences``): DPO's chosen and rejected
+rows, its per-sequence log-probabilities added over the group (``sequence_sum``); GRPO's prompt + completion rows,
+padded at their end to a length the split divides and their prompts' left padding masked over the whole row
+(``Batch.keys``), its completions sampled whole and made the group's first rank's (``from_first``).
+
 How it reaches attention: ``install`` registers ``attention`` in transformers' attention registry and makes it
 the model's implementation; it is plain SDPA unless the model's keyword arguments carry a ``Batch`` (under
 ``SEQUENCE_SHARDS``), which transformers passes through every decoder layer to the attention function. So only
@@ -58,6 +63,11 @@ class Shards:
     index: int
     group: Any
     style: str = ULYSSES
+
+    @property
+    def parts(self) -> int:
+        """The equal parts a sequence is cut into: ``size`` (Ulysses), ``2 size`` (all-gather's chunks)."""
+        return self.size if self.style == ULYSSES else 2 * self.size
 
     def data_rank(self, dp_rank: int, dp_size: int) -> tuple[int, int]:
         """The (rank, world) that choose sequences: the sequence groups, each reading one share of the batch."""
@@ -109,6 +119,9 @@ class Batch:
     segments: torch.Tensor | None
     """``[B, T]`` document number of every position of the whole sequence (packed documents, positions restarting
     at 0); None: one causal sequence."""
+    keys: torch.Tensor | None = None
+    """``[B, T]`` bool: the positions of the whole sequence attention may read (an ``attention_mask``'s padding off:
+    GRPO's left-padded prompts); None: every position."""
     ahead: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
     """Multi-token prediction (``model.mtp``): for each depth k, the token ids at this rank's positions + k (the
     embeddings depth k reads, wrapping at the row's end as one process's roll does) and depth k's targets at its
@@ -127,37 +140,58 @@ class Batch:
 
     def mask(self, device: torch.device) -> torch.Tensor | None:
         """The attention mask of this rank's queries over the whole sequence's keys (bool ``[B, 1, queries, T]``: a
-        position sees the earlier ones of its own document), built once per micro-batch for all layers; None: no
-        documents (Ulysses: causal; all-gather: lower-right causal per chunk, ``_gathered_attention``). Ulysses'
-        queries are every position (of its heads); all-gather's its own positions."""
-        if self.segments is None:
+        position sees the earlier ones of its own document, and only the ``keys`` attention may read, as
+        transformers' SDPA mask of a padded batch), built once per micro-batch for all layers; None: no documents
+        and no padding (Ulysses: causal; all-gather: lower-right causal per chunk, ``_gathered_attention``).
+        Ulysses' queries are every position (of its heads); all-gather's its own positions."""
+        if self.segments is None and self.keys is None:
             return None
         if self._mask is None:
-            seg = self.segments.to(device)
-            length = seg.size(-1)
+            known = self.segments if self.segments is not None else self.keys
+            length = known.size(-1)
             mine = torch.arange(length, device=device) if self.shards.style == ULYSSES \
                 else self.shards.positions(length, device)
             keys = torch.arange(length, device=device)
-            causal = keys[None, :] <= mine[:, None]
-            self._mask = ((seg[:, mine][:, :, None] == seg[:, None, :]) & causal)[:, None]
+            mask = (keys[None, :] <= mine[:, None])[None]  # causal
+            if self.segments is not None:
+                seg = self.segments.to(device)
+                mask = mask & (seg[:, mine][:, :, None] == seg[:, None, :])
+            if self.keys is not None:
+                mask = mask & self.keys.to(device)[:, None, :]
+            self._mask = mask[:, None]
         return self._mask
 
 
 def shard(inputs: Any, targets: torch.Tensor, shards: Shards, depths: int = 0) -> tuple[dict, torch.Tensor]:
-    """A micro-batch of whole sequences (token ids, or ``input_ids`` and ``position_ids`` of packed documents) as
-    this rank's shard: its 1/sp of the positions, their position ids (so RoPE rotates by the true position), its
-    targets (already shifted by the data: the last position of a shard predicts the next shard's first token),
-    and the ``Batch`` that attention reads; with ``depths`` MTP depths, what each depth reads past the share's
-    edge (``Batch.ahead``)."""
+    """A micro-batch of whole sequences (token ids; or ``input_ids`` and ``position_ids`` of packed documents; or
+    those and a padded batch's ``attention_mask``, 1 on the tokens attention may read) as this rank's shard: its
+    1/sp of the positions, their position ids (so RoPE rotates by the true position), its targets (already shifted
+    by the data: the last position of a shard predicts the next shard's first token), and the ``Batch`` that
+    attention reads; with ``depths`` MTP depths, what each depth reads past the share's edge (``Batch.ahead``).
+
+    A length that ``Shards.parts`` does not divide (GRPO's prompt + completion rows) is padded at its end first:
+    token 0, positions counting on, no target (-100), masked off when an ``attention_mask`` is given. Causal
+    attention never lets an earlier position read a later one, so no loss or gradient changes."""
     ids = inputs["input_ids"] if isinstance(inputs, dict) else inputs
-    extra = set(inputs) - {"input_ids", "position_ids"} if isinstance(inputs, dict) else set()
-    assert not extra, f"sequence parallelism splits token ids and positions, not {sorted(extra)}"
+    extra = set(inputs) - {"input_ids", "position_ids", "attention_mask"} if isinstance(inputs, dict) else set()
+    assert not extra, f"sequence parallelism splits token ids, positions and padding masks, not {sorted(extra)}"
+    given = inputs if isinstance(inputs, dict) else {}
     rows, length = ids.shape
+    pad = -length % shards.parts
+    if pad:
+        ids, targets = F.pad(ids, (0, pad)), F.pad(targets, (0, pad), value=-100)
+        given = {k: F.pad(v, (0, pad)) if k == "attention_mask" else v for k, v in given.items()}
+        if "position_ids" in given:
+            p = given["position_ids"]
+            given["position_ids"] = torch.cat([p, p[:, -1:] + torch.arange(1, pad + 1, device=p.device)], 1)
+        length += pad
     cut = shards.positions(length, ids.device)
-    if isinstance(inputs, dict) and "position_ids" in inputs:
-        positions = inputs["position_ids"]
-        segments = (positions == 0).cumsum(-1)
-        whole = bool((positions == torch.arange(length, device=positions.device)).all())
+    keys = given["attention_mask"].bool() if "attention_mask" in given else None
+    if "position_ids" in given:
+        positions = given["position_ids"]
+        # with an attention mask the positions are a padded row's, not packed documents' (as transformers reads them)
+        segments = (positions == 0).cumsum(-1) if keys is None else None
+        whole = keys is not None or bool((positions == torch.arange(length, device=positions.device)).all())
     else:
         positions = torch.arange(length, device=ids.device).expand(rows, length)
         segments, whole = None, True
@@ -165,11 +199,31 @@ def shard(inputs: Any, targets: torch.Tensor, shards: Shards, depths: int = 0) -
     if depths:
         from shardyard.models.mtp import depth_targets
 
-        packed = inputs.get("position_ids") if isinstance(inputs, dict) else None
+        packed = given.get("position_ids")
         ahead = ([ids[:, (cut + k) % length] for k in range(1, depths + 1)],
                  [depth_targets(targets, packed, k)[:, cut] for k in range(1, depths + 1)])
-    batch = Batch(shards, None if whole else segments, ahead)
+    batch = Batch(shards, None if whole else segments, keys, ahead)
     return {"input_ids": ids[:, cut], "position_ids": positions[:, cut], SEQUENCE_SHARDS: batch}, targets[:, cut]
+
+
+def sequence_sum(x: torch.Tensor, shards: Shards) -> torch.Tensor:
+    """Per-sequence sums of this rank's share of the positions (``[B]``, e.g. DPO's response log-probabilities) as
+    the whole sequences', added over the sequence group (``models.moe.SumOver``). Every rank then computes the same
+    loss from the same sums; in backward each rank's share takes ``size`` x the gradient of that loss, which the
+    engines' mean over their ``dp x size`` data-parallel ranks makes one process's. Without a group (the dry run's
+    simulated rank) the share's sums."""
+    from shardyard.models.moe import SumOver
+
+    return SumOver.apply(x, shards.size, shards.group)
+
+
+def from_first(x: torch.Tensor, shards: Shards) -> torch.Tensor:
+    """``x`` as the sequence group's first rank holds it, on every rank of the group (a broadcast): what the ranks
+    of a group must hold alike, e.g. GRPO's sampled completions, whatever their kernels' nondeterminism."""
+    x = x.contiguous()
+    if shards.group is not None:
+        dist.broadcast(x, group=shards.group, group_src=0)
+    return x
 
 
 class _AllGather(torch.autograd.Function):

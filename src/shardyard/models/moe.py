@@ -120,7 +120,7 @@ class SequenceSplit:
     group: Any
 
 
-class _SumOver(torch.autograd.Function):
+class SumOver(torch.autograd.Function):
     """The sum over a sequence group of ``size`` ranks of each rank's per-sequence sums; in backward every rank's
     gradient of the sum, added up: they are equal (every rank computes the same loss from the same sums), so
     ``size`` x its own, without an exchange. Each rank's share then gets ``size`` x its part of the gradient, which
@@ -166,7 +166,7 @@ def balance_loss(logits: torch.Tensor, chosen: torch.Tensor, batch: int, sigmoid
         sent = reach.view(batch, T, groups).sum(1)
     if split is not None and split.size > 1:  # the whole sequence's sums, from every share
         T *= split.size
-        affinity = _SumOver.apply(affinity, split.size, split.group)
+        affinity = SumOver.apply(affinity, split.size, split.group)
         counts = torch.cat([routed, sent], 1)  # one exchange for both counts
         if split.group is not None:
             torch.distributed.all_reduce(counts, group=split.group)

@@ -43,6 +43,9 @@ class Setup:
     """The training split's rows (``data.open_train``)."""
     val_rows: dict
     """Every source's held-out rows, by name (``data.open_val``)."""
+    shards: Any = None
+    """``backend.sp`` / ``backend.cp``: this rank's sequence group (``backends.sequence_parallel.Shards``), for an
+    objective that splits its own sequences (``splits_sequences``); None without."""
 
 
 class Objective(Protocol):
@@ -57,6 +60,12 @@ class Objective(Protocol):
     data_kind: str
     """The rows it trains on, as the data option states them (its source's ``kind``; ``text`` when it states
     none): ``text`` (token windows or SFT rows), ``preference`` (``data=preference``), ``prompts``."""
+    splits_sequences: bool
+    """(Optional, False when absent.) Under ``backend.sp`` / ``backend.cp`` the objective cuts its own sequences into
+    the rank's share (``Setup.shards``, with ``sequence_parallel.shard``): its stream hands it whole rows, and the
+    sequences a group's ranks read are the same (DPO's pairs, GRPO's rollouts). Without it the stream hands each
+    rank its share of every row (``sequence_parallel.ShardedStream``: ``objective=lm``); validation refuses the
+    split for an objective other than ``lm`` that does not state it."""
 
     def setup(self, s: Setup) -> None:
         """Once, after the engine has prepared the policy: reference model, rewards, tokenizer; checks the data."""
@@ -148,6 +157,12 @@ def sequences(o: DictConfig, seq_len: int) -> tuple[int, int]:
     completion rows); otherwise one row of ``seq_len``."""
     of = _stated(o, "sequences")
     return of(o, seq_len) if of is not None else (1, seq_len)
+
+
+def splits_sequences(o: DictConfig) -> bool:
+    """Whether objective ``o``'s class cuts its own sequences under ``backend.sp`` / ``backend.cp``
+    (``Objective.splits_sequences``)."""
+    return bool(_stated(o, "splits_sequences"))
 
 
 def held(o: DictConfig) -> tuple[bool, float]:

@@ -16,6 +16,11 @@ partitioned without an optimizer). Its forward runs under ``no_grad`` inside the
 the first step, and kept in a cache keyed like the token caches (the token arrays, the reference's weights and
 config, the precision) and verified like them (every file's size and sha256): later runs of the same data and
 reference read them and never build the reference model (``RefCache``).
+
+``backend.sp`` / ``backend.cp``: the ranks of a sequence group read the same pairs and each runs its share of the
+positions of every chosen and rejected row (``sequence_parallel.shard``), the policy's and the reference's forward
+alike; a response's log-probability is the sum of the shares' sums over the group (``sequence_parallel.sequence_sum``),
+so every rank computes the whole pairs' loss, and each share's gradient flows back through its own positions.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import torch
 
 from shardyard.models import moe
 from shardyard.models.adapters import is_peft
-from shardyard.backends import Backend
+from shardyard.backends import Backend, sequence_parallel
 from shardyard.backends.reference import release as release_reference
 from shardyard.core.errors import UserError
 from shardyard.objectives import Setup, install, pairs, to_device
@@ -47,6 +52,9 @@ class DPO:
     """The rows it trains on (a data option's ``kind``), checked at validation."""
     loss_falls = True
     """The loop's warnings on a flat or oscillating train loss apply: the preference loss falls as the margins grow."""
+    splits_sequences = True
+    """Under ``backend.sp`` / ``backend.cp`` it cuts its own pairs into the rank's share of their positions
+    (``_split``)."""
 
     def __init__(self, name: str = "dpo", beta: float = 0.1, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
                  reference_weights: Optional[str] = None, precompute_ref_logps: bool = False):
@@ -67,6 +75,7 @@ class DPO:
         self.cache_built = False
         """``precompute_ref_logps``: this run computed them (and built the reference for it, then freed it)."""
         self.sums: dict[str, torch.Tensor] = {}
+        self.shards: Optional[sequence_parallel.Shards] = None
 
     @staticmethod
     def sequences(o: Any, seq_len: int) -> tuple[int, int]:
@@ -86,6 +95,7 @@ class DPO:
         dev = s.backend.device
         self.sums = {"train": torch.zeros(len(METRICS) + 1, device=dev), "eval": torch.zeros(len(METRICS) + 1, device=dev)}
         self._one = torch.ones(1, device=dev)
+        self.shards = s.shards
         install(hf, self)
         if self.precompute:
             self.cached = RefCache(self, s).splits()
@@ -112,38 +122,54 @@ class DPO:
     def factors(self, step: int) -> torch.Tensor:
         return self._one
 
-    def _logps(self, model: Any, inputs: dict, targets: torch.Tensor, mean: bool = True
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _logps(self, model: Any, inputs: dict, targets: torch.Tensor, mean: bool = True,
+               tokens: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Each sequence's log-probability over its response tokens (IPO: their mean, unless ``mean`` is off):
-        chosen, rejected."""
-        from shardyard.models.loss import _call, logits
+        chosen, rejected. ``inputs``: whole rows, or this rank's share of their positions (``_split``), whose sums
+        are then added over the sequence group; ``tokens``: each row's response tokens (IPO's mean), counted on the
+        whole rows (default: on ``targets``)."""
+        from shardyard.models.loss import SEQUENCE_SHARDS, _call, logits
 
         per_token = token_logps(logits(_call(model, {k: v for k, v in inputs.items() if k != "ref_logps"})), targets)
         lp = per_token.sum(-1)
+        if SEQUENCE_SHARDS in inputs:  # the whole sequence's sum, every share's gradient its own positions'
+            lp = sequence_parallel.sequence_sum(lp, inputs[SEQUENCE_SHARDS].shards)
         if self.loss_type == "ipo" and mean:
-            lp = lp / (targets != -100).sum(-1).clamp(min=1)
+            lp = lp / (tokens if tokens is not None else (targets != -100).sum(-1)).clamp(min=1)
         half = lp.shape[0] // 2
         return lp[:half], lp[half:]
 
-    def _reference_logps(self, model: Any, inputs: dict, targets: torch.Tensor, mean: bool = True
+    def _reference_logps(self, model: Any, inputs: dict, targets: torch.Tensor, tokens: torch.Tensor
                          ) -> tuple[torch.Tensor, torch.Tensor]:
         if "ref_logps" in inputs:  # precomputed (summed over the response; IPO: their mean)
             lp = inputs["ref_logps"].float()
             if self.loss_type == "ipo":
-                lp = lp / (targets != -100).sum(-1).clamp(min=1)
+                lp = lp / tokens.clamp(min=1)
             half = lp.shape[0] // 2
             return lp[:half], lp[half:]
         with torch.no_grad():
             if self.reference is not None:
-                return self._logps(self.reference, inputs, targets, mean)
+                return self._logps(self.reference, inputs, targets, tokens=tokens)
             # The policy with its adapters off; MoE routers neither count these tokens nor add a balance loss.
             with self.policy.disable_adapter(), moe.paused(model):
-                return self._logps(model, inputs, targets, mean)
+                return self._logps(model, inputs, targets, tokens=tokens)
+
+    def _split(self, flat: dict, targets: torch.Tensor) -> tuple[dict, torch.Tensor]:
+        """The pairs' rows (``objectives.pairs``) as this rank's share of their positions under ``backend.sp`` /
+        ``backend.cp`` (``sequence_parallel.shard``; precomputed reference log-probs, one per row, as they are);
+        unchanged without."""
+        if self.shards is None:
+            return flat, targets
+        rows = {k: v for k, v in flat.items() if k in ("input_ids", "position_ids")}
+        x, y = sequence_parallel.shard(rows, targets, self.shards)
+        return {**x, **{k: v for k, v in flat.items() if k not in rows}}, y
 
     def _loss(self, model: Any, inputs: Any, targets: torch.Tensor, mode: str) -> torch.Tensor:
         flat, y = pairs(inputs, targets)
-        ref_c, ref_r = self._reference_logps(model, flat, y)
-        pol_c, pol_r = self._logps(model, flat, y)
+        tokens = (y != -100).sum(-1)
+        x, y = self._split(flat, y)
+        ref_c, ref_r = self._reference_logps(model, x, y, tokens)
+        pol_c, pol_r = self._logps(model, x, y, tokens=tokens)
         losses, chosen, rejected = dpo_loss(pol_c, pol_r, ref_c, ref_r, self.beta, self.loss_type,
                                             self.label_smoothing)
         with torch.no_grad():
@@ -175,10 +201,13 @@ class DPO:
         was = model.training
         model.eval()
         total = torch.zeros(2, device=backend.device)
+        # a sequence group's ranks read the same pairs (each its share of their positions: _split)
+        reader, readers = self.shards.data_rank(backend.dp_rank, backend.dp_size) if self.shards \
+            else (backend.dp_rank, backend.dp_size)
         for rows in val.values():
-            for b, (x, y) in enumerate(eval_batches(rows, batches, micro_batch, backend.dp_rank, backend.dp_size)):
-                if self.cached:  # the rows eval_batches read: the first batches x micro x world, by rank
-                    first = (b * backend.dp_size + backend.dp_rank) * micro_batch
+            for b, (x, y) in enumerate(eval_batches(rows, batches, micro_batch, reader, readers)):
+                if self.cached:  # the rows eval_batches read: the first batches x micro x readers, by reader
+                    first = (b * readers + reader) * micro_batch
                     x = {**x, "ref_logps": torch.from_numpy(self.cached["val"][[(first + i) % len(rows)
                                                                                 for i in range(micro_batch)]])}
                 n = y.shape[0]

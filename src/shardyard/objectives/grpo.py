@@ -22,6 +22,14 @@ Every rank samples its own prompts (its data-parallel share, seeded by seed, rou
 micro-batch: tensor-parallel peers draw the same tokens); on a sharded engine every rank runs exactly
 ``max_new_tokens`` forwards (``lockstep``), so the engine's collectives inside them line up. The round's rollouts
 are part of a checkpoint taken inside it, so a resume in the middle of a round trains on the same completions.
+
+``backend.sp`` / ``backend.cp``: the ranks of a sequence group read the same prompts and sample with the same seed
+(their data-parallel rank is the group's), generate whole sequences in lockstep, and keep the group's first rank's
+completions (``sequence_parallel.from_first``); the training forward of the policy and the reference runs on the
+rank's share of each prompt + completion row (``sequence_parallel.shard``, the row padded to the split when it does
+not divide, left padding masked as one process masks it). Every term of the loss is per token, so each rank sums
+its share: ``counts`` are its share's completion tokens (``token``), or, per completion (``sequence``), each row's
+token mean taken with the whole row's length and the rows counted on the group's first rank.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ import torch
 
 from shardyard.models import moe
 from shardyard.models.adapters import is_peft
-from shardyard.backends import Backend
+from shardyard.backends import Backend, sequence_parallel
 from shardyard.config.schema import GRPOObjectiveConfig
 from shardyard.core.errors import UserError
 from shardyard.objectives import Setup, install
@@ -54,6 +62,9 @@ class GRPO:
     loss_falls = False
     """The loop's warnings on a flat or oscillating train loss do not apply: the surrogate's value is no measure of
     progress (the reward is)."""
+    splits_sequences = True
+    """Under ``backend.sp`` / ``backend.cp`` it samples whole rollouts and trains on the rank's share of their
+    positions (``_split``)."""
 
     def __init__(self, name: str = "grpo", num_generations: int = 8, max_new_tokens: int = 64,
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, epsilon: float = 0.2,
@@ -102,6 +113,7 @@ class GRPO:
         self.failed: Optional[UserError] = None
         """A reward's error on this rank in the round being sampled (``_agree``)."""
         self.round = -1
+        self.shards: Optional[sequence_parallel.Shards] = None
 
     @staticmethod
     def sequences(o: Any, seq_len: int) -> tuple[int, int]:
@@ -120,7 +132,9 @@ class GRPO:
         from shardyard.data.pipeline import load_tokenizer
 
         b = s.backend
-        self.backend, self.seed = b, int(s.cfg.seed)
+        self.backend, self.seed, self.shards = b, int(s.cfg.seed), s.shards
+        # the ranks that sample different prompts: a sequence group's ranks read (and sample) the same
+        self.reader, self.readers = s.shards.data_rank(b.dp_rank, b.dp_size) if s.shards else (b.dp_rank, b.dp_size)
         self.tok = load_tokenizer(s.tokenizer_dir)
         self.eos = self.tok.eos_token_id
         self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos
@@ -241,9 +255,11 @@ class GRPO:
             ids = x["prompt_ids"].to(dev).repeat_interleave(G, 0)
             pmask = x["prompt_mask"].to(dev).repeat_interleave(G, 0)
             g = torch.Generator(device=dev)
-            g.manual_seed((((self.seed * 1_000_003 + r) * 65_537 + backend.dp_rank) * 257 + micro) % 2**62)
+            g.manual_seed((((self.seed * 1_000_003 + r) * 65_537 + self.reader) * 257 + micro) % 2**62)
             comp, cmask = self._generate(model, ids, pmask, greedy=False, max_new=self.max_new_tokens, generator=g,
                                          backend=backend)
+            if self.shards is not None:  # a sequence group trains on one set of completions: its first rank's
+                comp, cmask = (sequence_parallel.from_first(t, self.shards) for t in (comp, cmask))
             values, correct = self._rewards(comp, cmask, [row for row in rows for _ in range(G)])
             total = (weights[:, None] * values).sum(0)
             totals.append(total)
@@ -279,29 +295,51 @@ class GRPO:
             return group_advantages(total, self.G, self.scale)
         centred = group_advantages(total, self.G, "none")
         moments = torch.stack([total.sum(), (total ** 2).sum(), torch.tensor(float(len(total)), dtype=torch.float64)])
-        s, s2, n = (backend.all_reduce_mean(moments.to(backend.device)) * backend.dp_size).tolist()  # replicas
+        s, s2, n = (backend.all_reduce_mean(moments.to(backend.device)) * self.readers).tolist()  # replicas
         std = max((s2 - s * s / n) / max(n - 1, 1), 0.0) ** 0.5  # unbiased, as torch.std
         return centred / (std + 1e-4)
 
     # ------------------------------------------------------------------------------------------------- loss
     def counts(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
-        n = (targets != -100).sum() if self.aggregation == "token" else torch.tensor(targets.shape[0])
+        if self.aggregation == "token":  # this rank's completion tokens (under sp/cp: of its share of the positions)
+            n = (self._split(inputs, targets)[1] != -100).sum() if self.shards is not None else (targets != -100).sum()
+        else:  # completions: a sequence group's rows counted once, by its first rank
+            n = torch.tensor(targets.shape[0] if self.shards is None or self.shards.index == 0 else 0)
         return n.reshape(1).to(targets.device, torch.int64)
 
-    def _token_logps(self, model: Any, x: dict, targets: torch.Tensor) -> torch.Tensor:
-        from shardyard.models.loss import logits
+    def _split(self, x: dict, targets: torch.Tensor) -> tuple[dict, torch.Tensor]:
+        """A rollout micro-batch (prompt + completion rows, ``targets`` the completion's ``[B, M]``) as this rank's
+        share of its positions under ``backend.sp`` / ``backend.cp``: the targets placed at the positions that
+        predict them (``[B, P + M]``: position t predicts token t + 1), then cut (``sequence_parallel.shard``,
+        the left padding masked by the rows' ``attention_mask``)."""
+        b, m = targets.shape
+        ignore = targets.new_full((b, 1), -100)
+        whole = torch.cat([ignore.expand(b, x["input_ids"].shape[1] - m - 1), targets, ignore], 1)
+        return sequence_parallel.shard({k: x[k] for k in ("input_ids", "attention_mask", "position_ids")}, whole,
+                                       self.shards)
 
+    def _token_logps(self, model: Any, x: dict, targets: torch.Tensor) -> torch.Tensor:
+        """Each completion token's log-probability (``[B, M]``; under sp/cp: ``x`` and ``targets`` a share of the
+        rows' positions, ``_split``, and the log-probabilities of its positions' targets)."""
+        from shardyard.models.loss import SEQUENCE_SHARDS, logits
+
+        # The distribution the rollouts were sampled from (logits / objective.temperature), for the sampling policy,
+        # the policy and the reference alike, as TRL scores them: the ratio and the KL are then of that distribution.
+        if SEQUENCE_SHARDS in x:
+            return token_logps(logits(model(**x)), targets, self.temperature)
         M = targets.shape[1]
         kwargs = {k: x[k] for k in ("input_ids", "attention_mask", "position_ids")}
         out = logits(model(**kwargs, logits_to_keep=M + 1))[:, :-1]  # the positions that predict the completion
-        # The distribution the rollouts were sampled from (logits / objective.temperature), for the sampling policy,
-        # the policy and the reference alike, as TRL scores them: the ratio and the KL are then of that distribution.
         return token_logps(out, targets, self.temperature)
 
     def loss_sum(self, model: Any, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
         x = inputs
-        logps = self._token_logps(model, x, targets)
-        mask = targets != -100
+        if self.shards is None:
+            split, y, lengths = x, targets, None
+        else:  # this rank's share of the positions; each completion's length is the whole row's
+            (split, y), lengths = self._split(x, targets), (targets != -100).sum(-1)
+        logps = self._token_logps(model, split, y)
+        mask = y != -100
         if "old_logps" not in x:  # the round's first step: the policy that sampled, as its own forward computed it
             x["old_logps"] = logps.detach()
         ref = None
@@ -309,14 +347,14 @@ class GRPO:
             if "ref_logps" not in x:
                 with torch.no_grad():
                     if self.reference is not None:
-                        x["ref_logps"] = self._token_logps(self.reference, x, targets)
+                        x["ref_logps"] = self._token_logps(self.reference, split, y)
                     else:
                         with self.policy.disable_adapter(), moe.paused(model):
-                            x["ref_logps"] = self._token_logps(model, x, targets)
+                            x["ref_logps"] = self._token_logps(model, split, y)
             ref = x["ref_logps"]
         t = grpo_per_token(logps, x["old_logps"], ref, x["advantages"], mask, self.epsilon, self.epsilon_high,
                            self.beta, bias_correction_kl=self.bias_correction_kl)
-        loss, _ = aggregate(t.loss, mask, self.aggregation)
+        loss, _ = aggregate(t.loss, mask, self.aggregation, lengths)
         with torch.no_grad():
             m = mask.double()
             self.loss_sums += torch.stack([(t.kl.double() * m).sum(), (t.low_clipped.double() * m).sum(),
@@ -394,7 +432,12 @@ class GRPO:
         save_file(tensors, os.path.join(d, "rollouts.safetensors"))
         with open(os.path.join(d, "round.json"), "w") as f:
             json.dump({"round": self.round, "micro_batches": len(self.buffer), "dp_rank": self.backend.dp_rank,
-                       "dp_size": self.backend.dp_size}, f)
+                       "dp_size": self.backend.dp_size, "sequence_shards": self._sequence_shards()}, f)
+
+    def _sequence_shards(self) -> list[Any]:
+        """This rank's place in its sequence group (index, size, style): the kept log-probs are of its share."""
+        s = self.shards
+        return [s.index, s.size, s.style] if s is not None else [0, 1, None]
 
     def load(self, path: str, rank: int, same_world: bool) -> None:
         """A checkpoint inside a round, resumed at the layout that saved it: that round's rollouts back. At another
@@ -407,8 +450,10 @@ class GRPO:
 
         with open(os.path.join(d, "round.json")) as f:
             meta = json.load(f)
-        if (meta.get("dp_rank"), meta.get("dp_size")) != (self.backend.dp_rank, self.backend.dp_size):
-            return  # another data-parallel layout (fsdp_tp's tp changed): this rank's share differs, sample it again
+        if (meta.get("dp_rank"), meta.get("dp_size")) != (self.backend.dp_rank, self.backend.dp_size) \
+                or meta.get("sequence_shards", [0, 1, None]) != self._sequence_shards():
+            return  # another data-parallel layout (fsdp_tp's tp changed, sp or cp did): this rank's share differs,
+            # sample it again
         tensors = load_file(os.path.join(d, "rollouts.safetensors"), device=str(self.backend.device))
         buffer: list = [({}, None) for _ in range(meta["micro_batches"])]
         for key, t in tensors.items():

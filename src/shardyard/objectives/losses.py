@@ -175,7 +175,8 @@ def grpo_per_token(logps: torch.Tensor, old_logps: torch.Tensor, ref_logps: Opti
     return GRPOTokens(loss * m, kl, low, high, low | high)
 
 
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, how: str) -> tuple[torch.Tensor, torch.Tensor]:
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, how: str, lengths: Optional[torch.Tensor] = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(loss_sum, units)``, both 0-d fp32 (at least): the step's loss is the sum of ``loss_sum`` over its
     micro-batches and ranks divided by the sum of ``units`` (docs/architecture.md "Token-weighted loss"), which
     splits exactly.
@@ -187,13 +188,15 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, how: str) -> tuple[to
       TRL's ``grpo`` (the GRPO paper's ``1/G sum_i 1/|o_i| sum_t``): every completion weighs the same whatever its
       length. A row with no masked token adds 0 and still counts as a unit, as TRL's ``clamp(min=1)`` does.
 
-    ``per_token`` is expected 0 where ``mask`` is 0 (``grpo_per_token`` makes it so); it is masked again here."""
+    ``per_token`` is expected 0 where ``mask`` is 0 (``grpo_per_token`` makes it so); it is masked again here.
+    ``lengths`` (``[B]``): each row's masked tokens when ``per_token`` holds a share of its positions (sequence
+    parallelism: the ``sequence`` mean is then the share's part of the whole row's; ``token`` does not read it)."""
     x = _f32(per_token)
     m = mask.to(x.dtype)
     x = x * m
     if how == "token":
         return x.sum(), m.sum()
     if how == "sequence":
-        per_sequence = x.sum(-1) / m.sum(-1).clamp(min=1.0)
+        per_sequence = x.sum(-1) / (m.sum(-1) if lengths is None else lengths.to(x.dtype)).clamp(min=1.0)
         return per_sequence.sum(), torch.tensor(float(x.shape[0]), dtype=x.dtype, device=x.device)
     raise ValueError(f"unknown aggregation {how!r}: one of {AGGREGATIONS}")

@@ -260,7 +260,8 @@ def validate_ep(b: DictConfig, dims: ParallelDims, facts: ModelFacts) -> None:
 def validate_sp(cfg: DictConfig, dims: ParallelDims) -> None:
     """``backend.sp`` (Ulysses sequence parallelism) and ``backend.cp`` (all-gather context parallelism): one of them
     at a time, an engine that splits sequences, a sequence length each rank's share divides (sp: whole heads per
-    rank too) and the plain causal-LM objective. Expert parallelism composes (its groups dispatch each rank's share
+    rank too) and the causal-LM objective or one that cuts its own rows (DPO's pairs, GRPO's rollouts:
+    ``objectives.Objective.splits_sequences``). Expert parallelism composes (its groups dispatch each rank's share
     of the tokens; the balance losses add the shares' sums over the sequence group: ``models.moe.SequenceSplit``),
     and so do MTP's depths (what they read past a share's edge is taken from the whole sequence:
     ``sequence_parallel.Batch.ahead``)."""
@@ -297,11 +298,15 @@ def validate_sp(cfg: DictConfig, dims: ParallelDims) -> None:
         raise UserError(key, n, f"Each rank of a sequence group holds equal shares of the positions ({parts} of them "
                         f"in all), so {parts} must divide data.seq_len={seq}.",
                         f"Use data.seq_len={seq - seq % parts} (a multiple of {parts}), or a {key} that divides it.")
+    from shardyard import objectives
+
     objective = str(cfg.objective.get("name", "lm"))
-    if objective != "lm":
-        raise UserError(key, n, f"{what.capitalize()} parallelism splits pre-training and SFT sequences; objective="
-                        f"{objective}'s rows (pairs, rollouts) are not split yet.",
-                        f"Use {key}=1 with this objective, or objective=lm.")
+    if objective != "lm" and not objectives.splits_sequences(cfg.objective):
+        raise UserError(key, n, f"{what.capitalize()} parallelism splits pre-training and SFT sequences, and DPO's and "
+                        f"GRPO's; objective={objective} ({cfg.objective.get('_target_')}) does not state that it cuts "
+                        "its own rows (splits_sequences).",
+                        f"Use {key}=1 with this objective, or give its class splits_sequences = True and cut its rows "
+                        "with shardyard.backends.sequence_parallel.shard (objectives.Objective).")
 
 
 def _common_divisors(a: int, b: int) -> str:

@@ -150,10 +150,12 @@ def train(cfg: DictConfig, plan: Plan, backend: Backend) -> dict:
         log = os.path.join(cfg.run_dir, "samples", f"rank{backend.rank}.jsonl")
     # Sequence or context parallelism (backend.sp, backend.cp): a sequence group reads one share of the batch, and
     # each of its ranks trains its share of those sequences' positions (shardyard.backends.sequence_parallel).
+    # DPO and GRPO cut their own rows (pairs, rollouts: objectives.Objective.splits_sequences).
     shards = sequence_parallel.groups(plan.world_size, plan.dims, backend.rank)
     readers = shards.data_rank(backend.dp_rank, backend.dp_size) if shards else (backend.dp_rank, backend.dp_size)
     stream: Any = data.TrainStream(seqs, cfg.seed, plan.global_batch_size, plan.micro_batch_size, *readers, log=log)
-    if shards is not None:  # the stream's interface, each micro-batch this rank's shard of it
+    objective = objectives.build(cfg)
+    if shards is not None and not getattr(objective, "splits_sequences", False):  # each micro-batch this rank's shard
         stream = sequence_parallel.ShardedStream(stream, shards, int(OmegaConf.select(cfg, "model.mtp.depth") or 0))
     if rank0 and len(prepared.parts) > 1:
         shares = ", ".join(f"{p.name} {w:.1%} ({len(r):,} sequences)"
@@ -186,8 +188,7 @@ def train(cfg: DictConfig, plan: Plan, backend: Backend) -> dict:
     backend.prepare(build, cfg.train.steps)
     # What the step optimises (objective=lm|dpo|grpo): DPO's and GRPO's reference model is built here, after the
     # policy, as the engine shards it; their loss is installed on the engine's model (shardyard.objectives).
-    objective = objectives.build(cfg)
-    objective.setup(objectives.Setup(backend, build, cfg, prepared.tokenizer_dir, seqs, val))
+    objective.setup(objectives.Setup(backend, build, cfg, prepared.tokenizer_dir, seqs, val, shards))
     # MoE routers, wherever the engine put them: their loads counted, their balance kept (shardyard.models.moe).
     balancer = moe.Balancer.install(backend.hf_model(), cfg.model.balance, plan.facts.routed_experts, plan.dims.ep,
                                     backend.device, moe.SequenceSplit(shards.size, shards.group) if shards else None)
