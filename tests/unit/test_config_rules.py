@@ -173,6 +173,10 @@ def test_keys_no_schema_or_plugin_reads_are_refused(overrides, key):
     (["model.norm_tiles=4", "model.compile=true"], "model.norm_tiles"),
     (["backend=fsdp_tp", "launch.nproc_per_node=2", "model.norm_tiles=4"], "model.norm_tiles"),
     (["model.activation_offload=true"], "model.activation_offload"),  # no checkpointing: nothing kept to offload
+    (["backend=ddp", "launch.nproc_per_node=2", "backend.sp=2", "objective=dpo", "data=preference",
+      "objective.precompute_ref_logps=true"], "objective.precompute_ref_logps"),  # whole rows on every rank
+    (["backend=fsdp_tp", "backend.tp=2", "launch.nproc_per_node=4", "backend.cp=2", "objective=dpo",
+      "data=preference"], "backend.cp"),  # not tried beside tensor parallel
     (["model.activation_offload=true", "model.activation_checkpointing=selective"], "model.activation_offload"),
     (["model.activation_offload=true", "model.activation_checkpointing=full", "model.activation_checkpointing_every=2"],
      "model.activation_offload"),

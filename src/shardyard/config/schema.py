@@ -467,8 +467,8 @@ class ModelConfig:
     it until its backward, the residual stream: hidden x 2 bytes per token in bf16) is copied to host RAM as the
     block's forward ends, and back to the GPU for its recompute (ALST's offload of the checkpointed hidden states),
     so the GPU no longer holds every block's input at once: at 512K tokens per GPU those of DeepSeek-7B's 30
-    blocks are 120 GiB. Costs 4 copies of each block's input per micro-batch over the host link (its gradient
-    crosses too) and that much host RAM per GPU; both counted by the plan (host column) and the step-time model.
+    blocks are 120 GiB. Costs 2 copies of each block's input per micro-batch over the host link (out, and back
+    for the recompute) and that much host RAM per GPU (page-locked); both counted by the plan (host column) and the step-time model.
     An HF model; not with ``compile``; not on fsdp_tp or pipeline. On CPU the copy is in the same RAM (no gain)."""
     init_device: InitDevice = InitDevice.auto
     """Where parameters are first created: ``auto`` (meta above 1B parameters or when ``weights`` are loaded),

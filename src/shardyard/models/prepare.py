@@ -4,6 +4,7 @@ the chunked loss head), and ``SpeedProbe``, what they did at one step (``summary
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -77,36 +78,65 @@ def apply_activation_checkpointing(model: Any, m: DictConfig) -> None:
 _OFFLOAD: dict[str, Any] = {"host": None}  # the dry run's stand-in for host RAM ("meta": ``offload_to``)
 
 
-class _ToHost(torch.autograd.Function):
-    """A copy of a block's input in host RAM (``apply_activation_offload``); its backward copies the gradient back
-    to the input's device. Into pinned memory from a GPU, on the compute stream and without a host sync: the
-    copy is ordered before any later kernel that reuses the input's memory (the caching allocator's stream order)."""
+_HOST_POOL: dict[tuple, list[torch.Tensor]] = {}
+"""Page-locked host buffers of offloaded block inputs, by (shape, dtype), free for the next block (``_park``)."""
 
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, host: Any) -> torch.Tensor:
-        ctx.device = x.device
-        out = torch.empty(x.shape, dtype=x.dtype, device=host, pin_memory=x.is_cuda and str(host) == "cpu")
-        out.copy_(x, non_blocking=x.is_cuda)
-        if torch._C._current_graph_task_id() == -1:  # a training forward (not a recompute inside one)
-            _PROBED["offloaded_bytes"] += out.numel() * out.element_size()
-        return out
 
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad.to(ctx.device, non_blocking=True), None
+def _page_locked(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """A host tensor of exactly ``shape`` page-locked with ``cudaHostRegister``: torch's pinned allocator rounds
+    each allocation up to a power of two (4.5 GiB would take 8) and keeps it cached."""
+    t = torch.empty(shape, dtype=dtype)
+    cudart, ptr = torch.cuda.cudart(), t.data_ptr()
+    err = cudart.cudaHostRegister(ptr, t.numel() * t.element_size(), 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister of {t.numel() * t.element_size()} bytes failed ({err}): the host's "
+                           "locked-memory limit (ulimit -l) may be below what model.activation_offload parks")
+    weakref.finalize(t, cudart.cudaHostUnregister, ptr)
+    return t
+
+
+def _park(hidden: torch.Tensor) -> torch.Tensor:
+    """``hidden``'s copy in host RAM (``apply_activation_offload``). From a GPU: into a page-locked buffer of
+    ``_HOST_POOL``, on the compute stream (no host sync), which returns to the pool when the copy is dropped (after
+    the block's backward): the next copy into it is on the same stream, after the recompute's copy out of it. On
+    CPU: a copy in the same RAM. In the dry run (``offload_to``): a tensor of the stand-in device, each time."""
+    host = _OFFLOAD["host"]
+    if host is not None:
+        return torch.empty(hidden.shape, dtype=hidden.dtype, device=host)
+    if not hidden.is_cuda:
+        return hidden.detach().clone()
+    free = _HOST_POOL.setdefault((tuple(hidden.shape), hidden.dtype), [])
+    buffer = free.pop() if free else _page_locked(tuple(hidden.shape), hidden.dtype)
+    parked = buffer.view(buffer.shape)  # the pool gets the buffer back when this view is collected
+    weakref.finalize(parked, free.append, buffer)
+    parked.copy_(hidden.detach(), non_blocking=True)
+    return parked
 
 
 def _offloaded_checkpoint(function: Any, hidden: torch.Tensor, *args: Any, checkpoint: Any) -> Any:
     """``checkpoint`` (the block's own non-reentrant one) of ``function`` whose saved input is ``hidden``'s copy
-    in host RAM: the checkpoint holds what its recompute will read, so it holds the copy, and the device's is
-    freed with the previous block's output. The recompute brings it back to the device first (inside the
-    checkpoint: that copy is recomputed, not kept)."""
-    device = hidden.device
+    in host RAM:
 
-    def again(parked: torch.Tensor, *rest: Any) -> Any:
-        return function(parked.to(device, non_blocking=True), *rest)
+    1. The checkpoint holds what its recompute will read: the host copy (``_park``), and an empty tensor on the
+       input's device, so that the checkpoint saves and restores that device's random state for the recompute
+       (dropout draws the same masks; it looks for device tensors among the arguments).
+    2. The forward runs on ``hidden`` itself, handed over once (the box is emptied, so nothing here keeps it): the
+       autograd graph is the forward's, so the input's gradient stays on the device.
+    3. The recompute (in backward) copies the input back to the device and marks it as the forward's was, so the
+       recomputed ops save what the forward's did.
+    Per block and micro-batch: one copy out and one back."""
+    device, needs_grad = hidden.device, hidden.requires_grad
+    box = [hidden]
 
-    return checkpoint(again, _ToHost.apply(hidden, _OFFLOAD["host"] or "cpu"), *args)
+    def again(parked: torch.Tensor, anchor: torch.Tensor, *rest: Any) -> Any:
+        if box:  # 2
+            return function(box.pop(), *rest)
+        return function(parked.to(device, non_blocking=True).requires_grad_(needs_grad), *rest)  # 3
+
+    parked = _park(hidden)
+    if torch._C._current_graph_task_id() == -1:  # a training forward (not a recompute inside one)
+        _PROBED["offloaded_bytes"] += parked.numel() * parked.element_size()
+    return checkpoint(again, parked, torch.empty(0, device=device), *args)  # 1
 
 
 def apply_activation_offload(model: Any, m: DictConfig) -> None:
@@ -116,9 +146,9 @@ def apply_activation_offload(model: Any, m: DictConfig) -> None:
 
     1. Each checkpointed HF block's checkpoint function (``_gradient_checkpointing_func``, which transformers
        calls with the block's forward and its hidden states first) is wrapped by ``_offloaded_checkpoint``.
-    2. Per block and micro-batch 4 copies of its input's bytes cross the host link: the input out and back, and
-       its gradient back and out (autograd returns a host tensor's gradient on the host); the step-time model
-       counts them. On CPU the copy stays in the same RAM (the path is the same, nothing is saved).
+    2. Per block and micro-batch 2 copies of its input's bytes cross the host link: out after the forward, back
+       for the recompute; the step-time model counts them. On CPU the copy stays in the same RAM (the path is the
+       same, nothing is saved).
     3. Validation asks for ``full`` checkpointing of an HF model (``validate_speed_options``)."""
     if not m.get("activation_offload"):
         return

@@ -165,10 +165,10 @@ def model_shape(model: Any) -> dict:
                        # activations (half of the MLP's bytes, one tile's with model.mlp_tiles: ``mlp``); other
                        # blocks' is as above (not measured with tiled norms)
                        "norm_tiled_backward": {
-                           "mlp": max((0.5 * b["mlp_" + regime] for b in per_block if "backward_half" in b),
+                           "mlp": max((0.5 * b["mlp_" + regime] for b in per_block if "backward_" + regime in b),
                                       default=0.0),
-                           "other": max((b.get("backward", 0.0) * b[regime] for b in per_block
-                                         if "backward_half" not in b), default=0.0)},
+                           "other": max((b.get("backward_" + regime, b.get("backward", 0.0)) * b[regime]
+                                         for b in per_block if "backward_" + regime not in b), default=0.0)},
                        # what the blocks do not save when their base is frozen (``peft``; the adapters' own
                        # activations are ``adapters.activation_bytes_per_token``)
                        "frozen_blocks": sum(b["frozen_" + regime] for b in per_block),

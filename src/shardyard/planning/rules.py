@@ -301,6 +301,16 @@ def validate_sp(cfg: DictConfig, dims: ParallelDims) -> None:
     from shardyard import objectives
 
     objective = str(cfg.objective.get("name", "lm"))
+    if objective != "lm" and "tp" in keys:
+        raise UserError(key, n, f"objective={objective} cuts its own rows under {what} parallelism on the data-parallel "
+                        "engines (tests/dist/test_sequence_parallel_post_training.py); beside tensor parallel it is not "
+                        "tried.", f"Use backend=fsdp (or ddp, zero1-3) with {key}={n}, or {key}=1 on backend={b.name}.")
+    if objective != "lm" and cfg.objective.get("precompute_ref_logps"):
+        raise UserError("objective.precompute_ref_logps", True, f"The precomputed reference log-probabilities are "
+                        f"computed from whole rows on every rank, which {what} parallelism exists to avoid (the "
+                        "sequence's activations on one rank).",
+                        f"Use objective.precompute_ref_logps=false with {key}={n} (the reference then runs on each "
+                        f"rank's share), or {key}=1.")
     if objective != "lm" and not objectives.splits_sequences(cfg.objective):
         raise UserError(key, n, f"{what.capitalize()} parallelism splits pre-training and SFT sequences, and DPO's and "
                         f"GRPO's; objective={objective} ({cfg.objective.get('_target_')}) does not state that it cuts "

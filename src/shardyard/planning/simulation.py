@@ -114,7 +114,10 @@ def simulate(cfg: DictConfig, batch: Plan, role: Role, replica: bool = False,
         if in_compute_dtype:  # the parameters are in the compute dtype already: no autocast (DeepSpeed has none)
             backend.stepper.autocast_on = False
         gpu = plan_hardware.hardware(batch_cfg, batch).device == "cuda"  # the hardware simulated, not this machine
-        with mode, assume_uniform_routing(), fp32_grouped_gemms(), unpacked_rows(), offload_to("meta"), \
+        # model.activation_offload's host RAM: the meta device, measured apart, on a GPU plan; on CPU the device is
+        # host RAM (one pool, as the plan counts it)
+        with mode, assume_uniform_routing(), fp32_grouped_gemms(), unpacked_rows(), \
+                (offload_to("meta") if gpu else contextlib.nullcontext()), \
                 (gpu_attention() if gpu else contextlib.nullcontext()):
             # An engine whose schedule talks to its peers to run (the pipeline's shape handshake) plays its part
             # of a step alone here.
@@ -352,7 +355,8 @@ class _Tracker:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             # what FSDP2 allocates in its post-backward (the fp32 accumulation of a block's gradients, the cast
             # that fills it, the reduce-scatter input) is the engine's, though the tracker sees backward temporaries
-            self.entered = sum(self._temp(snap) for snap in self.inner._curr_mem_snap.values())
+            self.entered = sum(self._temp(snap) for device, snap in self.inner._curr_mem_snap.items()
+                               if str(device) != "meta")
             accumulating = any(p.sharded_param.grad is not None for p in group.fsdp_params)
             try:
                 out = post_backward(*args, **kwargs)

@@ -210,16 +210,16 @@ def sequence_exchanges(cfg: DictConfig, batch: Plan, dims: ParallelDims, states:
 
 
 def offload_copies(cfg: DictConfig, batch: Plan, dims: ParallelDims, states: Any) -> list:
-    """``model.activation_offload``: per micro-batch each block's input out to host RAM and back, and its gradient
-    back and out (``prepare.apply_activation_offload`` 2): 4 copies of the offloaded bytes over the host link, on
-    the compute stream (the critical path)."""
+    """``model.activation_offload``: per micro-batch each block's input out to host RAM and back for its recompute
+    (``prepare.apply_activation_offload`` 2): 2 copies of the offloaded bytes over the host link, on the compute
+    stream (the critical path)."""
     from shardyard.backends import Collective
     from shardyard.planning.plan import offloaded_bytes
 
     tokens = batch.micro_batch_size * batch.tokens_per_sample / (dims.sp * dims.cp)
     moved = offloaded_bytes(cfg, batch.facts.shape, states.regime, tokens)
     blocks = max(int(batch.facts.shape["blocks"]), 1)
-    return [Collective("host", 4 * moved, "host", calls=4 * blocks)] if moved else []
+    return [Collective("host", 2 * moved, "host", calls=2 * blocks)] if moved else []
 
 
 LAYOUT_ORDER = ("tp", "dp_shard", "dp_replicate", "pp")
