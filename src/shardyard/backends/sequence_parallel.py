@@ -148,6 +148,7 @@ class Batch:
             return None
         if self._mask is None:
             known = self.segments if self.segments is not None else self.keys
+            assert known is not None
             length = known.size(-1)
             mine = torch.arange(length, device=device) if self.shards.style == ULYSSES \
                 else self.shards.positions(length, device)

@@ -160,7 +160,8 @@ def apply_activation_offload(model: Any, m: DictConfig) -> None:
                         "checkpointed transformer block whose input could move to host RAM.",
                         "Use model.activation_offload=false, or model.activation_checkpointing=full on an HF model.")
     for block in blocks:  # 1
-        block._gradient_checkpointing_func = partial(_offloaded_checkpoint, checkpoint=block._gradient_checkpointing_func)
+        setattr(block, "_gradient_checkpointing_func",
+                partial(_offloaded_checkpoint, checkpoint=block._gradient_checkpointing_func))
 
 
 class offload_to:

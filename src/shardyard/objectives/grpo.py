@@ -134,7 +134,8 @@ class GRPO:
         b = s.backend
         self.backend, self.seed, self.shards = b, int(s.cfg.seed), s.shards
         # the ranks that sample different prompts: a sequence group's ranks read (and sample) the same
-        self.reader, self.readers = s.shards.data_rank(b.dp_rank, b.dp_size) if s.shards else (b.dp_rank, b.dp_size)
+        readers: tuple[int, int] = s.shards.data_rank(b.dp_rank, b.dp_size) if s.shards else (b.dp_rank, b.dp_size)
+        self.reader, self.readers = readers
         self.tok = load_tokenizer(s.tokenizer_dir)
         self.eos = self.tok.eos_token_id
         self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos
@@ -312,6 +313,7 @@ class GRPO:
         share of its positions under ``backend.sp`` / ``backend.cp``: the targets placed at the positions that
         predict them (``[B, P + M]``: position t predicts token t + 1), then cut (``sequence_parallel.shard``,
         the left padding masked by the rows' ``attention_mask``)."""
+        assert self.shards is not None
         b, m = targets.shape
         ignore = targets.new_full((b, 1), -100)
         whole = torch.cat([ignore.expand(b, x["input_ids"].shape[1] - m - 1), targets, ignore], 1)

@@ -121,12 +121,12 @@ def main(cfg: DictConfig, batch: Plan) -> int:
     if cfg.model.get("activation_offload") and hw.device == "cuda":  # measured apart (the meta device); on CPU
         # the device is host RAM: one pool, as the plan counts it
         for role, got in rows:
-            plan = planned(kinds[role.kind], hw)["offloaded"]
-            good = agrees(got.get("offloaded", 0.0), plan, plan)
+            parked = planned(kinds[role.kind], hw)["offloaded"]
+            good = agrees(got.get("offloaded", 0.0), parked, parked)
             agree = agree and good
             notes.append(f"{'' if good else 'DISAGREES: '}activations in host RAM (model.activation_offload), rank "
                          f"{role.rank}: {got.get('offloaded', 0.0) / GiB:.2f} GiB measured beside the plan's "
-                         f"{plan / GiB:.2f}{'' if good else ' (marked !)'}")
+                         f"{parked / GiB:.2f}{'' if good else ' (marked !)'}")
     for n in notes:
         agree = agree and not n.startswith("DISAGREES")
     if unchecked:
