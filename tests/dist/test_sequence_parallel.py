@@ -51,8 +51,8 @@ runs stay causal (context parallelism's lower-right chunks without a mask tensor
 
 PIPELINE = ["backend=pipeline", "backend.stages=2", "backend.microbatches=2"]
 """Two stages of one layer each; each micro batch of 2 sequences in 2 pipeline micro-batches (1F1B)."""
-ROUTED = BALANCED[:-1]
-"""BALANCED without its MTP depth, which the pipeline does not take with context parallelism."""
+ROUTED = [*BALANCED[:-1], *DOCS]
+"""BALANCED without its MTP depth, which the pipeline does not take with context parallelism, with packed documents."""
 
 TILES = "model.mlp_tiles=3"
 """Tiled MLPs (point 5) on the rank's own positions, in two of the runs above (fsdp sp 2, ddp cp 4): the reference
@@ -224,3 +224,25 @@ def test_the_offloaded_run_copied_every_block_input_out_and_tiled_its_norms(runs
         assert r["summary"]["speed_options"]["offloaded_bytes"] == 2 * 1024 * 2 * 64 * 4
         assert r["summary"]["speed_options"]["norm_tiles"] == 2 * 2 * 2  # blocks x their 2 norms x 2 tiles
     assert runs["ddp cp4"][0]["summary"]["speed_options"]["offloaded_bytes"] is None
+
+
+def shares_cut(ranks, size: int, length: int = 2048) -> None:
+    """Each rank of a split run trained a 1/size share of the sequences (``summary.json``'s ``sequence_share``: what
+    ``sequence_parallel.shard`` cut), each rank of a group another one: a run that skipped the split (every rank
+    the whole sequence) would equal one process as well, and fails here."""
+    shares = [r["summary"]["sequence_share"] for r in ranks]
+    assert all(s["size"] == size and s["of"] == length and s["positions"] == length // size for s in shares), shares
+    for start in range(0, len(shares), size):  # consecutive ranks of a sequence group (tp 1)
+        group = shares[start:start + size]
+        assert sorted(s["index"] for s in group) == list(range(size)), shares
+        assert len({s["first"] for s in group}) == size, shares
+
+
+def test_every_split_run_trained_its_share(runs, mesh_runs):
+    for name, size in (("ddp sp2", 2), ("ddp sp4", 4), ("fsdp sp2", 2), ("zero2 sp2", 2), ("ddp cp2", 2),
+                       ("ddp cp4", 4), ("hsdp cp2", 2), ("zero2 cp2", 2), ("ep4 sp2", 2), ("ep2 cp2", 2),
+                       ("pp2 cp2", 2), ("pp2 ep2 cp2", 2)):
+        shares_cut(runs[name] if name in runs else mesh_runs[name], size)
+    tp = [r["summary"]["sequence_share"] for r in mesh_runs["tp2 cp2"]]  # a group is the ranks of one tp index
+    assert [s["index"] for s in tp] == [0, 0, 1, 1] and all(s["positions"] == 1024 for s in tp), tp
+    assert "sequence_share" not in runs["dense"][0]["summary"]

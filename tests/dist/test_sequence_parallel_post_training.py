@@ -77,6 +77,15 @@ def assert_close(got, ref, what, rel):
 
 
 @pytest.mark.parametrize("run", list(RUNS))
+def test_each_rank_trained_its_share_of_the_rows(runs, run):
+    """What ``sequence_parallel.shard`` cut on each rank (``summary.json``'s ``sequence_share``): half of the
+    (padded) rows each, the two ranks different halves; a run that skipped the split would equal one process too."""
+    shares = [r["summary"]["sequence_share"] for r in runs[run]]
+    assert [s["index"] for s in shares] == [0, 1] and shares[0]["first"] != shares[1]["first"], shares
+    assert all(s["size"] == 2 and 2 * s["positions"] == s["of"] for s in shares), shares
+
+
+@pytest.mark.parametrize("run", list(RUNS))
 def test_post_training_split_equals_one_process(runs, run):
     want = runs[RUNS[run][0]][0]
     losses = curve(want, "train_losses")

@@ -163,6 +163,12 @@ class Batch:
         return self._mask
 
 
+LAST_SHARE: dict[str, int] = {}
+"""What ``shard`` cut last in this process: ``positions`` (this rank's share), ``of`` (the whole, padded length) and
+``first`` (the share's first position), which the run's ``summary.json`` reports (``sequence_share``): what the
+rank really trained on, not what it was configured to."""
+
+
 def shard(inputs: Any, targets: torch.Tensor, shards: Shards, depths: int = 0) -> tuple[dict, torch.Tensor]:
     """A micro-batch of whole sequences (token ids; or ``input_ids`` and ``position_ids`` of packed documents; or
     those and a padded batch's ``attention_mask``, 1 on the tokens attention may read) as this rank's shard: its
@@ -187,6 +193,7 @@ def shard(inputs: Any, targets: torch.Tensor, shards: Shards, depths: int = 0) -
             given["position_ids"] = torch.cat([p, p[:, -1:] + torch.arange(1, pad + 1, device=p.device)], 1)
         length += pad
     cut = shards.positions(length, ids.device)
+    LAST_SHARE.update(positions=int(cut.numel()), of=int(length), first=int(cut[0]))
     keys = given["attention_mask"].bool() if "attention_mask" in given else None
     if "position_ids" in given:
         positions = given["position_ids"]

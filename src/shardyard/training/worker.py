@@ -229,7 +229,7 @@ def train(cfg: DictConfig, plan: Plan, backend: Backend) -> dict:
                                                              plan.micro_batch_size))
         if result.preempted_at is not None:
             raise _preempted(cfg, ckpt, stream, result, rank0)
-        summary = _finish(cfg, plan, backend, prepared, result, ckpt, objective)
+        summary = _finish(cfg, plan, backend, prepared, result, ckpt, objective, shards)
     except BaseException as e:  # mark wandb/mlflow runs failed, flush the event files, then re-raise
         mon.fail(e.paragraph() if isinstance(e, UserError) else f"{type(e).__name__}: {e}")
         try:
@@ -259,7 +259,8 @@ def _preempted(cfg: DictConfig, ckpt: Checkpointer, stream: data.TrainStream, re
 
 
 def _finish(cfg: DictConfig, plan: Plan, backend: Backend, prepared: data.Prepared, result: loop.LoopResult,
-            ckpt: Checkpointer, objective: objectives.Objective) -> dict:
+            ckpt: Checkpointer, objective: objectives.Objective,
+            shards: sequence_parallel.Shards | None = None) -> dict:
     """Export, sample and summary. A resumed run's curves start from its own history (metrics.jsonl), so it
     reports what an uninterrupted run would."""
     rank0 = backend.rank == 0
@@ -285,6 +286,9 @@ def _finish(cfg: DictConfig, plan: Plan, backend: Backend, prepared: data.Prepar
         "speed_options": result.speed_options,  # what model.loss_chunk/compile/checkpointing did (model.SpeedProbe)
         "final_eval": result.final_eval,  # the last evaluation's metrics (DPO's reward accuracy, GRPO's reward, ...)
     }
+    if shards is not None:  # how this rank's sequences were split, as the last micro-batch was cut (backend.sp/cp)
+        summary["sequence_share"] = {"style": shards.style, "size": shards.size, "index": shards.index,
+                                     **sequence_parallel.LAST_SHARE}
     if "eval/ppl" in result.final_eval or (not result.final_eval and objective.data_kind == "text"):  # objective=lm
         # (a resumed run may evaluate nothing: its history's eval losses are cross-entropies then)
         summary["final_eval_ppl"] = float(np.exp(min(eval_losses[-1][1], 50.0)))
