@@ -193,7 +193,9 @@ def shard(inputs: Any, targets: torch.Tensor, shards: Shards, depths: int = 0) -
             given["position_ids"] = torch.cat([p, p[:, -1:] + torch.arange(1, pad + 1, device=p.device)], 1)
         length += pad
     cut = shards.positions(length, ids.device)
-    LAST_SHARE.update(positions=int(cut.numel()), of=int(length), first=int(cut[0]))
+    # (from the shapes, not the tensor's values: the dry run's fake tensors have none)
+    first = shards.index * (length // shards.size if shards.style == ULYSSES else length // (2 * shards.size))
+    LAST_SHARE.update(positions=int(cut.numel()), of=int(length), first=first)
     keys = given["attention_mask"].bool() if "attention_mask" in given else None
     if "position_ids" in given:
         positions = given["position_ids"]
