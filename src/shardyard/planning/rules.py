@@ -492,6 +492,16 @@ def _gpu_capability() -> tuple[str, float] | None:
         return None
 
 
+def _refuse_tiles_beside(m: DictConfig, key: str, what: str, clashes: tuple) -> None:
+    """``model.<key>`` (tiles above 1) refused beside the first of ``clashes`` that is on: (setting, on, why)."""
+    if int(m.get(key, 0)) <= 1:
+        return
+    for clash, on, why in clashes:
+        if on:
+            raise UserError(f"model.{key}", m[key], f"{what} are not taken with {clash}: {why}.",
+                            f"Use model.{key}=0, or leave {clash.split('=')[0]} at its default.")
+
+
 def validate_speed_options(cfg: DictConfig) -> None:
     """The keys that buy throughput or memory (docs/performance.md): their values, and the adapters fp8 cannot
     convert. Which engines take each one is the engine's own ``validate``."""
@@ -502,29 +512,20 @@ def validate_speed_options(cfg: DictConfig) -> None:
     at_least("model.activation_checkpointing_every", m.get("activation_checkpointing_every", 1), 1)
     at_least("model.loss_chunk", m.get("loss_chunk", 0), 0)
     at_least("model.mlp_tiles", m.get("mlp_tiles", 0), 0)
-    if int(m.get("mlp_tiles", 0)) > 1:
-        for clash, on, why in (
-                ("model.activation_checkpointing=selective", checkpointing_mode(m) == "selective",
-                 "selective checkpointing keeps the MLP's matmul outputs, which the tiles recompute"),
-                ("model.compile=true", bool(m.get("compile")),
-                 "the compiled blocks would trace the tiles' checkpoints (not tried on torch 2.13)"),
-                (f"peft={cfg.peft.name}", cfg.peft.name != "none",
-                 "the plan counts what a frozen base's MLP keeps untiled (the adapters keep their own)"),
-                ("precision=fp8", cfg.precision.name == "fp8",
-                 "each tile would take its own float8 scales, not the untiled MLP's (not tried)")):
-            if on:
-                raise UserError("model.mlp_tiles", m.mlp_tiles, f"Tiled MLPs are not taken with {clash}: {why}.",
-                                f"Use model.mlp_tiles=0, or leave {clash.split('=')[0]} at its default.")
+    selective, compiled = checkpointing_mode(m) == "selective", bool(m.get("compile"))
+    _refuse_tiles_beside(m, "mlp_tiles", "Tiled MLPs", (
+        ("model.activation_checkpointing=selective", selective,
+         "selective checkpointing keeps the MLP's matmul outputs, which the tiles recompute"),
+        ("model.compile=true", compiled, "the compiled blocks would trace the tiles' checkpoints (not tried on torch 2.13)"),
+        (f"peft={cfg.peft.name}", cfg.peft.name != "none",
+         "the plan counts what a frozen base's MLP keeps untiled (the adapters keep their own)"),
+        ("precision=fp8", cfg.precision.name == "fp8",
+         "each tile would take its own float8 scales, not the untiled MLP's (not tried)")))
     at_least("model.norm_tiles", m.get("norm_tiles", 0), 0)
-    if int(m.get("norm_tiles", 0)) > 1:
-        for clash, on, why in (
-                ("model.activation_checkpointing=selective", checkpointing_mode(m) == "selective",
-                 "selective checkpointing's policy would save the tiles' outputs it is meant to recompute"),
-                ("model.compile=true", bool(m.get("compile")),
-                 "the compiled blocks would trace the tiles' checkpoints (not tried on torch 2.13)")):
-            if on:
-                raise UserError("model.norm_tiles", m.norm_tiles, f"Tiled norms are not taken with {clash}: {why}.",
-                                f"Use model.norm_tiles=0, or leave {clash.split('=')[0]} at its default.")
+    _refuse_tiles_beside(m, "norm_tiles", "Tiled norms", (
+        ("model.activation_checkpointing=selective", selective,
+         "selective checkpointing's policy would save the tiles' outputs it is meant to recompute"),
+        ("model.compile=true", compiled, "the compiled blocks would trace the tiles' checkpoints (not tried on torch 2.13)")))
     if m.get("activation_offload"):
         for clash, on, why in (
                 (f"model.activation_checkpointing={checkpointing_mode(m)}", checkpointing_mode(m) != "full",
